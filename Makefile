@@ -1,0 +1,43 @@
+# headroom: every target installs what it needs (into the shared venv under ~/.cache/headroom).
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+VENV := .venv
+PY := $(VENV)/bin/python
+CACHE ?= $(HOME)/.cache/headroom
+export HEADROOM_CACHE := $(CACHE)
+export PYTHONUNBUFFERED := 1
+
+.PHONY: help venv demo test lint unit bench crd tools e2e
+help:
+	@echo "make demo   run the planner, the CPU engine with the tiny model, the sidecar and the autoscaler"
+	@echo "make test   lint, type-check and run every test (builds the test control plane on first run)"
+	@echo "make bench  run the benchmarks under bench/ and print their tables"
+	@echo "make e2e    end-to-end scenarios on the real control plane"
+
+venv:
+	@scripts/venv.sh
+
+demo: venv
+	@$(PY) -m headroom.demo
+
+lint: venv
+	$(VENV)/bin/ruff check engine sidecar operator tests bench e2e
+	$(VENV)/bin/ruff format --check engine sidecar operator tests bench e2e
+	$(VENV)/bin/mypy engine/headroom sidecar/headroom operator/headroom
+
+# Debian packages the tests use (Prometheus and promtool, etcd); idempotent and quiet when present.
+tools:
+	@scripts/tools.sh
+
+unit: venv tools
+	$(PY) -m pytest -q
+
+test: lint unit
+
+bench: venv
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+crd: venv
+	$(VENV)/bin/headroom crd > crds/inferencedeployment.yaml
+
+-include e2e/cluster/cluster.mk

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Build the test control plane's binaries (kube-apiserver, kube-controller-manager,
+# kube-scheduler, kubectl, kwok, helm) from the Go module in e2e/cluster/go, through the Go
+# module proxy, into a versioned directory under ~/.cache/headroom/bin that is reused.
+#
+# Idempotent: when the versioned directory is complete it prints its path and exits at once.
+# Prints the directory on the last line of stdout (the harness reads it), and how long the
+# cold build took.
+#
+# Environment:
+#   HEADROOM_CACHE   cache root (default ~/.cache/headroom)
+#   HEADROOM_GO_P    parallel Go build actions (default: number of CPUs, at most 2)
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=versions.sh
+source "$HERE/versions.sh"
+
+log() { echo "[cluster-build] $*" >&2; }
+
+if [[ -x "$HR_BIN_DIR/.complete" || -f "$HR_BIN_DIR/.complete" ]]; then
+  ok=1
+  for b in "${HR_BINARIES[@]}"; do [[ -x "$HR_BIN_DIR/$b" ]] || ok=0; done
+  if [[ $ok == 1 ]]; then
+    log "binaries present in $HR_BIN_DIR (warm; nothing to build)"
+    echo "$HR_BIN_DIR"
+    exit 0
+  fi
+fi
+
+command -v go >/dev/null 2>&1 || { log "FATAL: the Go toolchain (go) is not on PATH"; exit 2; }
+need_go="1.26"
+have_go="$(go env GOVERSION | sed 's/^go//')"
+if [[ "$(printf '%s\n%s\n' "$need_go" "$have_go" | sort -V | head -1)" != "$need_go" ]]; then
+  log "FATAL: Go $have_go is older than $need_go, which k8s.io/kubernetes $HR_K8S_VERSION needs"
+  exit 2
+fi
+
+export GOMODCACHE="$HR_CACHE/go/mod"
+export GOCACHE="$HR_CACHE/go/build"
+export CGO_ENABLED=0
+export GOTOOLCHAIN=local
+export GOFLAGS="-mod=readonly -trimpath -buildvcs=false"
+mkdir -p "$GOMODCACHE" "$GOCACHE" "$(dirname "$HR_BIN_DIR")"
+
+ncpu="$(nproc 2>/dev/null || echo 2)"
+par="${HEADROOM_GO_P:-$(( ncpu < 2 ? ncpu : 2 ))}"
+
+lock="$HR_CACHE/bin/.build.lock"
+exec 9>"$lock"
+if ! flock -n 9; then
+  log "another build holds $lock; waiting for it"
+  flock 9
+  if [[ -f "$HR_BIN_DIR/.complete" ]]; then echo "$HR_BIN_DIR"; exit 0; fi
+fi
+
+start=$(date +%s)
+tmp="$HR_BIN_DIR.tmp.$$"
+rm -rf "$tmp"
+mkdir -p "$tmp"
+trap 'rm -rf "$tmp"' EXIT
+
+cd "$HERE/go"
+log "downloading modules through $(go env GOPROXY) (cache $GOMODCACHE)"
+t0=$(date +%s)
+go mod download
+log "modules ready in $(( $(date +%s) - t0 ))s"
+
+kv="component-base/version"
+k8s_ld="-X k8s.io/$kv.gitVersion=$HR_K8S_VERSION -X k8s.io/$kv.gitMajor=${HR_K8S_MINOR%%.*}"
+k8s_ld+=" -X k8s.io/$kv.gitMinor=${HR_K8S_MINOR#*.} -X k8s.io/$kv.gitTreeState=clean"
+k8s_ld+=" -X k8s.io/$kv.buildDate=1970-01-01T00:00:00Z"
+k8s_ld+=" -X k8s.io/client-go/pkg/version.gitVersion=$HR_K8S_VERSION"
+k8s_ld+=" -X k8s.io/client-go/pkg/version.gitMajor=${HR_K8S_MINOR%%.*}"
+k8s_ld+=" -X k8s.io/client-go/pkg/version.gitMinor=${HR_K8S_MINOR#*.}"
+helm_ld="-X helm.sh/helm/v3/internal/version.version=$HR_HELM_VERSION"
+helm_ld+=" -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
+
+log "building kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm" \
+  "(k8s $HR_K8S_VERSION, kwok $HR_KWOK_VERSION, helm $HR_HELM_VERSION; -p=$par, ${ncpu} CPUs)"
+t0=$(date +%s)
+# One invocation, so the shared k8s.io packages compile once; helm and kwok are built from their
+# own main packages (the go.mod `tool` entries) against this module's pinned k8s.io versions.
+go build -p "$par" -ldflags "-s -w $k8s_ld $helm_ld" -o "$tmp/" \
+  ./cmd/kube-apiserver ./cmd/kube-controller-manager ./cmd/kube-scheduler ./cmd/kubectl \
+  helm.sh/helm/v3/cmd/helm sigs.k8s.io/kwok/cmd/kwok
+log "compiled and linked in $(( $(date +%s) - t0 ))s"
+
+for b in "${HR_BINARIES[@]}"; do
+  [[ -x "$tmp/$b" ]] || { log "FATAL: $b missing after the build"; exit 1; }
+done
+"$tmp/kube-apiserver" --version >&2
+"$tmp/kubectl" version --client >&2 || true
+"$tmp/helm" version --short >&2 || true
+
+rm -rf "$HR_BIN_DIR"
+mv "$tmp" "$HR_BIN_DIR"
+trap - EXIT
+elapsed=$(( $(date +%s) - start ))
+echo "cold build: ${elapsed}s on ${ncpu} CPUs" > "$HR_BIN_DIR/.complete"
+log "cold build took ${elapsed}s ($(( elapsed / 60 ))m$(( elapsed % 60 ))s) on ${ncpu} CPUs -> $HR_BIN_DIR"
+echo "$HR_BIN_DIR"

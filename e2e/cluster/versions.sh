@@ -1,0 +1,16 @@
+# Pinned versions of the test control plane; sourced by build.sh, up.sh and down.sh.
+# Change a version here together with e2e/cluster/go/go.mod (the key below hashes go.mod/go.sum
+# and the mains, so any change there builds into a new directory).
+# shellcheck shell=bash
+HR_K8S_VERSION=v1.36.3
+HR_K8S_MINOR=1.36
+HR_KWOK_VERSION=v0.8.0
+HR_HELM_VERSION=v3.21.4
+HR_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm)
+
+HR_CACHE="${HEADROOM_CACHE:-$HOME/.cache/headroom}"
+_hr_here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+_hr_key="$(cd "$_hr_here/go" && cat go.mod go.sum $(find cmd -name '*.go' | sort) \
+  | sha256sum | cut -c1-10)"
+HR_BIN_DIR="$HR_CACHE/bin/k8s-${HR_K8S_VERSION}_kwok-${HR_KWOK_VERSION}_helm-${HR_HELM_VERSION}_${_hr_key}"
+unset _hr_here _hr_key

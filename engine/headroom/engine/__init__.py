@@ -1,0 +1,1 @@
+"""headroom.engine: the paged-KV inference engine and the KV budget model."""

@@ -1,0 +1,71 @@
+"""The KV memory model shared by the engine (how many blocks fit), the operator (how many pods)
+and `headroom plan`. Pure Python: importing it never imports torch."""
+
+from headroom.engine.budget.arch import (
+    WEIGHT_BYTES,
+    AttentionKind,
+    ModelArch,
+    estimate_parameters,
+    from_hf_config,
+)
+from headroom.engine.budget.memory import (
+    GIB,
+    KV_ELEMENT_BYTES,
+    KVCacheDtype,
+    activation_reserve_bytes,
+    blocks_for_tokens,
+    kv_bytes_per_block,
+    kv_bytes_per_token,
+    kv_heads_per_rank,
+    layers_per_stage,
+    max_concurrent_sequences,
+    replicas_needed,
+    reservation_waste,
+    sequence_kv_bytes,
+    usable_kv_bytes_per_gpu,
+    weights_bytes,
+    weights_bytes_per_gpu,
+)
+from headroom.engine.budget.plan import Alternative, Plan, PlanInput, plan
+from headroom.engine.budget.presets import (
+    GPU,
+    GPU_PRESETS,
+    MODEL_PRESETS,
+    UnknownPreset,
+    gpu_preset,
+    model_preset,
+)
+
+__all__ = [
+    "GIB",
+    "GPU",
+    "GPU_PRESETS",
+    "KV_ELEMENT_BYTES",
+    "MODEL_PRESETS",
+    "WEIGHT_BYTES",
+    "Alternative",
+    "AttentionKind",
+    "KVCacheDtype",
+    "ModelArch",
+    "Plan",
+    "PlanInput",
+    "UnknownPreset",
+    "activation_reserve_bytes",
+    "blocks_for_tokens",
+    "estimate_parameters",
+    "from_hf_config",
+    "gpu_preset",
+    "kv_bytes_per_block",
+    "kv_bytes_per_token",
+    "kv_heads_per_rank",
+    "layers_per_stage",
+    "max_concurrent_sequences",
+    "model_preset",
+    "plan",
+    "replicas_needed",
+    "reservation_waste",
+    "sequence_kv_bytes",
+    "usable_kv_bytes_per_gpu",
+    "weights_bytes",
+    "weights_bytes_per_gpu",
+]

@@ -1,0 +1,144 @@
+"""`headroom plan`: the KV budget of a deployment, as a table, JSON or a chart."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from headroom.engine.budget import (
+    GIB,
+    GPU_PRESETS,
+    MODEL_PRESETS,
+    Plan,
+    PlanInput,
+    UnknownPreset,
+    from_hf_config,
+    gpu_preset,
+    model_preset,
+    plan,
+)
+from pydantic import ValidationError
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `headroom plan`."""
+    p = subparsers.add_parser(
+        "plan",
+        help="size a deployment from KV-cache arithmetic",
+        description="Size pods from peak-concurrency KV arithmetic. Models: "
+        + ", ".join(sorted(MODEL_PRESETS))
+        + ". GPUs: "
+        + ", ".join(sorted(GPU_PRESETS))
+        + ".",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="model preset name")
+    src.add_argument("--model-config", type=Path, help="a local Hugging Face config.json or dir")
+    p.add_argument("--params", type=float, help="parameter count in billions (--model-config)")
+    p.add_argument("--gpu", default="h100-80gb", help="GPU preset (default h100-80gb)")
+    p.add_argument("--gpu-memory-gib", type=float, help="GPU memory in GiB, for any other GPU")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--gpus-per-pod", type=int, help="GPUs per pod (default: tp)")
+    p.add_argument("--concurrency", type=int, required=True, help="peak concurrent sequences")
+    p.add_argument("--context", type=int, required=True, help="tokens per sequence (p95)")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp16", "fp8", "int8"])
+    p.add_argument("--prefix-hit", type=float, default=0.0, help="expected prefix hit ratio")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--plot", type=Path, metavar="FILE.png", help="draw memory vs concurrency")
+
+
+def _gib(n: int | float) -> str:
+    return f"{n / GIB:,.1f} GiB"
+
+
+def render_plan(p: Plan) -> str:
+    """A readable table of the plan and what other KV policies would change."""
+    rows = [
+        ("model", f"{p.model}  (tp {p.tp}, pp {p.pp}, {p.gpus_per_pod} GPU/pod, {p.gpu})"),
+        ("weights / GPU", f"{_gib(p.weights_bytes_per_gpu)}  "
+         f"(total {_gib(p.weights_bytes)} = {p.weights_bytes / 1e9:,.1f} GB)"),
+        ("KV bytes / token", f"{p.kv_bytes_per_token:,} B ({p.kv_dtype}; "
+         f"{p.kv_bytes_per_token_per_gpu:,} B per GPU)"),
+        ("KV for the peak", f"{_gib(p.kv_bytes_for_peak)}  "
+         f"({p.concurrency} seq x {p.context:,} tokens)"),
+        ("KV capacity / pod", f"{_gib(p.kv_bytes_per_gpu * p.gpus_per_pod)}  "
+         f"({p.kv_blocks_per_pod:,} blocks of {p.block_size} = {p.kv_tokens_per_pod:,} tokens)"),
+        ("sequences / pod", f"{p.sequences_per_pod:,} at {p.context:,} tokens"
+         + (f", prefix hit {p.prefix_hit:.0%}" if p.prefix_hit else "")),
+        ("replicas needed", f"{p.replicas}  ({p.gpus_total} GPUs)" if p.feasible else "-"),
+        ("binding constraint", p.binding),
+    ]  # fmt: skip
+    if not p.feasible:
+        rows.append(("INFEASIBLE", p.reason or ""))
+    for alt in p.alternatives:
+        delta = f"{alt.replicas} replicas" if alt.replicas else "no fit"
+        rows.append((f"with {alt.change}", f"{alt.sequences_per_pod:,} sequences / pod -> {delta}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def build_input(args: argparse.Namespace) -> PlanInput:
+    """Turn CLI flags into a validated `PlanInput` (raises UnknownPreset / ValidationError)."""
+    if args.model_config is not None:
+        params = int(args.params * 1e9) if args.params else None
+        arch = from_hf_config(args.model_config, num_parameters=params)
+    else:
+        arch = model_preset(args.model)
+    if args.gpu_memory_gib is not None:
+        if args.gpu_memory_gib <= 0:
+            raise ValueError(f"--gpu-memory-gib must be > 0, got {args.gpu_memory_gib}")
+        gpu_name, memory = f"{args.gpu_memory_gib:g} GiB GPU", int(args.gpu_memory_gib * GIB)
+    else:
+        gpu = gpu_preset(args.gpu)
+        gpu_name, memory = gpu.name, gpu.memory_bytes
+    return PlanInput(
+        model=arch,
+        gpu_name=gpu_name,
+        gpu_memory_bytes=memory,
+        tp=args.tp,
+        gpus_per_pod=args.gpus_per_pod,
+        concurrency=args.concurrency,
+        context=args.context,
+        kv_dtype=args.kv_dtype,
+        prefix_hit=args.prefix_hit,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+    )
+
+
+def _validation_message(err: ValidationError) -> str:
+    flags = {"context": "--context", "concurrency": "--concurrency", "tp": "--tp"}
+    parts = []
+    for e in err.errors():
+        field = ".".join(str(x) for x in e["loc"]) or "input"
+        flag = flags.get(field, "--" + field.replace("_", "-"))
+        parts.append(f"{flag}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `headroom plan`; exit 2 on bad input, 1 when infeasible."""
+    try:
+        inp = build_input(args)
+    except UnknownPreset as e:
+        print(f"headroom plan: {e}", file=sys.stderr)
+        return 2
+    except ValidationError as e:
+        print(f"headroom plan: {_validation_message(e)}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as e:
+        print(f"headroom plan: {e}", file=sys.stderr)
+        return 2
+    result = plan(inp)
+    print(result.model_dump_json(indent=2) if args.json else render_plan(result))
+    if args.plot is not None:
+        from headroom.engine.budget.chart import draw_memory_chart
+
+        draw_memory_chart(inp, result, args.plot)
+        print(f"chart written to {args.plot}", file=sys.stderr)
+    return 0 if result.feasible else 1

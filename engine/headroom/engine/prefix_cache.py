@@ -1,0 +1,173 @@
+"""Prefix cache: full KV blocks found again by a chained hash of their tokens.
+
+A block's hash covers its parent block's hash, its own token ids and an extra key (model or
+adapter id), so equal hashes mean equal whole prefixes and a lookup walks block by block from
+the start. Hashes are 64-bit and can collide, so every hit also re-checks the stored token ids,
+parent hash and extra key; a mismatch ends the match as a miss.
+
+A cached block may be in use (refcount >= 1) or parked (refcount 0, evictable). Parked blocks
+sit in an OrderedDict, which is CPython's C doubly linked list keyed by block id: parking
+appends at the most-recently-used end, a prefix hit pulls a block out of the middle in O(1)
+(a deque would need an O(n) `remove`), and eviction pops the least-recently-used end.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+HashFn = Callable[[int | None, tuple[int, ...], str | None], int]
+
+
+def hash_block_tokens(
+    parent_hash: int | None, token_ids: tuple[int, ...], extra_key: str | None
+) -> int:
+    """The chained hash of one full block (Python's tuple hash: fast and in-process only)."""
+    return hash((parent_hash, extra_key, token_ids))
+
+
+def extend_block_hashes(
+    hashes: list[int],
+    token_ids: list[int],
+    block_size: int,
+    num_blocks: int,
+    extra_key: str | None,
+    hash_fn: HashFn = hash_block_tokens,
+) -> None:
+    """Append to `hashes` the chained hashes of full blocks `len(hashes)..num_blocks-1`."""
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), num_blocks):
+        parent = hash_fn(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]), extra_key)
+        hashes.append(parent)
+
+
+class PrefixCache:
+    """Hash -> block map, per-block stored content, the LRU of parked blocks and hit counters.
+
+    The pool owns reference counts; this class only learns when a block is parked (its last
+    reference dropped), unparked (a hit revived it) or evicted (reused for new content).
+    """
+
+    __slots__ = (
+        "_by_hash",
+        "_extra",
+        "_hash",
+        "_parent",
+        "_parked",
+        "_tokens",
+        "evictions_total",
+        "hash_fn",
+        "hits_tokens_total",
+        "queries_tokens_total",
+    )
+
+    def __init__(self, num_blocks: int, hash_fn: HashFn = hash_block_tokens) -> None:
+        self.hash_fn = hash_fn
+        self._by_hash: dict[int, int] = {}
+        self._hash: list[int | None] = [None] * num_blocks
+        self._parent: list[int | None] = [None] * num_blocks
+        self._tokens: list[list[int] | None] = [None] * num_blocks
+        self._extra: list[str | None] = [None] * num_blocks
+        self._parked: OrderedDict[int, None] = OrderedDict()
+        self.queries_tokens_total = 0
+        self.hits_tokens_total = 0
+        self.evictions_total = 0
+
+    @property
+    def num_parked(self) -> int:
+        """Refcount-0 blocks holding a hash (the `cached` state)."""
+        return len(self._parked)
+
+    def is_cached(self, block_id: int) -> bool:
+        return self._hash[block_id] is not None
+
+    def is_parked(self, block_id: int) -> bool:
+        return block_id in self._parked
+
+    def hash_of(self, block_id: int) -> int | None:
+        return self._hash[block_id]
+
+    def token_ids_of(self, block_id: int) -> list[int] | None:
+        """The token ids stored with a cached block (None when it holds no hash)."""
+        return self._tokens[block_id]
+
+    def parked_lru(self) -> list[int]:
+        """Parked block ids, least recently used first (for tests and debugging)."""
+        return list(self._parked)
+
+    def insert(
+        self,
+        block_id: int,
+        block_hash: int,
+        parent_hash: int | None,
+        token_ids: list[int],
+        extra_key: str | None,
+    ) -> bool:
+        """Make a full, in-use block findable; False when it or its content is already cached.
+
+        An identical block held elsewhere is not merged: block tables stay append-only, and the
+        duplicate simply goes back to the free list when released.
+        """
+        if self._hash[block_id] is not None or block_hash in self._by_hash:
+            return False
+        self._by_hash[block_hash] = block_id
+        self._hash[block_id] = block_hash
+        self._parent[block_id] = parent_hash
+        self._tokens[block_id] = token_ids
+        self._extra[block_id] = extra_key
+        return True
+
+    def match(
+        self,
+        hashes: list[int],
+        token_ids: list[int],
+        block_size: int,
+        extra_key: str | None,
+    ) -> list[int]:
+        """Block ids of the longest cached prefix, in whole blocks, for the given chain."""
+        hits: list[int] = []
+        by_hash = self._by_hash
+        parent: int | None = None
+        for i, h in enumerate(hashes):
+            block_id = by_hash.get(h)
+            if (
+                block_id is None
+                or self._parent[block_id] != parent
+                or self._extra[block_id] != extra_key
+                or self._tokens[block_id] != token_ids[i * block_size : (i + 1) * block_size]
+            ):
+                break
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    def park(self, block_id: int) -> None:
+        """A cached block lost its last reference: keep it, evictable, at the MRU end."""
+        self._parked[block_id] = None
+
+    def unpark(self, block_id: int) -> None:
+        """A prefix hit revived a parked block: it is in use again, not evictable."""
+        del self._parked[block_id]
+
+    def evict(self) -> int | None:
+        """Forget the least recently used parked block and return its id (None if none)."""
+        if not self._parked:
+            return None
+        block_id, _ = self._parked.popitem(last=False)
+        self._forget(block_id)
+        self.evictions_total += 1
+        return block_id
+
+    def _forget(self, block_id: int) -> None:
+        h = self._hash[block_id]
+        if h is not None and self._by_hash.get(h) == block_id:
+            del self._by_hash[h]
+        self._hash[block_id] = None
+        self._parent[block_id] = None
+        self._tokens[block_id] = None
+        self._extra[block_id] = None
+
+    def record(self, queried_tokens: int, hit_tokens: int) -> None:
+        """Count one admission's lookup, in tokens."""
+        self.queries_tokens_total += queried_tokens
+        self.hits_tokens_total += hit_tokens

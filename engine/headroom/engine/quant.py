@@ -1,0 +1,79 @@
+"""FP8 (e4m3) and int8 KV quantization, shared by every attention backend.
+
+Granularity follows `headroom.engine.attention.base`:
+- fp8: one static fp32 scale per (layer, kv head). e4m3 keeps ~2 significant bits of mantissa
+  whatever the scale, so the scale only has to keep values inside +-448 (and away from the
+  subnormal range); a static per-head scale keeps the cache at exactly one byte per element,
+  and heads differ in range by an order of magnitude, so a single per-layer scale would push
+  the quiet heads into subnormals.
+- int8: one fp32 scale per (token, kv head), absmax / 127 at write time. int8 is a uniform
+  grid, so a scale shared over many tokens would spend most of the 255 levels on the rare
+  outlier token; per-token scales cost 4 bytes per head-token (3 % at head_dim 128).
+
+Dequantization always produces fp32 so attention accumulates in fp32: naive low-precision
+accumulation over long contexts is what collapsed long-context retrieval in early FP8 KV.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+# e4m3 normal numbers start at 2**-6; calibrating the absmax to FP8_MAX / FP8_HEADROOM keeps
+# a margin for values larger than the calibration sample saw.
+FP8_HEADROOM = 2.0
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x` `[..., num_kv_heads, head_dim]` / per-head `scale` `[num_kv_heads]` -> e4m3."""
+    scaled = x.float() / scale.unsqueeze(-1)
+    return scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 `[..., num_kv_heads, head_dim]` * per-head `scale` -> fp32."""
+    return q.float() * scale.unsqueeze(-1)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-(token, head) symmetric int8: returns (values int8 `[..., H, D]`, scales fp32 `[..., H]`)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / INT8_MAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(xf / safe.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 `[..., H, D]` * per-(token, head) `scale` `[..., H]` -> fp32."""
+    return q.float() * scale.unsqueeze(-1)
+
+
+def fp8_scale_from_absmax(absmax: torch.Tensor) -> torch.Tensor:
+    """A static per-head fp8 scale from observed per-head absmax values (1.0 where none seen)."""
+    scale = absmax.float() * FP8_HEADROOM / FP8_MAX
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def quantize(
+    x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Quantize new K or V for storage: (stored, per-token scales or None)."""
+    if kv_dtype == "fp8":
+        if scale is None:
+            raise ValueError("fp8 KV needs its per-head scale")
+        return quantize_fp8(x, scale), None
+    if kv_dtype == "int8":
+        return quantize_int8(x)
+    return x, None
+
+
+def dequantize(stored: torch.Tensor, kv_dtype: str, scale: torch.Tensor | None) -> torch.Tensor:
+    """Stored K or V -> fp32 (`scale` per head for fp8, per token and head for int8)."""
+    if kv_dtype in ("fp8", "int8"):
+        if scale is None:
+            raise ValueError(f"{kv_dtype} KV needs its scales")
+        return stored.float() * scale.unsqueeze(-1)
+    return stored.float()

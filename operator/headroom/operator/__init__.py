@@ -1,0 +1,1 @@
+"""headroom.operator: the InferenceDeployment CRD, its kopf handlers and the scaling loop."""

@@ -1,0 +1,127 @@
+"""`headroom sidecar`: flags (with the pod's env vars as defaults) into a `SidecarConfig`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+from pydantic import ValidationError
+
+from headroom.sidecar.config import IdentityLabels, SidecarConfig
+
+log = logging.getLogger("headroom.sidecar")
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register the `sidecar` subcommand."""
+    p = subparsers.add_parser(
+        "sidecar",
+        help="export an engine's KV-cache state and saturation forecast to Prometheus",
+        description="Polls the engine (headroom /stats or vLLM /metrics) and serves /metrics, "
+        "/saturation and /healthz.",
+    )
+    configure_parser(p)
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    """The sidecar's flags, on any parser."""
+    env = os.environ.get
+    p.add_argument(
+        "--engine-url", required=True, help="engine base URL, e.g. http://127.0.0.1:8000"
+    )
+    p.add_argument(
+        "--source",
+        choices=("headroom", "vllm"),
+        default="headroom",
+        help="headroom engine /stats, or a stock vLLM server's /metrics",
+    )
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=int, default=9090, help="port to listen on")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between polls")
+    p.add_argument("--timeout", type=float, default=0.8, help="seconds before a poll is abandoned")
+    p.add_argument(
+        "--window",
+        type=float,
+        default=60.0,
+        help="seconds of history for the hit ratio and preemption rate",
+    )
+    p.add_argument(
+        "--forecast-window",
+        type=float,
+        default=30.0,
+        help="seconds of occupancy history the saturation slope is fitted over",
+    )
+    p.add_argument("--pod", default=env("POD_NAME", ""), help="pod label (default $POD_NAME)")
+    p.add_argument(
+        "--namespace",
+        default=env("POD_NAMESPACE", ""),
+        help="namespace label (default $POD_NAMESPACE)",
+    )
+    p.add_argument(
+        "--inferencedeployment",
+        default=env("HEADROOM_INFERENCEDEPLOYMENT", ""),
+        help="inferencedeployment label (default $HEADROOM_INFERENCEDEPLOYMENT)",
+    )
+    p.add_argument("--model", default="", help="model label (default: what the engine reports)")
+    p.add_argument(
+        "--log-level",
+        default=env("HEADROOM_LOG_LEVEL", "WARNING"),
+        help="logging level (default WARNING: state changes only)",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> SidecarConfig:
+    """Validate the parsed flags; raises pydantic.ValidationError."""
+    return SidecarConfig(
+        engine_url=args.engine_url,
+        source=args.source,
+        host=args.host,
+        port=args.port,
+        interval=args.interval,
+        timeout=args.timeout,
+        window=args.window,
+        forecast_window=args.forecast_window,
+        labels=IdentityLabels(
+            model=args.model,
+            namespace=args.namespace,
+            inferencedeployment=args.inferencedeployment,
+            pod=args.pod,
+        ),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the sidecar until SIGTERM/SIGINT; returns the exit code."""
+    logging.basicConfig(
+        level=str(args.log_level).upper(),
+        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        cfg = config_from_args(args)
+    except ValidationError as exc:
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "config"
+            print(f"headroom sidecar: {where}: {err['msg']}", file=sys.stderr)
+        return 2
+    from headroom.sidecar.server import serve
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await serve(cfg, stop)
+
+    try:
+        asyncio.run(main())
+    except OSError as exc:  # e.g. the port is taken
+        print(f"headroom sidecar: cannot listen on {cfg.host}:{cfg.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0

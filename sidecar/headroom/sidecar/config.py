@@ -1,0 +1,65 @@
+"""The sidecar's configuration, validated once at start (from CLI flags and the pod's env)."""
+
+from __future__ import annotations
+
+from typing import Self
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from headroom.sidecar.sources import SourceKind
+
+DEFAULT_PATHS: dict[str, str] = {"headroom": "/stats", "vllm": "/metrics"}
+
+
+class IdentityLabels(BaseModel):
+    """The Prometheus labels every series carries; an empty value is left off."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = ""
+    namespace: str = ""
+    inferencedeployment: str = ""
+    pod: str = ""
+
+
+class SidecarConfig(BaseModel):
+    """Everything one sidecar needs; bad values fail here with a message naming the field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine_url: str = Field(description="engine base URL; /stats or /metrics is appended")
+    source: SourceKind = "headroom"
+    host: str = "0.0.0.0"
+    port: int = Field(default=9090, ge=0, le=65535)
+    interval: float = Field(default=1.0, gt=0, le=3600, description="seconds between polls")
+    timeout: float = Field(default=0.8, gt=0, description="seconds before a poll is abandoned")
+    window: float = Field(default=60.0, gt=0, description="hit-ratio / rate window, seconds")
+    forecast_window: float = Field(default=30.0, gt=0, description="slope-fit window, seconds")
+    min_forecast_points: int = Field(default=3, ge=2)
+    labels: IdentityLabels = IdentityLabels()
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        parts = urlsplit(self.engine_url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"engine_url must be http(s)://host:port, got {self.engine_url!r}")
+        if self.timeout > self.interval:
+            raise ValueError(
+                f"timeout ({self.timeout} s) must not exceed interval ({self.interval} s): "
+                "polls run one at a time"
+            )
+        return self
+
+    @property
+    def poll_url(self) -> str:
+        """The URL polled: engine_url's own path if it has one, else the source's default."""
+        parts = urlsplit(self.engine_url)
+        if parts.path not in ("", "/"):
+            return self.engine_url
+        return urlunsplit(parts._replace(path=DEFAULT_PATHS[self.source]))
+
+    @property
+    def stale_after(self) -> float:
+        """Age beyond which the last good poll no longer counts as fresh."""
+        return 2 * self.interval + self.timeout

@@ -1,0 +1,123 @@
+"""`GET /saturation`: the sidecar's figures as JSON, for the operator's direct-scrape mode.
+
+The operator reads this instead of Prometheus when `scaling.metricsSource` is `sidecar`. The
+numbers are the same ones `/metrics` exports at the same instant.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from headroom.sidecar.config import SidecarConfig
+from headroom.sidecar.state import Figures, finite_or_none
+
+SATURATION_REPORT_VERSION = 1
+
+
+class SaturationReport(BaseModel):
+    """One pod's KV-cache state and saturation forecast.
+
+    Read `fresh` first: when it is false the engine is down or the last good poll is too old,
+    and every figure below it is None (never a stale value). When `fresh` is true a figure is
+    None only when the source does not report it or there is not enough data yet.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: Literal[1] = Field(
+        default=SATURATION_REPORT_VERSION, description="schema version of this body"
+    )
+    time: float = Field(description="when this report was made, unix seconds")
+    source: Literal["headroom", "vllm"] = Field(description="what the sidecar polls")
+    pod: str | None = Field(description="pod name (flag or POD_NAME), None when unknown")
+    namespace: str | None = Field(description="pod namespace (flag or POD_NAMESPACE)")
+    inferencedeployment: str | None = Field(description="owning InferenceDeployment name")
+    model: str | None = Field(description="served model, from the flag or the engine")
+    engine_up: bool = Field(description="the last poll of the engine succeeded")
+    fresh: bool = Field(
+        description="engine_up and the last good poll is younger than stale_after_seconds"
+    )
+    age_seconds: float | None = Field(description="seconds since the last good poll")
+    stale_after_seconds: float = Field(description="age at which a good poll stops being fresh")
+    last_error: str | None = Field(description="why the last poll failed, None when it did not")
+    occupancy: float | None = Field(
+        description="used / capacity blocks, 0..1; evictable prefix-cache blocks count as free"
+    )
+    used_blocks: int | None = Field(description="blocks referenced by running sequences")
+    capacity_blocks: int | None = Field(description="total blocks in the KV pool")
+    cached_blocks: int | None = Field(description="evictable prefix-cache blocks (headroom only)")
+    block_size: int | None = Field(description="tokens per block")
+    bytes_per_token: int | None = Field(description="KV bytes per token (headroom only)")
+    growth_blocks_per_second: float | None = Field(
+        description="least-squares slope of used blocks over the forecast window; None when the "
+        "forecast is not ready or capacity is unknown"
+    )
+    growth_ratio_per_second: float | None = Field(
+        description="the same slope as occupancy per second (known even when blocks are not)"
+    )
+    eta_seconds: float | None = Field(
+        description="seconds until occupancy reaches 1.0 at the current growth; None means not "
+        "growing (+Inf) when forecast_ready, or no forecast yet when not"
+    )
+    forecast_ready: bool = Field(description="enough points since the last restart to fit a slope")
+    forecast_points: int = Field(description="points in the slope fit")
+    hit_ratio: float | None = Field(
+        description="prefix-cache hit tokens / queried tokens over window_seconds; None with no "
+        "queries in the window or prefix caching off"
+    )
+    prefix_cache_enabled: bool | None = Field(description="engine has prefix caching on")
+    running: int | None = Field(description="requests being decoded")
+    waiting: int | None = Field(description="requests queued for admission")
+    preemptions_total: int | None = Field(description="cumulative preemptions since engine start")
+    preemption_rate_per_second: float | None = Field(
+        description="preemptions per second over window_seconds"
+    )
+    window_seconds: float = Field(description="window of hit_ratio and preemption rate")
+    forecast_window_seconds: float = Field(description="window of the slope fit")
+    engine_restarts_total: int = Field(description="engine restarts this sidecar has seen")
+
+
+def build_report(
+    fig: Figures, cfg: SidecarConfig, now_unix: float | None = None
+) -> SaturationReport:
+    """Render `fig` as the `/saturation` body."""
+    r = fig.reading
+    ready = fig.eta_seconds is not None
+    return SaturationReport(
+        time=time.time() if now_unix is None else now_unix,
+        source=cfg.source,
+        pod=cfg.labels.pod or None,
+        namespace=cfg.labels.namespace or None,
+        inferencedeployment=cfg.labels.inferencedeployment or None,
+        model=fig.model,
+        engine_up=fig.engine_up,
+        fresh=fig.fresh,
+        age_seconds=fig.age_seconds,
+        stale_after_seconds=cfg.stale_after,
+        last_error=fig.last_error,
+        occupancy=r.occupancy if r else None,
+        used_blocks=r.used_blocks if r else None,
+        capacity_blocks=r.capacity_blocks if r else None,
+        cached_blocks=r.cached_blocks if r else None,
+        block_size=r.block_size if r else None,
+        bytes_per_token=r.bytes_per_token if r else None,
+        growth_blocks_per_second=fig.growth_blocks_per_second,
+        growth_ratio_per_second=fig.growth_ratio_per_second,
+        eta_seconds=finite_or_none(fig.eta_seconds),
+        forecast_ready=ready,
+        forecast_points=fig.forecast_points,
+        hit_ratio=fig.hit_ratio,
+        prefix_cache_enabled=r.prefix_cache_enabled if r else None,
+        running=r.running if r else None,
+        waiting=r.waiting if r else None,
+        preemptions_total=round(r.preemptions_total)
+        if r and r.preemptions_total is not None
+        else None,
+        preemption_rate_per_second=fig.preemption_rate_per_second,
+        window_seconds=cfg.window,
+        forecast_window_seconds=cfg.forecast_window,
+        engine_restarts_total=fig.restarts_total,
+    )

@@ -1,0 +1,176 @@
+"""What the sidecar remembers between polls, and the figures derived from it at render time.
+
+`PollState` is the only mutable object: the poller records each outcome into it. `figures()` is a
+pure function of that state and the clock, so `/metrics` and `/saturation` always agree and a
+value older than `stale_after` can never be shown as fresh.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from headroom.sidecar.config import SidecarConfig
+from headroom.sidecar.forecast import counter_rate, forecast_saturation, windowed_ratio
+from headroom.sidecar.sources import EngineReading
+
+ErrorReason = Literal["unreachable", "timeout", "http_status", "garbage", "internal"]
+ERROR_REASONS: tuple[ErrorReason, ...] = get_args(ErrorReason)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One successful poll, as the window keeps it."""
+
+    t: float  # monotonic seconds
+    epoch: int  # bumped on every engine restart
+    occupancy: float
+    queries: float | None
+    hits: float | None
+    preemptions: float | None
+
+
+@dataclass(slots=True)
+class PollState:
+    """The poller's memory: last outcome, error counts, restarts and the sample window."""
+
+    horizon: float  # seconds of samples kept
+    last_reading: EngineReading | None = None
+    last_ok_t: float | None = None
+    last_poll_ok: bool = False
+    last_error: str | None = None
+    known_model: str | None = None  # sticky so series keep their labels while the engine is down
+    epoch: int = 0
+    restarts_total: int = 0
+    polls_total: int = 0
+    errors: dict[ErrorReason, int] = field(default_factory=lambda: dict.fromkeys(ERROR_REASONS, 0))
+    samples: deque[Sample] = field(default_factory=deque)
+
+    def record_success(self, reading: EngineReading, t: float) -> bool:
+        """Keep a good reading taken at monotonic time `t`; returns True if the engine restarted."""
+        restarted = self.last_reading is not None and _restarted(self.last_reading, reading)
+        if restarted:
+            self.epoch += 1
+            self.restarts_total += 1
+        self.polls_total += 1
+        self.last_reading = reading
+        self.last_ok_t = t
+        self.last_poll_ok = True
+        self.last_error = None
+        if reading.model:
+            self.known_model = reading.model
+        self.samples.append(
+            Sample(
+                t=t,
+                epoch=self.epoch,
+                occupancy=reading.occupancy,
+                queries=reading.prefix_queries_tokens_total,
+                hits=reading.prefix_hits_tokens_total,
+                preemptions=reading.preemptions_total,
+            )
+        )
+        while self.samples and self.samples[0].t < t - self.horizon:
+            self.samples.popleft()
+        return restarted
+
+    def record_error(self, reason: ErrorReason, message: str) -> None:
+        """Count a failed poll; the last good reading stays but is no longer fresh."""
+        self.polls_total += 1
+        self.errors[reason] += 1
+        self.last_poll_ok = False
+        self.last_error = f"{reason}: {message}"
+
+
+def _restarted(prev: EngineReading, cur: EngineReading) -> bool:
+    if prev.instance_id is not None and cur.instance_id is not None:
+        if prev.instance_id != cur.instance_id:
+            return True
+    for before, after in (
+        (prev.prefix_queries_tokens_total, cur.prefix_queries_tokens_total),
+        (prev.prefix_hits_tokens_total, cur.prefix_hits_tokens_total),
+        (prev.preemptions_total, cur.preemptions_total),
+    ):
+        if before is not None and after is not None and after < before:
+            return True
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class Figures:
+    """Everything `/metrics` and `/saturation` show, derived at one instant.
+
+    `reading` and every derived figure are None unless `fresh`. `eta_seconds` is None when the
+    forecast is not ready yet and +Inf when usage is not growing.
+    """
+
+    engine_up: bool
+    fresh: bool
+    age_seconds: float | None
+    model: str | None
+    reading: EngineReading | None
+    growth_ratio_per_second: float | None
+    growth_blocks_per_second: float | None
+    eta_seconds: float | None
+    forecast_points: int
+    hit_ratio: float | None
+    preemption_rate_per_second: float | None
+    errors: dict[ErrorReason, int]
+    restarts_total: int
+    last_error: str | None
+
+
+def figures(state: PollState, cfg: SidecarConfig, now: float) -> Figures:
+    """Derive the figures from `state` at monotonic time `now`."""
+    age = None if state.last_ok_t is None else max(now - state.last_ok_t, 0.0)
+    fresh = state.last_poll_ok and age is not None and age <= cfg.stale_after
+    reading = state.last_reading if fresh else None
+    slope = blocks_slope = eta = hit_ratio = preempt_rate = None
+    points = 0
+    if reading is not None:
+        fit_from = now - cfg.forecast_window
+        fit = [
+            (s.t, s.occupancy) for s in state.samples if s.epoch == state.epoch and s.t >= fit_from
+        ]
+        fc = forecast_saturation(fit, cfg.min_forecast_points)
+        slope, eta, points = fc.slope_per_second, fc.eta_seconds, fc.points
+        if slope is not None and reading.capacity_blocks is not None:
+            blocks_slope = slope * reading.capacity_blocks
+
+        window = [s for s in state.samples if s.t >= now - cfg.window]
+        if reading.prefix_cache_enabled is not False:
+            hq = [s for s in window if s.hits is not None and s.queries is not None]
+            hit_ratio = windowed_ratio(
+                [s.hits for s in hq if s.hits is not None],
+                [s.queries for s in hq if s.queries is not None],
+                [s.epoch for s in hq],
+            )
+        pre = [s for s in window if s.preemptions is not None]
+        preempt_rate = counter_rate(
+            [s.t for s in pre],
+            [s.preemptions for s in pre if s.preemptions is not None],
+            [s.epoch for s in pre],
+        )
+
+    return Figures(
+        engine_up=state.last_poll_ok,
+        fresh=fresh,
+        age_seconds=age,
+        model=cfg.labels.model or state.known_model,
+        reading=reading,
+        growth_ratio_per_second=slope,
+        growth_blocks_per_second=blocks_slope,
+        eta_seconds=eta,
+        forecast_points=points,
+        hit_ratio=hit_ratio,
+        preemption_rate_per_second=preempt_rate,
+        errors=dict(state.errors),
+        restarts_total=state.restarts_total,
+        last_error=state.last_error,
+    )
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """JSON has no Inf: map +/-Inf and NaN to None."""
+    return value if value is not None and math.isfinite(value) else None

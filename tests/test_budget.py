@@ -1,0 +1,270 @@
+"""The KV memory model: the published arithmetic, the presets, and its invariants."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from headroom.engine.budget import (
+    GIB,
+    GPU_PRESETS,
+    MODEL_PRESETS,
+    PlanInput,
+    from_hf_config,
+    gpu_preset,
+    kv_bytes_per_block,
+    kv_bytes_per_token,
+    kv_heads_per_rank,
+    max_concurrent_sequences,
+    model_preset,
+    plan,
+    replicas_needed,
+    reservation_waste,
+    sequence_kv_bytes,
+    weights_bytes,
+    weights_bytes_per_gpu,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+L70 = model_preset("llama-3.1-70b")
+
+
+def test_llama_70b_bf16_kv_arithmetic() -> None:
+    assert kv_bytes_per_token(L70, "bf16") == 327_680  # 2 x 80 x 8 x 128 x 2
+    assert 128 * 4096 * kv_bytes_per_token(L70, "bf16") == 160 * GIB
+    assert weights_bytes(L70) == pytest.approx(140e9, rel=0.02)
+
+
+def test_without_gqa_is_eight_times_the_kv() -> None:
+    mha = L70.model_copy(update={"num_kv_heads": 64})
+    assert kv_bytes_per_token(mha) == 8 * kv_bytes_per_token(L70)
+
+
+def test_fp8_halves_and_int8_pays_for_its_scales() -> None:
+    bf16 = kv_bytes_per_token(L70, "bf16")
+    assert kv_bytes_per_token(L70, "fp8") * 2 == bf16
+    # int8: one fp32 scale per (token, kv head) for K and V on every layer.
+    assert kv_bytes_per_token(L70, "int8") == bf16 // 2 + 2 * 80 * 8 * 4
+
+
+# Published config.json values: (layers, attention heads, kv heads, head dim, hidden, vocab).
+PUBLISHED = {
+    "llama-3.1-8b": (32, 32, 8, 128, 4096, 128256),
+    "llama-3.1-70b": (80, 64, 8, 128, 8192, 128256),
+    "llama-3.1-405b": (126, 128, 8, 128, 16384, 128256),
+    "llama-3.2-1b": (16, 32, 8, 64, 2048, 128256),
+    "llama-3.2-3b": (28, 24, 8, 128, 3072, 128256),
+    "mistral-7b": (32, 32, 8, 128, 4096, 32000),
+    "mixtral-8x7b": (32, 32, 8, 128, 4096, 32000),
+    "qwen2.5-7b": (28, 28, 4, 128, 3584, 152064),
+    "qwen2.5-72b": (80, 64, 8, 128, 8192, 152064),
+    "gemma-2-9b": (42, 16, 8, 256, 3584, 256000),
+    "gemma-2-27b": (46, 32, 16, 128, 4608, 256000),
+    "deepseek-v3": (61, 128, 128, 192, 7168, 129280),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_presets_match_published_configs(name: str) -> None:
+    m = MODEL_PRESETS[name]
+    got = (
+        m.num_layers,
+        m.num_attention_heads,
+        m.num_kv_heads,
+        m.head_dim,
+        m.hidden_size,
+        m.vocab_size,
+    )
+    assert got == PUBLISHED[name]
+
+
+def test_every_preset_is_tested() -> None:
+    assert set(MODEL_PRESETS) == set(PUBLISHED)
+
+
+def test_deepseek_mla_caches_the_latent() -> None:
+    ds = model_preset("deepseek-v3")
+    assert ds.attention == "MLA"
+    assert kv_bytes_per_token(ds, "bf16") == 61 * (512 + 64) * 2
+    # The latent is replicated, so TP does not shrink it.
+    assert kv_bytes_per_token(ds, "bf16", tp=8) == kv_bytes_per_token(ds, "bf16")
+
+
+def test_attention_kinds() -> None:
+    assert model_preset("llama-3.1-8b").attention == "GQA"
+    assert L70.model_copy(update={"num_kv_heads": 64}).attention == "MHA"
+    assert L70.model_copy(update={"num_kv_heads": 1}).attention == "MQA"
+
+
+def test_tp_splits_heads_and_replicates_past_kv_heads() -> None:
+    assert kv_heads_per_rank(L70, 4) == 2
+    assert kv_heads_per_rank(L70, 8) == 1
+    assert kv_heads_per_rank(L70, 16) == 1  # replicated: never zero heads
+    assert kv_bytes_per_token(L70, "bf16", tp=4) * 4 == kv_bytes_per_token(L70, "bf16")
+    assert weights_bytes_per_gpu(L70, tp=4) * 4 >= weights_bytes(L70)
+
+
+def test_sliding_window_layers_cap_at_the_window() -> None:
+    gemma = model_preset("gemma-2-9b")
+    full = sequence_kv_bytes(gemma, 8192)
+    per_token = kv_bytes_per_token(gemma)
+    assert full == per_token // 2 * 8192 + per_token // 2 * 4096  # half the layers are local
+    assert sequence_kv_bytes(gemma, 1000) == per_token * 1000
+
+
+def test_block_bytes_and_capacity() -> None:
+    assert kv_bytes_per_block(L70, 16) == 16 * 327_680
+    assert max_concurrent_sequences(100, 160, 16) == 10
+    # 50% shared prefix of 160 tokens = 5 shared blocks stored once, 5 unique blocks each.
+    assert max_concurrent_sequences(100, 160, 16, 0.5) == 19
+    assert replicas_needed(128, 118) == 2
+
+
+def test_reservation_waste_paged_vs_contiguous() -> None:
+    contiguous, paged = reservation_waste([100, 17, 2048], 2048, 16)
+    assert contiguous == pytest.approx(1 - 2165 / (3 * 2048))
+    assert paged == pytest.approx(1 - 2165 / (112 + 32 + 2048))
+    with pytest.raises(ValueError, match="outside"):
+        reservation_waste([4000], 2048, 16)
+
+
+def h100_plan(**kw: object) -> PlanInput:
+    args: dict[str, object] = {
+        "model": L70,
+        "gpu_name": "h100-80gb",
+        "tp": 4,
+        "gpu_memory_bytes": gpu_preset("h100").memory_bytes,
+        "concurrency": 128,
+        "context": 4096,
+    }
+    args.update(kw)
+    return PlanInput.model_validate(args)
+
+
+def test_plan_worked_example() -> None:
+    p = plan(h100_plan())
+    assert p.feasible and p.binding == "kv-cache"
+    assert p.kv_bytes_for_peak == 160 * GIB
+    assert p.replicas is not None and p.replicas * p.sequences_per_pod >= 128
+    fp8 = {a.change: a for a in p.alternatives}["fp8 KV"]
+    assert fp8.sequences_per_pod >= 2 * p.sequences_per_pod - 1
+
+
+def test_infeasible_inputs_give_a_verdict_not_an_exception() -> None:
+    too_big = plan(h100_plan(model=model_preset("llama-3.1-405b"), tp=1))
+    assert not too_big.feasible and too_big.binding == "weights"
+    assert too_big.reason is not None and "GiB" in too_big.reason
+    too_long = plan(h100_plan(context=200_000))
+    assert not too_long.feasible and too_long.binding == "context"
+    assert too_long.reason is not None and "131072" in too_long.reason
+
+
+def test_plan_input_rejects_bad_numbers_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="tp 3 does not divide"):
+        h100_plan(tp=3, gpus_per_pod=4)
+    with pytest.raises(ValueError, match="prefix_hit"):
+        h100_plan(prefix_hit=1.5)
+
+
+def test_from_hf_config_reads_a_local_config(tmp_path: object) -> None:
+    import pathlib
+
+    d = pathlib.Path(str(tmp_path))
+    cfg = {
+        "model_type": "llama",
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "torch_dtype": "bfloat16",
+    }
+    (d / "config.json").write_text(json.dumps(cfg))
+    arch = from_hf_config(d)
+    assert kv_bytes_per_token(arch) == 327_680
+    assert arch.num_parameters == pytest.approx(L70.num_parameters, rel=0.01)
+    with pytest.raises(FileNotFoundError):
+        from_hf_config(d / "missing")
+
+
+def test_budget_never_imports_torch() -> None:
+    code = "import sys, headroom.engine.budget; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- invariants ----------------------------------------------------------------------------
+
+arch_st = st.sampled_from(sorted(MODEL_PRESETS)).map(model_preset)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    arch=arch_st,
+    mem=st.integers(16, 400),
+    extra=st.integers(1, 200),
+    ctx=st.integers(256, 8192),
+    tp=st.sampled_from([1, 2, 4, 8]),
+)
+def test_capacity_monotone_in_memory_and_inverse_in_context(
+    arch: object, mem: int, extra: int, ctx: int, tp: int
+) -> None:
+    def seqs(memory_gib: int, context: int) -> int:
+        inp = PlanInput(
+            model=arch,
+            gpu_memory_bytes=memory_gib * GIB,
+            tp=tp,
+            concurrency=1,
+            context=context,
+            max_num_seqs=10**9,
+        )
+        return plan(inp).sequences_per_pod
+
+    assert seqs(mem + extra, ctx) >= seqs(mem, ctx)
+    assert seqs(mem, ctx * 2) <= seqs(mem, ctx)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    arch=arch_st,
+    peak=st.integers(1, 5000),
+    ctx=st.integers(128, 16384),
+    gpu=st.sampled_from(sorted(GPU_PRESETS)),
+    tp=st.sampled_from([1, 2, 4, 8]),
+    kv=st.sampled_from(["bf16", "fp8", "int8"]),
+    hit=st.floats(0, 0.9),
+)
+def test_replicas_cover_the_peak(
+    arch: object, peak: int, ctx: int, gpu: str, tp: int, kv: str, hit: float
+) -> None:
+    inp = PlanInput.model_validate(
+        {
+            "model": arch,
+            "gpu_memory_bytes": GPU_PRESETS[gpu].memory_bytes,
+            "tp": tp,
+            "concurrency": peak,
+            "context": ctx,
+            "kv_dtype": kv,
+            "prefix_hit": hit,
+        }
+    )
+    p = plan(inp)
+    if p.feasible:
+        assert p.replicas is not None
+        assert p.replicas * p.sequences_per_pod >= peak
+        assert (p.replicas - 1) * p.sequences_per_pod < peak  # and no more pods than needed
+    else:
+        assert p.reason and p.replicas is None
+
+
+@given(arch=arch_st, tp=st.integers(1, 64))
+def test_tp_never_increases_per_rank_kv_heads(arch: object, tp: int) -> None:
+    from headroom.engine.budget import ModelArch
+
+    assert isinstance(arch, ModelArch)
+    assert kv_heads_per_rank(arch, tp) <= kv_heads_per_rank(arch, max(1, tp - 1))
+    assert kv_heads_per_rank(arch, tp) >= 1

@@ -1,0 +1,99 @@
+"""`headroom plan` as a user runs it: table, JSON, chart and exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from headroom.cli import main
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "headroom.cli", "plan", *args], capture_output=True, text=True
+    )
+
+
+BASE = [
+    "--model",
+    "llama-3.1-70b",
+    "--gpu",
+    "h100-80gb",
+    "--tp",
+    "4",
+    "--concurrency",
+    "128",
+    "--context",
+    "4096",
+]
+
+
+def test_table_names_every_figure() -> None:
+    r = run(*BASE)
+    assert r.returncode == 0, r.stderr
+    for label in (
+        "weights / GPU",
+        "KV bytes / token",
+        "KV for the peak",
+        "KV capacity / pod",
+        "sequences / pod",
+        "replicas needed",
+        "binding constraint",
+        "with fp8 KV",
+    ):
+        assert label in r.stdout
+    assert "327,680 B" in r.stdout and "160.0 GiB" in r.stdout
+
+
+def test_json_matches_the_library(capsys: object) -> None:
+    assert main(["plan", *BASE, "--json", "--kv-dtype", "fp8", "--prefix-hit", "0.4"]) == 0
+    out = json.loads(capsys.readouterr().out)  # type: ignore[attr-defined]
+    assert out["kv_bytes_per_token"] == 163_840
+    assert out["feasible"] is True and out["prefix_hit"] == 0.4
+    assert out["replicas"] * out["sequences_per_pod"] >= 128
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    png = tmp_path / "plan.png"
+    r = run(*BASE, "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_model_and_gpu_exit_2_listing_names() -> None:
+    r = run("--model", "llama-9", "--concurrency", "1", "--context", "10")
+    assert r.returncode == 2 and "known models:" in r.stderr and "llama-3.1-8b" in r.stderr
+    r = run("--model", "llama-3.1-8b", "--gpu", "tpu", "--concurrency", "1", "--context", "10")
+    assert r.returncode == 2 and "known GPUs:" in r.stderr and "h200-141gb" in r.stderr
+
+
+def test_bad_numbers_exit_2_naming_the_flag() -> None:
+    r = run("--model", "llama-3.1-8b", "--concurrency", "0", "--context", "10")
+    assert r.returncode == 2 and "--concurrency" in r.stderr
+    r = run("--model", "llama-3.1-8b", "--concurrency", "1", "--context", "10", "--tp", "0")
+    assert r.returncode == 2 and "--tp" in r.stderr
+    r = run("--model", "llama-3.1-8b", "--concurrency", "1", "--context", "ten")
+    assert r.returncode == 2 and "--context" in r.stderr
+
+
+def test_infeasible_plan_exits_1_with_the_reason() -> None:
+    r = run("--model", "llama-3.1-405b", "--gpu", "h100", "--concurrency", "8", "--context", "4096")
+    assert r.returncode == 1 and "INFEASIBLE" in r.stdout and "exceed" in r.stdout
+
+
+def test_custom_gpu_memory() -> None:
+    r = run(
+        "--model",
+        "llama-3.1-8b",
+        "--gpu-memory-gib",
+        "48",
+        "--concurrency",
+        "8",
+        "--context",
+        "4096",
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["gpu"] == "48 GiB GPU"
