@@ -5,7 +5,9 @@
 #
 # Idempotent: when the versioned directory is complete it prints its path and exits at once.
 # Prints the directory on the last line of stdout (the harness reads it), and how long the
-# cold build took.
+# cold build took. Exit status: 0 all built; 2 the build is impossible here (no Go, Go too old);
+# 3 some pieces failed to build: "FAILED PIECES: ..." on stderr, their errors in DIR/.failed,
+# the pieces that did build in DIR; anything else: an unexpected error.
 #
 # Environment:
 #   HEADROOM_CACHE   cache root (default ~/.cache/headroom)
@@ -18,7 +20,7 @@ source "$HERE/versions.sh"
 
 log() { echo "[cluster-build] $*" >&2; }
 
-if [[ -x "$HR_BIN_DIR/.complete" || -f "$HR_BIN_DIR/.complete" ]]; then
+if [[ -f "$HR_BIN_DIR/.complete" ]]; then
   ok=1
   for b in "${HR_BINARIES[@]}"; do [[ -x "$HR_BIN_DIR/$b" ]] || ok=0; done
   if [[ $ok == 1 ]]; then
@@ -76,19 +78,47 @@ k8s_ld+=" -X k8s.io/client-go/pkg/version.gitMinor=${HR_K8S_MINOR#*.}"
 helm_ld="-X helm.sh/helm/v3/internal/version.version=$HR_HELM_VERSION"
 helm_ld+=" -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
 
-log "building kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm" \
+# package of each binary
+declare -A PKG=(
+  [kube-apiserver]=./cmd/kube-apiserver
+  [kube-controller-manager]=./cmd/kube-controller-manager
+  [kube-scheduler]=./cmd/kube-scheduler
+  [kubectl]=./cmd/kubectl
+  [helm]=helm.sh/helm/v3/cmd/helm
+  [kwok]=sigs.k8s.io/kwok/cmd/kwok
+)
+ldflags="-s -w $k8s_ld $helm_ld"
+
+log "building ${HR_BINARIES[*]}" \
   "(k8s $HR_K8S_VERSION, kwok $HR_KWOK_VERSION, helm $HR_HELM_VERSION; -p=$par, ${ncpu} CPUs)"
 t0=$(date +%s)
 # One invocation, so the shared k8s.io packages compile once; helm and kwok are built from their
 # own main packages (the go.mod `tool` entries) against this module's pinned k8s.io versions.
-go build -p "$par" -ldflags "-s -w $k8s_ld $helm_ld" -o "$tmp/" \
-  ./cmd/kube-apiserver ./cmd/kube-controller-manager ./cmd/kube-scheduler ./cmd/kubectl \
-  helm.sh/helm/v3/cmd/helm sigs.k8s.io/kwok/cmd/kwok
+pkgs=()
+for b in "${HR_BINARIES[@]}"; do pkgs+=("${PKG[$b]}"); done
+failed=()
+if ! go build -p "$par" -ldflags "$ldflags" -o "$tmp/" "${pkgs[@]}"; then
+  log "the combined build failed; building each piece alone to tell which cannot be built"
+  for b in "${HR_BINARIES[@]}"; do
+    rm -f "$tmp/$b"
+    if ! go build -p "$par" -ldflags "$ldflags" -o "$tmp/$b" "${PKG[$b]}" 2>"$tmp/.$b.err"; then
+      failed+=("$b")
+      { echo "== $b (${PKG[$b]}):"; tail -n 20 "$tmp/.$b.err"; } >>"$tmp/.failed"
+    fi
+    rm -f "$tmp/.$b.err"
+  done
+fi
 log "compiled and linked in $(( $(date +%s) - t0 ))s"
 
-for b in "${HR_BINARIES[@]}"; do
-  [[ -x "$tmp/$b" ]] || { log "FATAL: $b missing after the build"; exit 1; }
-done
+if (( ${#failed[@]} )); then
+  cat "$tmp/.failed" >&2
+  rm -rf "$HR_BIN_DIR"
+  mv "$tmp" "$HR_BIN_DIR"
+  trap - EXIT
+  log "FAILED PIECES: ${failed[*]} (details in $HR_BIN_DIR/.failed); the others are in $HR_BIN_DIR"
+  echo "$HR_BIN_DIR"
+  exit 3
+fi
 "$tmp/kube-apiserver" --version >&2
 "$tmp/kubectl" version --client >&2 || true
 "$tmp/helm" version --short >&2 || true

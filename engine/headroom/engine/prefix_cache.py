@@ -123,12 +123,16 @@ class PrefixCache:
         token_ids: list[int],
         block_size: int,
         extra_key: str | None,
+        max_blocks: int | None = None,
     ) -> list[int]:
-        """Block ids of the longest cached prefix, in whole blocks, for the given chain."""
+        """Block ids of the longest cached prefix of `token_ids`, in whole blocks, given the
+        chain `hashes` of its full blocks (at most `max_blocks` of them)."""
         hits: list[int] = []
         by_hash = self._by_hash
         parent: int | None = None
-        for i, h in enumerate(hashes):
+        limit = len(hashes) if max_blocks is None else min(max_blocks, len(hashes))
+        for i in range(limit):
+            h = hashes[i]
             block_id = by_hash.get(h)
             if (
                 block_id is None

@@ -10,9 +10,8 @@ import os
 import signal
 import sys
 
-from pydantic import ValidationError
-
 from headroom.sidecar.config import IdentityLabels, SidecarConfig
+from pydantic import ValidationError
 
 log = logging.getLogger("headroom.sidecar")
 
@@ -97,11 +96,6 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Run the sidecar until SIGTERM/SIGINT; returns the exit code."""
-    logging.basicConfig(
-        level=str(args.log_level).upper(),
-        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-        stream=sys.stderr,
-    )
     try:
         cfg = config_from_args(args)
     except ValidationError as exc:
@@ -109,6 +103,15 @@ def run(args: argparse.Namespace) -> int:
             where = ".".join(str(p) for p in err["loc"]) or "config"
             print(f"headroom sidecar: {where}: {err['msg']}", file=sys.stderr)
         return 2
+    level = logging.getLevelName(str(args.log_level).upper())
+    if not isinstance(level, int):
+        print(f"headroom sidecar: unknown --log-level {args.log_level!r}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=level,
+        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+        stream=sys.stderr,
+    )
     from headroom.sidecar.server import serve
 
     async def main() -> None:

@@ -12,6 +12,9 @@ import math
 import time
 from collections.abc import Callable, Iterator
 
+from headroom.sidecar.config import SidecarConfig
+from headroom.sidecar.sources import HistogramReading
+from headroom.sidecar.state import Figures, PollState, figures
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -19,11 +22,6 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 from prometheus_client.registry import CollectorRegistry
-from prometheus_client.utils import floatToGoString
-
-from headroom.sidecar.config import SidecarConfig
-from headroom.sidecar.sources import HistogramReading
-from headroom.sidecar.state import Figures, PollState, figures
 
 LABEL_NAMES = ("model", "namespace", "inferencedeployment", "pod")
 
@@ -83,11 +81,11 @@ def render(fig: Figures, cfg: SidecarConfig) -> Iterator[Metric]:
     )
     errors = CounterMetricFamily(
         "headroom_sidecar_poll_errors_total",
-        "Engine polls that failed, by reason (unreachable, timeout, http_status, garbage, internal)",
+        "Engine polls that failed, by reason: unreachable, timeout, http_status, garbage, internal",
         labels=[*names, "reason"],
     )
-    for reason, count in fig.errors.items():
-        errors.add_metric([*values, reason], count)
+    for reason, n_errors in fig.errors.items():
+        errors.add_metric([*values, reason], n_errors)
     yield errors
     yield counter(
         "headroom_sidecar_engine_restarts_total",
@@ -179,11 +177,16 @@ def render(fig: Figures, cfg: SidecarConfig) -> Iterator[Metric]:
             yield _histogram(name, doc, hist, names, values)
 
 
+def _le(bound: float) -> str:
+    # Prometheus's own spelling of a bound ("0.005", "1.0", "+Inf") keeps `le` values stable.
+    return "+Inf" if math.isinf(bound) else repr(float(bound))
+
+
 def _histogram(
     name: str, doc: str, h: HistogramReading, names: list[str], values: list[str]
 ) -> HistogramMetricFamily:
     fam = HistogramMetricFamily(name, doc, labels=names)
-    buckets = [(floatToGoString(b), c) for b, c in zip(h.bounds, h.counts, strict=True)]
-    buckets.append((floatToGoString(math.inf), h.count))
+    buckets = [(_le(b), c) for b, c in zip(h.bounds, h.counts, strict=True)]
+    buckets.append(("+Inf", h.count))
     fam.add_metric(values, buckets, h.sum)
     return fam

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 
 import aiohttp
-
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.sources import (
     EngineReading,

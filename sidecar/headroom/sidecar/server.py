@@ -14,15 +14,17 @@ from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 from aiohttp import web
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-
 from headroom.sidecar.collector import SidecarCollector, make_registry
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.poller import Poller
 from headroom.sidecar.report import build_report
 from headroom.sidecar.state import PollState, figures
+from prometheus_client.exposition import generate_latest
 
 log = logging.getLogger("headroom.sidecar")
+
+# The classic text format every Prometheus 2.x parses; what generate_latest writes for our names.
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 STATE_KEY = web.AppKey("state", PollState)
 CONFIG_KEY = web.AppKey("config", SidecarConfig)
@@ -39,7 +41,7 @@ def build_app(cfg: SidecarConfig, clock: Callable[[], float] = time.monotonic) -
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(
-            body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+            body=generate_latest(registry), headers={"Content-Type": METRICS_CONTENT_TYPE}
         )
 
     async def saturation(_: web.Request) -> web.Response:

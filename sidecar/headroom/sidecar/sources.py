@@ -7,17 +7,17 @@ the KV usage gauge). The poller turns a `GarbageError` into `headroom_engine_up 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from headroom.engine.stats import STATS_SCHEMA_VERSION, Histogram, StatsSnapshot
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
-
-from headroom.engine.stats import STATS_SCHEMA_VERSION, Histogram, StatsSnapshot
 
 SourceKind = Literal["headroom", "vllm"]
 
@@ -129,10 +129,10 @@ def _engine_histogram(hist: Histogram | None, name: str) -> HistogramReading | N
 
 
 def _check_histogram(h: HistogramReading, name: str) -> None:
-    if any(b2 <= b1 for b1, b2 in zip(h.bounds, h.bounds[1:], strict=False)):
+    if any(b2 <= b1 for b1, b2 in itertools.pairwise(h.bounds)):
         raise GarbageError(f"{name}: bucket bounds are not increasing")
     cumulative = (*h.counts, h.count)
-    if any(c2 < c1 for c1, c2 in zip(cumulative, cumulative[1:], strict=False)) or (
+    if any(c2 < c1 for c1, c2 in itertools.pairwise(cumulative)) or (
         cumulative and cumulative[0] < 0
     ):
         raise GarbageError(f"{name}: bucket counts are not cumulative")

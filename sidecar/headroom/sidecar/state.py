@@ -84,9 +84,8 @@ class PollState:
 
 
 def _restarted(prev: EngineReading, cur: EngineReading) -> bool:
-    if prev.instance_id is not None and cur.instance_id is not None:
-        if prev.instance_id != cur.instance_id:
-            return True
+    if None not in (prev.instance_id, cur.instance_id) and prev.instance_id != cur.instance_id:
+        return True
     for before, after in (
         (prev.prefix_queries_tokens_total, cur.prefix_queries_tokens_total),
         (prev.prefix_hits_tokens_total, cur.prefix_hits_tokens_total),

@@ -1,0 +1,72 @@
+"""Paged attention backends and their selection (`--attention-backend auto|torch|cuda`).
+
+The CUDA backend (CuPy kernels) is imported only when asked for or when `auto` finds a GPU,
+so CPU-only installs never import CuPy.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from headroom.engine.attention.base import (
+    AttentionBackend,
+    KVDtype,
+    LayerKVCache,
+    allocate_layer_cache,
+    storage_dtype,
+)
+from headroom.engine.attention.torch_backend import TorchBackend
+
+BackendName = Literal["auto", "torch", "cuda"]
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested attention backend cannot run here (no GPU, no CuPy, wrong device)."""
+
+
+def _cuda_backend_status(device: torch.device) -> str | None:
+    """None when the CUDA backend can run on `device`, else the reason it cannot."""
+    if device.type != "cuda":
+        return f"the cuda attention backend needs a CUDA device, the engine runs on {device}"
+    if not torch.cuda.is_available():
+        return "the cuda attention backend needs a GPU, and torch sees none"
+    try:
+        from headroom.engine.attention import cuda_backend
+    except ImportError as exc:  # CuPy missing or the backend module not installed
+        return f"the cuda attention backend cannot be imported: {exc}"
+    if not cuda_backend.cuda_available():
+        return "the cuda attention backend reports CuPy or its CUDA runtime unavailable"
+    return None
+
+
+def select_backend(name: BackendName, device: torch.device | str) -> AttentionBackend:
+    """The backend for `name` on `device`: "auto" picks cuda when a GPU and CuPy are present."""
+    dev = torch.device(device)
+    if name == "torch":
+        return TorchBackend()
+    if name not in ("auto", "cuda"):
+        raise ValueError(f"attention backend must be auto, torch or cuda, got {name!r}")
+    reason = _cuda_backend_status(dev)
+    if reason is None:
+        from headroom.engine.attention.cuda_backend import CudaBackend
+
+        backend: AttentionBackend = CudaBackend()
+        return backend
+    if name == "cuda":
+        raise BackendUnavailable(reason)
+    return TorchBackend()
+
+
+__all__ = [
+    "AttentionBackend",
+    "BackendName",
+    "BackendUnavailable",
+    "KVDtype",
+    "LayerKVCache",
+    "TorchBackend",
+    "allocate_layer_cache",
+    "select_backend",
+    "storage_dtype",
+]

@@ -1,0 +1,152 @@
+"""pytest plugin: the session-scoped ``cluster`` fixture (a real control plane, see harness.py).
+
+Register it with ``pytest_plugins = ["e2e.cluster.pytest_plugin"]``.
+
+* The binaries are built (or found in the cache) right after collection when any selected test
+  uses ``cluster``, outside every test's timeout, so a cold build is not cut off by
+  pytest-timeout.
+* The cluster starts once per session on first use and is stopped at the end.
+* If the build is impossible on this machine, the tests that need the cluster are skipped with a
+  loud reason naming the failing piece, repeated in the terminal summary; under ``CI=true``
+  they fail instead. A cluster that was built but does not start is always an error.
+* ``HEADROOM_CLUSTER_ENV=/path/to/cluster.env`` uses an already running cluster (from
+  ``make cluster-up``) and leaves it running.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from e2e.cluster.harness import BuildError, BuildResult, Cluster, build
+
+
+@dataclass
+class _State:
+    wanted: bool = False
+    result: BuildResult | None = None
+    error: BuildError | None = None
+    start_seconds: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+_state = _State()
+
+
+def in_ci() -> bool:
+    """True when running in CI (``CI=true``), where a missing piece fails instead of skipping."""
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def skip_or_fail(reason: str) -> None:
+    """Skip loudly, or fail under ``CI=true``."""
+    if in_ci():
+        pytest.fail(f"{reason} (CI=true: a missing cluster piece is a failure)", pytrace=False)
+    pytest.skip(reason)
+
+
+def _loud(reason: str) -> str:
+    bar = "!" * 78
+    return f"\n{bar}\n!! headroom test cluster UNAVAILABLE: {reason}\n{bar}"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build the binaries before the first test when any selected test uses ``cluster``."""
+    if session.config.option.collectonly:
+        return
+    if not any("cluster" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    _state.wanted = True
+    if os.environ.get("HEADROOM_CLUSTER_ENV"):
+        return
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+
+    def progress(line: str) -> None:
+        if tr is not None and line.startswith("[cluster-build]"):
+            tr.write_line(line)
+
+    if tr is not None:
+        tr.write_line("[cluster-build] checking the test control plane's binaries (e2e/cluster)")
+    try:
+        _state.result = build(progress=progress)
+    except BuildError as exc:
+        _state.error = exc
+        if tr is not None:
+            tr.write_line(_loud(f"cannot build {', '.join(exc.pieces)}"), red=True, bold=True)
+            tr.write_line(str(exc)[-3000:], red=True)
+        return
+    res = _state.result
+    if res.cold:
+        _state.notes.append(f"cold build of the control plane took {res.seconds:.0f}s")
+    else:
+        _state.notes.append(
+            f"control-plane binaries cached in {res.bin_dir} ({res.recorded or 'cold build'})"
+        )
+    if res.failed:
+        _state.notes.append(f"could not build: {', '.join(res.failed)} (see {res.bin_dir}/.failed)")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Report the build and start timings, and loudly any piece that could not be built."""
+    if not _state.wanted:
+        return
+    tr = terminalreporter
+    tr.section("headroom test cluster")
+    if _state.error is not None:
+        tr.write_line(
+            _loud(
+                f"cannot build {', '.join(_state.error.pieces)}; cluster tests were "
+                + ("FAILED (CI=true)" if in_ci() else "SKIPPED")
+            ),
+            red=True,
+            bold=True,
+        )
+    for note in _state.notes:
+        tr.write_line(note)
+    if _state.start_seconds is not None:
+        tr.write_line(f"control plane start (warm binaries): {_state.start_seconds:.1f}s")
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    """A running control plane with kwok GPU nodes, shared by the whole session."""
+    env_file = os.environ.get("HEADROOM_CLUSTER_ENV")
+    if env_file:
+        yield Cluster(os.environ.get("HEADROOM_CLUSTER_NAME", "default")).attach(env_file)
+        return
+    if _state.error is None and _state.result is None:
+        # Not built at collection (e.g. the fixture was requested dynamically): build now.
+        try:
+            _state.result = build()
+        except BuildError as exc:
+            _state.error = exc
+    if _state.error is not None:
+        skip_or_fail(
+            f"headroom test cluster UNAVAILABLE: cannot build {', '.join(_state.error.pieces)} "
+            f"on this machine: {str(_state.error)[:1500]}"
+        )
+    c = Cluster(f"pytest-{os.getpid()}")
+    t0 = time.monotonic()
+    c.up()
+    _state.start_seconds = time.monotonic() - t0
+    c.build_result = _state.result
+    try:
+        yield c
+    finally:
+        c.down()
+
+
+@pytest.fixture
+def cluster_namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace for one test, deleted (without waiting) afterwards."""
+    base = "".join(ch if ch.isalnum() else "-" for ch in request.node.name.lower())[:40]
+    name = f"t-{base.strip('-')}-{os.getpid() % 10000}-{int(time.time() * 1000) % 100000}"
+    cluster.create_namespace(name)
+    try:
+        yield name
+    finally:
+        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

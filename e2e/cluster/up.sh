@@ -1,0 +1,324 @@
+#!/usr/bin/env bash
+# Start a real Kubernetes control plane for the tests, all on 127.0.0.1 with free ports:
+# etcd (Debian's /usr/bin/etcd), kube-apiserver (RBAC + Node authorization, service-account
+# issuer), kube-controller-manager, kube-scheduler and kwok, which runs fake nodes that advertise
+# `nvidia.com/gpu: 8` and 80 GiB-class GPU labels and moves their pods to Running.
+#
+# Usage: up.sh [NAME]            (NAME defaults to $HEADROOM_CLUSTER_NAME or "default")
+#
+# Writes $DIR/cluster.env (KEY=value lines, sourceable by bash) where DIR is
+# $HEADROOM_CLUSTER_DIR or ~/.cache/headroom/cluster/NAME. It holds KUBECONFIG, the API server
+# URL, the bin directory and the pid of every process started here; down.sh reads it.
+#
+# Environment:
+#   HEADROOM_CLUSTER_NAME   cluster name (default "default")
+#   HEADROOM_CLUSTER_DIR    state directory (default ~/.cache/headroom/cluster/NAME)
+#   HEADROOM_KWOK_NODES     number of fake GPU nodes (default 2)
+#   HEADROOM_KWOK_POD_CIDR  CIDR that kwok hands pod IPs from (default 10.244.0.1/16; the IPs are
+#                           fake: nothing listens on them and nothing may send traffic to them)
+#   HEADROOM_ETCD           etcd binary (default /usr/bin/etcd)
+#   HEADROOM_UP_TIMEOUT     seconds to wait for readiness (default 120)
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=versions.sh
+source "$HERE/versions.sh"
+
+NAME="${1:-${HEADROOM_CLUSTER_NAME:-default}}"
+[[ "$NAME" =~ ^[a-zA-Z0-9][a-zA-Z0-9_.-]*$ ]] || { echo "bad cluster name: $NAME" >&2; exit 2; }
+DIR="$(realpath -m "${HEADROOM_CLUSTER_DIR:-$HR_CACHE/cluster/$NAME}")"
+NODES="${HEADROOM_KWOK_NODES:-2}"
+POD_CIDR="${HEADROOM_KWOK_POD_CIDR:-10.244.0.1/16}"
+ETCD="${HEADROOM_ETCD:-/usr/bin/etcd}"
+TIMEOUT="${HEADROOM_UP_TIMEOUT:-120}"
+ENVF="$DIR/cluster.env"
+
+log() { echo "[cluster-up $NAME] $*" >&2; }
+t_start=$(date +%s%N)
+elapsed() { local ms=$(( ($(date +%s%N) - t_start) / 1000000 )); printf '%d.%d' $(( ms / 1000 )) $(( ms % 1000 / 100 )); }
+
+mkdir -p "$(dirname "$DIR")"
+exec 8>"$DIR.lock"
+flock 8  # one up.sh per cluster at a time
+
+if [[ -f "$ENVF" ]]; then
+  state="$(sed -n 's/^HEADROOM_CLUSTER_STATE=//p' "$ENVF")"
+  pids="$(sed -n 's/^HEADROOM_CLUSTER_PIDS="\(.*\)"$/\1/p' "$ENVF")"
+  all_alive=1
+  for p in $pids; do kill -0 "${p#*:}" 2>/dev/null || all_alive=0; done
+  if [[ "$state" == ready && $all_alive == 1 ]]; then
+    log "already running (state in $DIR); run down.sh $NAME first to restart it"
+    echo "$ENVF"
+    exit 0
+  fi
+fi
+if [[ -e "$DIR" ]]; then
+  log "stale or half-started state in $DIR: stopping what is left of it and removing it"
+  HEADROOM_KEEP_CLUSTER_DIR=0 "$HERE/down.sh" "$NAME"
+  rm -rf "$DIR"
+fi
+
+[[ -x "$ETCD" ]] || { log "FATAL: etcd not found at $ETCD (apt-get install etcd-server)"; exit 2; }
+command -v openssl >/dev/null || { log "FATAL: openssl not found (apt-get install openssl)"; exit 2; }
+
+BIN="$("$HERE/build.sh" | tail -1)"
+for b in "${HR_BINARIES[@]}"; do
+  [[ -x "$BIN/$b" ]] || { log "FATAL: $BIN/$b missing after build.sh"; exit 2; }
+done
+
+mkdir -p "$DIR"/{pki,logs,pids,etcd}
+chmod 700 "$DIR"
+PKI="$DIR/pki"
+PIDS=""
+
+on_error() {
+  local rc=$?
+  log "FAILED (rc=$rc) after $(elapsed)s; last log lines:"
+  for f in "$DIR"/logs/*.log; do
+    [[ -f "$f" ]] || continue
+    echo "----- $f" >&2
+    tail -n 15 "$f" >&2
+  done
+  HEADROOM_KEEP_CLUSTER_DIR="${HEADROOM_KEEP_CLUSTER_DIR:-1}" "$HERE/down.sh" "$NAME" >&2 || true
+  exit "$rc"
+}
+trap on_error ERR
+
+# ---- free ports on 127.0.0.1 -------------------------------------------------------------------
+free_ports() {
+  python3 - "$1" <<'PY'
+import socket, sys
+socks = []
+for _ in range(int(sys.argv[1])):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    socks.append(s)
+print(" ".join(str(s.getsockname()[1]) for s in socks))
+PY
+}
+read -r ETCD_PORT ETCD_PEER_PORT APISERVER_PORT KCM_PORT SCHED_PORT KWOK_PORT <<<"$(free_ports 6)"
+SERVER="https://127.0.0.1:$APISERVER_PORT"
+
+# ---- PKI -----------------------------------------------------------------------------------------
+ossl() { openssl "$@" 2>>"$DIR/logs/openssl.log"; }
+ossl req -x509 -new -nodes -newkey rsa:2048 -keyout "$PKI/ca.key" -out "$PKI/ca.crt" -days 3650 \
+  -subj "/CN=headroom-test-ca" >/dev/null
+# cert NAME CN ORG [SAN] : a key and a certificate signed by the CA.
+cert() {
+  local name=$1 cn=$2 org=$3 san=${4:-} subj="/CN=$2" ext="$PKI/$1.ext"
+  [[ -n "$org" ]] && subj="/O=$org/CN=$cn"
+  {
+    echo "basicConstraints=critical,CA:FALSE"
+    echo "keyUsage=critical,digitalSignature,keyEncipherment"
+    if [[ -n "$san" ]]; then
+      echo "extendedKeyUsage=serverAuth,clientAuth"
+      echo "subjectAltName=$san"
+    else
+      echo "extendedKeyUsage=clientAuth"
+    fi
+  } >"$ext"
+  ossl req -new -nodes -newkey rsa:2048 -keyout "$PKI/$name.key" -out "$PKI/$name.csr" \
+    -subj "$subj" >/dev/null
+  ossl x509 -req -in "$PKI/$name.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" -CAcreateserial \
+    -days 3650 -extfile "$ext" -out "$PKI/$name.crt" >/dev/null
+  rm -f "$PKI/$name.csr" "$ext"
+}
+cert apiserver kube-apiserver "" \
+  "IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
+cert kcm-serving kube-controller-manager "" "IP:127.0.0.1,DNS:localhost"
+cert sched-serving kube-scheduler "" "IP:127.0.0.1,DNS:localhost"
+cert admin headroom-admin system:masters
+cert kcm system:kube-controller-manager ""
+cert scheduler system:kube-scheduler ""
+cert kwok headroom-kwok system:masters
+ossl genrsa -out "$PKI/sa.key" 2048
+ossl rsa -in "$PKI/sa.key" -pubout -out "$PKI/sa.pub"
+chmod 600 "$PKI"/*.key
+
+# kubeconfig FILE USER : a kubeconfig for USER's client certificate.
+kubeconfig() {
+  local file=$1 user=$2
+  cat >"$file" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: headroom-$NAME
+  cluster:
+    server: $SERVER
+    certificate-authority-data: $(base64 -w0 "$PKI/ca.crt")
+users:
+- name: $user
+  user:
+    client-certificate-data: $(base64 -w0 "$PKI/$user.crt")
+    client-key-data: $(base64 -w0 "$PKI/$user.key")
+contexts:
+- name: headroom-$NAME
+  context:
+    cluster: headroom-$NAME
+    user: $user
+    namespace: default
+current-context: headroom-$NAME
+EOF
+  chmod 600 "$file"
+}
+kubeconfig "$DIR/kubeconfig" admin
+kubeconfig "$DIR/kcm.kubeconfig" kcm
+kubeconfig "$DIR/scheduler.kubeconfig" scheduler
+kubeconfig "$DIR/kwok.kubeconfig" kwok
+log "certificates and kubeconfigs ready ($(elapsed)s)"
+
+# ---- processes -------------------------------------------------------------------------------------
+write_env() {
+  cat >"$ENVF.tmp" <<EOF
+HEADROOM_CLUSTER_NAME=$NAME
+HEADROOM_CLUSTER_DIR=$DIR
+HEADROOM_CLUSTER_BIN=$BIN
+KUBECONFIG=$DIR/kubeconfig
+HEADROOM_KUBE_SERVER=$SERVER
+HEADROOM_KUBE_VERSION=$HR_K8S_VERSION
+HEADROOM_ETCD_URL=http://127.0.0.1:$ETCD_PORT
+HEADROOM_CLUSTER_PIDS="${PIDS# }"
+HEADROOM_CLUSTER_STATE=${1:-starting}
+EOF
+  mv "$ENVF.tmp" "$ENVF"
+}
+# start NAME CMD... : run CMD in its own session, logs to logs/NAME.log, pid recorded.
+start() {
+  local name=$1
+  shift
+  setsid "$@" >"$DIR/logs/$name.log" 2>&1 </dev/null &
+  local pid=$!
+  echo "$pid" >"$DIR/pids/$name.pid"
+  PIDS="$PIDS $name:$pid"
+  write_env
+}
+alive() { kill -0 "$(cat "$DIR/pids/$1.pid")" 2>/dev/null || { log "$1 exited; see $DIR/logs/$1.log"; return 1; }; }
+# wait_for WHAT CMD... : poll CMD until it succeeds or TIMEOUT passes.
+wait_for() {
+  local what=$1 deadline=$(( $(date +%s) + TIMEOUT ))
+  shift
+  until "$@" >/dev/null 2>&1; do
+    if (( $(date +%s) > deadline )); then log "timed out after ${TIMEOUT}s waiting for $what"; return 1; fi
+    sleep 0.2
+  done
+  log "$what ready ($(elapsed)s)"
+}
+KC=("$BIN/kubectl" --kubeconfig "$DIR/kubeconfig")
+
+start etcd "$ETCD" --name headroom --data-dir "$DIR/etcd" \
+  --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+  --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+  --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+  --initial-cluster "headroom=http://127.0.0.1:$ETCD_PEER_PORT" --initial-cluster-state new \
+  --logger zap --log-outputs stderr --quota-backend-bytes 2147483648
+wait_for etcd bash -c "kill -0 $(cat "$DIR/pids/etcd.pid") && curl -sf http://127.0.0.1:$ETCD_PORT/health"
+
+start kube-apiserver "$BIN/kube-apiserver" \
+  --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
+  --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$APISERVER_PORT" \
+  --tls-cert-file "$PKI/apiserver.crt" --tls-private-key-file "$PKI/apiserver.key" \
+  --client-ca-file "$PKI/ca.crt" \
+  --authorization-mode Node,RBAC \
+  --enable-admission-plugins NodeRestriction \
+  --service-account-issuer https://kubernetes.default.svc.cluster.local \
+  --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
+  --service-cluster-ip-range 10.96.0.0/16 \
+  --endpoint-reconciler-type none \
+  --allow-privileged=true \
+  --profiling=false \
+  --v=1
+wait_for kube-apiserver bash -c "kill -0 $(cat "$DIR/pids/kube-apiserver.pid") && ${KC[*]} get --raw=/readyz"
+
+start kube-controller-manager "$BIN/kube-controller-manager" \
+  --kubeconfig "$DIR/kcm.kubeconfig" \
+  --authentication-kubeconfig "$DIR/kcm.kubeconfig" --authorization-kubeconfig "$DIR/kcm.kubeconfig" \
+  --bind-address 127.0.0.1 --secure-port "$KCM_PORT" \
+  --tls-cert-file "$PKI/kcm-serving.crt" --tls-private-key-file "$PKI/kcm-serving.key" \
+  --leader-elect=false \
+  --use-service-account-credentials=true \
+  --service-account-private-key-file "$PKI/sa.key" --root-ca-file "$PKI/ca.crt" \
+  --cluster-signing-cert-file "$PKI/ca.crt" --cluster-signing-key-file "$PKI/ca.key" \
+  --controllers '*,-nodeipam' \
+  --profiling=false \
+  --v=1
+start kube-scheduler "$BIN/kube-scheduler" \
+  --kubeconfig "$DIR/scheduler.kubeconfig" \
+  --authentication-kubeconfig "$DIR/scheduler.kubeconfig" \
+  --authorization-kubeconfig "$DIR/scheduler.kubeconfig" \
+  --bind-address 127.0.0.1 --secure-port "$SCHED_PORT" \
+  --tls-cert-file "$PKI/sched-serving.crt" --tls-private-key-file "$PKI/sched-serving.key" \
+  --leader-elect=false \
+  --profiling=false \
+  --v=1
+start kwok "$BIN/kwok" \
+  --kubeconfig "$DIR/kwok.kubeconfig" \
+  --config "$HERE/kwok-stages.yaml" \
+  --manage-all-nodes=false \
+  --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
+  --node-lease-duration-seconds 40 \
+  --cidr "$POD_CIDR" --node-ip 10.255.0.1 \
+  --server-address "127.0.0.1:$KWOK_PORT"
+
+wait_for kube-controller-manager bash -c \
+  "kill -0 $(cat "$DIR/pids/kube-controller-manager.pid") && curl -skf https://127.0.0.1:$KCM_PORT/healthz"
+wait_for kube-scheduler bash -c \
+  "kill -0 $(cat "$DIR/pids/kube-scheduler.pid") && curl -skf https://127.0.0.1:$SCHED_PORT/healthz"
+alive kwok
+
+# ---- fake GPU nodes ------------------------------------------------------------------------------
+nodes_yaml() {
+  local i
+  for (( i = 0; i < NODES; i++ )); do
+    cat <<EOF
+---
+apiVersion: v1
+kind: Node
+metadata:
+  name: kwok-gpu-$i
+  annotations:
+    node.alpha.kubernetes.io/ttl: "0"
+    kwok.x-k8s.io/node: fake
+  labels:
+    type: kwok
+    kubernetes.io/arch: amd64
+    kubernetes.io/os: linux
+    kubernetes.io/hostname: kwok-gpu-$i
+    node-role.kubernetes.io/agent: ""
+    node.kubernetes.io/instance-type: kwok-8x-h100-80gb
+    nvidia.com/gpu.present: "true"
+    nvidia.com/gpu.count: "8"
+    nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3
+    nvidia.com/gpu.memory: "81559"
+    nvidia.com/gpu.family: hopper
+    headroom.dev/gpu-memory-gib: "80"
+spec: {}
+status:
+  capacity: &res
+    cpu: "96"
+    memory: 1536Gi
+    ephemeral-storage: 4Ti
+    pods: "110"
+    nvidia.com/gpu: "8"
+  allocatable: *res
+EOF
+  done
+}
+nodes_yaml | "${KC[@]}" apply -f - >/dev/null
+# Make sure the GPU capacity is on the node status even if the create dropped it.
+for (( i = 0; i < NODES; i++ )); do
+  gpus="$("${KC[@]}" get node "kwok-gpu-$i" -o jsonpath='{.status.allocatable.nvidia\.com/gpu}')"
+  if [[ "$gpus" != "8" ]]; then
+    "${KC[@]}" patch node "kwok-gpu-$i" --subresource=status --type=merge -p \
+      '{"status":{"capacity":{"cpu":"96","memory":"1536Gi","ephemeral-storage":"4Ti","pods":"110","nvidia.com/gpu":"8"},"allocatable":{"cpu":"96","memory":"1536Gi","ephemeral-storage":"4Ti","pods":"110","nvidia.com/gpu":"8"}}}' \
+      >/dev/null
+  fi
+done
+wait_for "$NODES kwok GPU node(s)" bash -c \
+  "${KC[*]} wait --for=condition=Ready node -l type=kwok --timeout=2s"
+wait_for "default ServiceAccount" "${KC[@]}" -n default get serviceaccount default
+alive kwok
+
+write_env ready
+trap - ERR
+log "control plane up in $(elapsed)s: $SERVER (KUBECONFIG=$DIR/kubeconfig)"
+echo "$ENVF"

@@ -1,0 +1,272 @@
+"""`AsyncEngine`: the engine's step loop on one background thread, streamed to asyncio.
+
+Torch on the CPU would block the event loop for a whole step, so every `Engine` call happens
+on the engine thread; the event loop only exchanges commands and outputs with it.
+
+    engine = AsyncEngine.from_config(EngineConfig(model="tiny"))
+    await engine.start()
+    try:
+        async for out in engine.stream("req-1", prompt_ids, SamplingParams(max_tokens=32)):
+            ...  # RequestOutput deltas; the last one has finished=True
+    except RequestRejected as exc:  # raised before the first output: map to HTTP 400
+        ...
+    await engine.shutdown(grace_s=10)
+
+- `stream(request_id, prompt_token_ids, params)` is an async generator. The request is
+  submitted on the first `__anext__`, which raises `RequestRejected` (bad request: too long,
+  token ids outside the vocabulary, duplicate id) or `EngineClosed` (shutting down: HTTP 503)
+  before anything is yielded. Closing the generator early (client disconnect, `aclose()`,
+  task cancellation) aborts the request, which frees its KV blocks.
+- `abort(request_id)` may be called from any thread; the stream then ends with a final output
+  whose unfinished completions carry `finish_reason="abort"`.
+- `stats()` returns the snapshot published after the latest step (no waiting on the thread).
+- `shutdown(grace_s)` stops admitting, lets running requests finish for up to `grace_s`
+  seconds, aborts the rest and stops the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from headroom.engine.config import EngineConfig
+from headroom.engine.engine import Engine
+from headroom.engine.outputs import RequestOutput
+from headroom.engine.sampling import SamplingParams
+from headroom.engine.scheduler import RequestRejected
+from headroom.engine.stats import StatsSnapshot
+
+log = logging.getLogger(__name__)
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shutting down or stopped and takes no new requests."""
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: asyncio.Queue[RequestOutput | BaseException]
+    loop: asyncio.AbstractEventLoop
+    done: concurrent.futures.Future[None]
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class _AbortAll:
+    pass
+
+
+_Command = _Add | _Abort | _AbortAll
+
+
+class AsyncEngine:
+    """Owns an `Engine` and the single thread allowed to drive it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._thread: threading.Thread | None = None
+        self._accepting = False
+        self._stopped = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._stats = engine.stats()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        """Build the engine (loads the model, allocates KV) without starting the thread."""
+        return cls(Engine.from_config(config))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    async def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="headroom-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def stream(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its `RequestOutput` deltas until it finishes."""
+        if not self._accepting or not self.running:
+            raise EngineClosed("the engine is not accepting requests")
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._send(_Add(request_id, list(prompt_token_ids), params, sink, loop, done))
+        finished = False
+        try:
+            try:
+                await asyncio.wrap_future(done)  # RequestRejected / EngineClosed surface here
+            except Exception:
+                finished = True  # never admitted: nothing to abort
+                raise
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its blocks are freed before the next step."""
+        self._send(_Abort(request_id))
+
+    def stats(self) -> StatsSnapshot:
+        """The latest published snapshot, stamped with the current time."""
+        return self._stats.model_copy(update={"time": time.time()})
+
+    async def shutdown(self, grace_s: float = 10.0) -> None:
+        """Stop admitting, wait up to `grace_s` for running requests, abort the rest, stop."""
+        self._accepting = False
+        thread = self._thread
+        if thread is None:
+            return
+        deadline = time.monotonic() + max(0.0, grace_s)
+        while not self._idle.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self._send(_AbortAll())
+        self._commands.put(None)
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+
+    # -- the engine thread ------------------------------------------------------------------
+
+    def _send(self, command: _Command) -> None:
+        self._commands.put(command)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            block = not engine.has_unfinished()
+            try:
+                command = self._commands.get(block=block, timeout=None if block else 0)
+            except queue.Empty:
+                command = None
+                stop = False
+            else:
+                stop = command is None
+                if command is not None:
+                    self._handle(command)
+                    # Drain every queued command before the next step.
+                    while True:
+                        try:
+                            nxt = self._commands.get_nowait()
+                        except queue.Empty:
+                            break
+                        if nxt is None:
+                            stop = True
+                            break
+                        self._handle(nxt)
+            if stop:
+                self._abort_all()
+                self._publish()
+                self._idle.set()
+                return
+            if engine.has_unfinished():
+                self._idle.clear()
+                try:
+                    outputs = engine.step()
+                except Exception as exc:  # never let one bad step kill the thread
+                    log.exception("engine step failed; aborting in-flight requests")
+                    self._fail_all(exc)
+                    outputs = []
+                for out in outputs:
+                    self._deliver(out)
+            if not engine.has_unfinished():
+                self._idle.set()
+            self._publish()
+
+    def _handle(self, command: _Command) -> None:
+        engine = self.engine
+        if isinstance(command, _Add):
+            if not self._accepting:
+                command.done.set_exception(EngineClosed("the engine is shutting down"))
+                return
+            try:
+                engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+            except Exception as exc:
+                command.done.set_exception(exc)
+                return
+            self._sinks[command.request_id] = (command.loop, command.sink)
+            self._idle.clear()
+            command.done.set_result(None)
+        elif isinstance(command, _Abort):
+            out = engine.abort(command.request_id)
+            if out is not None:
+                self._deliver(out)
+        else:
+            self._abort_all()
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._sinks):
+            out = self.engine.abort(request_id)
+            if out is not None:
+                self._deliver(out)
+            self._sinks.pop(request_id, None)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id, (loop, sink) in list(self._sinks.items()):
+            self.engine.abort(request_id)
+            loop.call_soon_threadsafe(sink.put_nowait, RuntimeError(f"engine step failed: {exc}"))
+        self._sinks.clear()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        target = self._sinks.get(out.request_id)
+        if target is None:
+            return
+        loop, sink = target
+        if out.finished:
+            del self._sinks[out.request_id]
+        try:
+            loop.call_soon_threadsafe(sink.put_nowait, out)
+        except RuntimeError:  # the consumer's loop is closed; nobody is listening
+            pass
+
+    def _publish(self) -> None:
+        try:
+            self._stats = self.engine.stats()
+        except Exception:
+            log.exception("stats snapshot failed")
+
+
+__all__ = ["AsyncEngine", "EngineClosed", "RequestRejected"]

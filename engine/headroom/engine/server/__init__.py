@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server of the engine (`headroom serve`)."""

@@ -1,0 +1,116 @@
+"""The startup budget: what the weights take, how big the KV pool is in blocks and tokens, and
+how many max-length sequences fit, as one readable line; and the fail-fast check that the pool
+holds at least one `max_model_len` sequence (instead of a cryptic error on the first request).
+Pure arithmetic over `headroom.engine.budget`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from headroom.engine.budget import (
+    KVCacheDtype,
+    ModelArch,
+    blocks_for_tokens,
+    kv_bytes_per_block,
+    kv_bytes_per_token,
+)
+
+MIB = 2**20
+
+# torch dtype names -> the budget model's element types.
+_BUDGET_DTYPES: dict[str, KVCacheDtype] = {
+    "float32": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "fp32": "fp32",
+    "bf16": "bf16",
+    "fp16": "fp16",
+}
+
+
+class PoolTooSmall(ValueError):
+    """The KV pool cannot hold one sequence of `max_model_len` tokens."""
+
+
+def budget_kv_dtype(kv_cache_dtype: str, model_dtype: str) -> KVCacheDtype:
+    """The budget model's KV element type: `auto` stores KV in the model's dtype."""
+    if kv_cache_dtype in ("fp8", "int8"):
+        return kv_cache_dtype  # type: ignore[return-value]
+    return _BUDGET_DTYPES.get(model_dtype, "bf16")
+
+
+def _mib(n: float) -> str:
+    return f"{n / MIB:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetReport:
+    """The figures behind the startup line."""
+
+    model: str
+    arch: ModelArch
+    weights_bytes: int
+    weights_dtype: str
+    kv_dtype: KVCacheDtype
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    max_num_seqs: int | None = None
+
+    @property
+    def bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.arch, self.kv_dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return kv_bytes_per_block(self.arch, self.block_size, self.kv_dtype)
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def blocks_per_max_len_seq(self) -> int:
+        return blocks_for_tokens(self.max_model_len, self.block_size)
+
+    @property
+    def max_concurrency(self) -> int:
+        """Sequences of max_model_len tokens the pool holds at once (no prefix sharing)."""
+        return self.num_blocks // self.blocks_per_max_len_seq
+
+    def line(self) -> str:
+        cap = ""
+        if self.max_num_seqs is not None and self.max_num_seqs < self.max_concurrency:
+            cap = f" (scheduler caps at max_num_seqs {self.max_num_seqs})"
+        return (
+            f"budget: model {self.model} | weights {_mib(self.weights_bytes)} "
+            f"({self.weights_dtype}) | KV {self.bytes_per_token:,} B/token ({self.kv_dtype}) | "
+            f"pool {self.num_blocks:,} blocks x {self.block_size} = {self.pool_tokens:,} tokens "
+            f"({_mib(self.pool_bytes)}) | max concurrency at max_model_len "
+            f"{self.max_model_len:,}: {self.max_concurrency:,} sequences{cap}"
+        )
+
+    def check(self) -> None:
+        """Raise PoolTooSmall, with the numbers and the fixes, when one sequence cannot fit."""
+        need = self.blocks_per_max_len_seq
+        if self.num_blocks >= need:
+            return
+        raise PoolTooSmall(
+            f"KV pool of {self.num_blocks:,} blocks x {self.block_size} tokens = "
+            f"{self.pool_tokens:,} tokens ({_mib(self.pool_bytes)}) cannot hold one sequence of "
+            f"max_model_len {self.max_model_len:,} tokens, which needs {need:,} blocks "
+            f"({_mib(need * self.bytes_per_block)} at {self.bytes_per_token:,} B/token); "
+            f"raise --num-blocks to at least {need:,} (or --kv-cache-memory to at least "
+            f"{need * self.bytes_per_block:,} bytes) or lower --max-model-len to "
+            f"{self.pool_tokens:,} or less"
+        )
+
+
+def blocks_from_memory(arch: ModelArch, memory_bytes: int, block_size: int,
+                       kv_dtype: KVCacheDtype) -> int:  # fmt: skip
+    """Blocks a KV memory budget holds for this architecture."""
+    return memory_bytes // kv_bytes_per_block(arch, block_size, kv_dtype)

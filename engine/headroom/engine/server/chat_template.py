@@ -1,0 +1,132 @@
+"""Chat templates: turning `messages` into the prompt text a model was trained on.
+
+A model directory's own template wins: `chat_template.jinja` beside the weights, else the
+`chat_template` key of `tokenizer_config.json` (a string, or a list of named templates of which
+"default" is used). It is rendered the way Hugging Face renders it: a sandboxed Jinja
+environment with `trim_blocks`/`lstrip_blocks`, `raise_exception`, `strftime_now`, the
+`tojson` filter, and the tokenizer's special tokens (`bos_token`, `eos_token`, ...) as
+variables.
+
+The built-in `tiny` model (and a directory without a template) uses DEFAULT_TEMPLATE, which
+renders each message as a role header line and its content, then opens the assistant turn::
+
+    <|system|>
+    You are terse.
+    <|user|>
+    Hi!
+    <|assistant|>
+
+Role headers are plain text, so the byte-level tiny tokenizer needs no special tokens for them.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+DEFAULT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+DEFAULT_SOURCE = "built-in (<|role|> headers)"
+
+
+class ChatTemplateError(ValueError):
+    """The template rejected the conversation (e.g. roles that do not alternate)."""
+
+
+def _raise(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **_: Any) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json stores special tokens as strings or as AddedToken dicts.
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+class ChatTemplate:
+    """A compiled chat template plus the special-token variables it may refer to."""
+
+    def __init__(self, source_text: str, source: str, tokens: dict[str, str] | None = None):
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            self._template = env.from_string(source_text)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"chat template from {source} does not compile: {e}") from e
+        self.source = source
+        self.tokens = dict(tokens or {})
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.tokens.get("bos_token") or None
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages`; raises ChatTemplateError on a rejected conversation."""
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.tokens
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template failed: {e}") from e
+
+
+def default_template() -> ChatTemplate:
+    """The documented template of the built-in tiny model."""
+    return ChatTemplate(DEFAULT_TEMPLATE, DEFAULT_SOURCE)
+
+
+def load_chat_template(model: str | Path) -> ChatTemplate:
+    """The model directory's own template, else the default one (`model="tiny"` included)."""
+    if str(model) == "tiny":
+        return default_template()
+    root = Path(model)
+    config_path = root / "tokenizer_config.json"
+    config: dict[str, Any] = {}
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config_path} is not valid JSON: {e}") from e
+    tokens = {
+        k: text
+        for k, v in config.items()
+        if k.endswith("_token") and (text := _token_text(v)) is not None
+    }
+    jinja_file = root / "chat_template.jinja"
+    if jinja_file.is_file():
+        return ChatTemplate(jinja_file.read_text(), str(jinja_file), tokens)
+    raw = config.get("chat_template")
+    if isinstance(raw, list):
+        named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
+        raw = named.get("default") or next(iter(named.values()), None)
+    if isinstance(raw, str) and raw.strip():
+        return ChatTemplate(raw, f"{config_path} (chat_template)", tokens)
+    tmpl = default_template()
+    tmpl.tokens = tokens
+    return tmpl

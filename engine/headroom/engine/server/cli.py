@@ -1,0 +1,163 @@
+"""`headroom serve` (and `python -m headroom.engine.server`): the engine behind an
+OpenAI-compatible HTTP API. Flag names are a contract: the operator renders pods with them."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import sys
+
+from headroom.engine.config import EngineConfig
+from headroom.engine.server.app import DEFAULT_MAX_BODY_BYTES, ServerSettings
+from headroom.engine.server.auth import API_KEY_ENV
+from headroom.engine.server.runner import ListenConfig, serve
+from pydantic import ValidationError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """`4GiB`, `512MiB`, `2G`, `1.5e9` or plain bytes -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: use bytes or a unit (KiB, MiB, GiB, K, M, G)"
+        )
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least 1 byte, got {text!r}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `headroom serve`."""
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default="tiny", help='"tiny" or a local Hugging Face directory')
+    m.add_argument("--served-model-name", help="name clients ask for (default: the model)")
+    m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    m.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    m.add_argument("--seed", type=int, default=0, help="seed for requests without one")
+    h = p.add_argument_group("http")
+    h.add_argument("--host", default="127.0.0.1")
+    h.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    h.add_argument("--stats-host", help="open listener for /health /ready /stats")
+    h.add_argument("--stats-port", type=int, help="default: served on the main listener only")
+    h.add_argument("--api-key", help=f"bearer token for /v1/* (env {API_KEY_ENV})")
+    h.add_argument("--max-body-bytes", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES)
+    h.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds running requests get to finish on SIGTERM")  # fmt: skip
+    h.add_argument("--log-level", default="warning",
+                   choices=["debug", "info", "warning", "error"])  # fmt: skip
+    k = p.add_argument_group("kv cache and batching")
+    k.add_argument("--block-size", type=int, default=16)
+    pool = k.add_mutually_exclusive_group()
+    pool.add_argument("--num-blocks", type=int, help="exact KV pool size in blocks")
+    pool.add_argument("--kv-cache-memory", type=parse_bytes,
+                      help="KV pool size in bytes or with a unit (e.g. 2GiB)")  # fmt: skip
+    k.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"])
+    k.add_argument("--max-model-len", type=int, help="default: the model's context length")
+    k.add_argument("--max-num-seqs", type=int, default=256)
+    k.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    k.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True)  # fmt: skip
+    k.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cuda"])
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `headroom serve`."""
+    p = subparsers.add_parser(
+        "serve",
+        help="run the engine behind an OpenAI-compatible HTTP API",
+        description="Serve /v1/completions, /v1/chat/completions and /v1/models, plus "
+        "/health, /ready and /stats (the sidecar's input).",
+    )
+    add_arguments(p)
+
+
+def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerSettings, ListenConfig]:
+    """Validated configs from the flags (ValidationError names the bad field)."""
+    engine = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+    )
+    name = args.served_model_name or (
+        "tiny" if args.model == "tiny" else os.path.basename(os.path.normpath(args.model))
+    )
+    settings = ServerSettings(
+        served_model_name=name,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_grace_s=args.shutdown_grace,
+    )
+    listen = ListenConfig(
+        host=args.host, port=args.port, stats_host=args.stats_host, stats_port=args.stats_port
+    )
+    return engine, settings, listen
+
+
+def _flag_errors(err: ValidationError) -> str:
+    flags = {
+        "kv_cache_memory_bytes": "--kv-cache-memory",
+        "shutdown_grace_s": "--shutdown-grace",
+        "served_model_name": "--served-model-name",
+    }
+    parts = []
+    for e in err.errors(include_url=False):
+        field = ".".join(str(x) for x in e["loc"])
+        flag = flags.get(field, "--" + field.replace("_", "-")) if field else "flags"
+        parts.append(f"{flag}: {str(e['msg']).removeprefix('Value error, ')}")
+    return "; ".join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `headroom serve`: 0 after a graceful shutdown, 2 on bad flags or a pool
+    too small for one max-length sequence, 1 when the model fails to load."""
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper()),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        engine, settings, listen = build_configs(args)
+    except ValidationError as e:
+        print(f"headroom serve: {_flag_errors(e)}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(engine, settings, listen))
+    except OSError as e:  # e.g. the port is taken
+        print(f"headroom serve: {e}", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m headroom.engine.server ...`."""
+    parser = argparse.ArgumentParser(prog="python -m headroom.engine.server")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,275 @@
+"""OpenAI-compatible request, response and error bodies (pydantic).
+
+Requests forbid unknown fields so a typo (`max_token`) is a 400 naming the field instead of a
+silently ignored setting. Fields OpenAI defines but the engine does not implement (penalties,
+logprobs, logit_bias, echo, suffix, best_of > n) are accepted only at their neutral value; any
+other value is a 400 that says so. vLLM's extensions `top_k`, `ignore_eos` and `stop_token_ids`
+are accepted so the same clients (and `headroom load`) work against either server.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+FinishReason = Literal["stop", "length", "abort"]
+
+MAX_N = 64
+MAX_STOP_STRINGS = 16
+MAX_BATCH_PROMPTS = 64
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+def _neutral(name: str, value: Any, neutral: Any) -> None:
+    if value is not None and value != neutral:
+        raise ValueError(f"{name}={value!r} is not supported by this server (only {neutral!r})")
+
+
+class _SamplingFields(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1, description="vLLM extension; -1 or 0 = off")
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> _SamplingFields:
+        _neutral("presence_penalty", self.presence_penalty, 0.0)
+        _neutral("frequency_penalty", self.frequency_penalty, 0.0)
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this server")
+        return self
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_SamplingFields):
+    """`POST /v1/completions`."""
+
+    prompt: Prompt
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v: Prompt) -> Prompt:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be an empty list")
+            if len(v) > MAX_BATCH_PROMPTS and not isinstance(v[0], int):
+                raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(v)}")
+            if isinstance(v[0], list) and any(not p for p in v):
+                raise ValueError("token-id prompts must not be empty")
+            if isinstance(v[0], int) and any(t < 0 for t in v):
+                raise ValueError("token ids must be >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported_completion(self) -> CompletionRequest:
+        _neutral("echo", self.echo, False)
+        _neutral("logprobs", self.logprobs, 0)
+        _neutral("suffix", self.suffix, "")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} is not supported (only best_of == n)")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) of this request, one entry per engine request."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _unsupported_chat(self) -> ChatCompletionRequest:
+        _neutral("logprobs", self.logprobs, False)
+        _neutral("top_logprobs", self.top_logprobs, 0)
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+# --- responses -----------------------------------------------------------------------------
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def new_id(prefix: str) -> str:
+    """An OpenAI-style object id (`cmpl-...`, `chatcmpl-...`)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "headroom"
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    """OpenAI's error envelope: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo

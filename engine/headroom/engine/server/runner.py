@@ -1,0 +1,182 @@
+"""Running the server: listeners first (so `/health` answers while weights load), then the
+engine, the budget line, and on SIGTERM/SIGINT a graceful drain that exits 0.
+
+Shutdown order: stop admitting (`/v1/*` -> 503, `/ready` -> 503), let the engine finish or
+abort what runs within the grace period (aborted completions end with finish_reason "abort"),
+wait for the handlers to write their last bytes, then close the listeners.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from typing import Any, TextIO
+
+from aiohttp import web
+from headroom.engine.budget import ModelArch
+from headroom.engine.config import EngineConfig
+from headroom.engine.server.app import ServerSettings, ServerState, create_app
+from headroom.engine.server.budget_report import BudgetReport, budget_kv_dtype
+from headroom.engine.server.chat_template import load_chat_template
+from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger("headroom.server")
+
+# Seconds the handlers get, after the engine drained, to write their final chunks.
+HANDLER_FLUSH_S = 5.0
+
+
+class ListenConfig(BaseModel):
+    """Where to listen; the stats listener (open /health, /ready, /stats) defaults to the main."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    stats_host: str | None = None
+    stats_port: int | None = Field(default=None, ge=0, le=65535)
+
+    @property
+    def separate_stats(self) -> bool:
+        return self.stats_port is not None
+
+
+def model_arch(engine: Any) -> ModelArch:
+    """The budget model's record of the engine's loaded architecture."""
+    loaded = engine.loaded
+    cfg = loaded.config
+    params = sum(p.numel() for p in loaded.model.parameters())
+    return ModelArch(
+        name=str(loaded.name),
+        num_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        num_parameters=max(1, params),
+        weight_dtype=budget_kv_dtype("auto", str(loaded.dtype).removeprefix("torch.")),
+    )
+
+
+def budget_report(engine: Any, config: EngineConfig) -> BudgetReport:
+    """The startup figures of a built engine (pool as allocated, weights as loaded)."""
+    loaded = engine.loaded
+    sched = engine.scheduler.config
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    return BudgetReport(
+        model=str(loaded.name),
+        arch=model_arch(engine),
+        weights_bytes=weights,
+        weights_dtype=dtype,
+        kv_dtype=budget_kv_dtype(config.kv_cache_dtype, dtype),
+        block_size=sched.block_size,
+        num_blocks=sched.num_blocks,
+        max_model_len=sched.max_model_len,
+        max_num_seqs=sched.max_num_seqs,
+    )
+
+
+def build_engine(config: EngineConfig) -> Any:
+    """Load the model and allocate the pool (blocking; run it off the event loop)."""
+    from headroom.engine.async_engine import AsyncEngine
+    from headroom.engine.engine import Engine
+
+    return AsyncEngine(Engine.from_config(config))
+
+
+async def _start_site(runner: web.AppRunner, host: str, port: int) -> tuple[web.TCPSite, int]:
+    site = web.TCPSite(runner, host, port, shutdown_timeout=HANDLER_FLUSH_S)
+    await site.start()
+    server = site._server  # aiohttp keeps the bound sockets here; needed for port 0
+    sockets = getattr(server, "sockets", None) or []
+    bound = sockets[0].getsockname()[1] if sockets else port
+    return site, int(bound)
+
+
+async def serve(
+    config: EngineConfig,
+    settings: ServerSettings,
+    listen: ListenConfig,
+    *,
+    stop: asyncio.Event | None = None,
+    out: TextIO | None = None,
+) -> int:
+    """Run until `stop` is set (or SIGTERM/SIGINT); 0 after a clean drain, 1 if the model
+    failed to load, 2 if the KV pool cannot hold one max-length sequence."""
+    out = out or sys.stdout
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        # Fails off the main thread (tests run serve() in one); the caller sets `stop` then.
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+    state = ServerState(settings, max_model_len=config.max_model_len or 0)
+    access_log = logging.getLogger("aiohttp.access") if log.isEnabledFor(logging.DEBUG) else None
+    runners: list[web.AppRunner] = []
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its
+    # engine requests (see app.Generation) instead of computing tokens nobody reads.
+    main = web.AppRunner(create_app(state), handler_cancellation=True, access_log=access_log)
+    await main.setup()
+    runners.append(main)
+    _, port = await _start_site(main, listen.host, listen.port)
+    print(f"headroom serve: listening on http://{listen.host}:{port}", file=out, flush=True)
+    if listen.separate_stats:
+        ops = web.AppRunner(create_app(state, api=False), access_log=None)
+        await ops.setup()
+        runners.append(ops)
+        stats_host = listen.stats_host or listen.host
+        assert listen.stats_port is not None
+        _, sport = await _start_site(ops, stats_host, listen.stats_port)
+        print(f"headroom serve: /health /ready /stats on http://{stats_host}:{sport}", file=out,
+              flush=True)  # fmt: skip
+    engine: Any = None
+    try:
+        try:
+            engine = await asyncio.to_thread(build_engine, config)
+        except (ValueError, OSError) as e:
+            state.load_error = f"model failed to load: {e}"
+            print(f"headroom serve: {state.load_error}", file=sys.stderr, flush=True)
+            return 1
+        report = budget_report(engine, config)
+        print(f"headroom serve: {report.line()}", file=out, flush=True)
+        try:
+            report.check()
+        except ValueError as e:
+            state.load_error = str(e)
+            print(f"headroom serve: {e}", file=sys.stderr, flush=True)
+            return 2
+        await engine.start()
+        state.tokenizer = engine.tokenizer
+        state.max_model_len = report.max_model_len
+        state.chat_template = load_chat_template(config.model)
+        from headroom.engine.sampling import SamplingParams
+        from headroom.engine.scheduler import RequestRejected
+
+        state.sampling_params = SamplingParams
+        state.rejected_error = RequestRejected
+        state.engine = engine
+        print(
+            f"headroom serve: ready, model '{settings.served_model_name}', chat template "
+            f"{state.chat_template.source}",
+            file=out,
+            flush=True,
+        )
+        await stop.wait()
+        print("headroom serve: shutting down", file=out, flush=True)
+        state.draining = True
+        await engine.shutdown(settings.shutdown_grace_s)
+        if not await state.wait_idle(HANDLER_FLUSH_S):
+            log.warning("handlers still running after drain: %d", state.active)
+    finally:
+        state.draining = True
+        for r in reversed(runners):
+            await r.cleanup()
+    print("headroom serve: stopped", file=out, flush=True)
+    return 0

@@ -1,0 +1,53 @@
+"""Server-sent events as OpenAI streams them: one `data: <json>` event per chunk, then
+`data: [DONE]`."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "Connection": "keep-alive",
+    # Reverse proxies (nginx) buffer responses by default, which would hold back every token.
+    "X-Accel-Buffering": "no",
+}
+
+
+def encode_event(data: BaseModel | dict[str, Any] | str) -> bytes:
+    """One SSE `data:` event; models are dumped without None-valued keys they do not need."""
+    if isinstance(data, BaseModel):
+        payload = data.model_dump_json()
+    elif isinstance(data, dict):
+        payload = json.dumps(data, separators=(",", ":"))
+    else:
+        payload = data
+    return f"data: {payload}\n\n".encode()
+
+
+class SSEWriter:
+    """Streams events on one response. A write to a client that went away raises
+    `ConnectionResetError`, which the handler treats as a disconnect."""
+
+    def __init__(self, request: web.Request, headers: dict[str, str] | None = None) -> None:
+        self._request = request
+        self.response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **(headers or {})})
+        self._started = False
+
+    async def start(self) -> None:
+        if not self._started:
+            await self.response.prepare(self._request)
+            self._started = True
+
+    async def send(self, data: BaseModel | dict[str, Any] | str) -> None:
+        await self.start()
+        await self.response.write(encode_event(data))
+
+    async def done(self) -> None:
+        """Write the `[DONE]` sentinel and finish the response."""
+        await self.send("[DONE]")
+        await self.response.write_eof()

@@ -1,0 +1,246 @@
+"""A thin, synchronous Kubernetes REST shell: server-side apply, get, list, discovery.
+
+Built on the `kubernetes` client's authenticated transport (kubeconfig or in-cluster service
+account) but speaking plain JSON, so the operator handles manifests as dicts end to end. Calls
+block; the kopf handlers run them in worker threads (`asyncio.to_thread`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import kubernetes
+import urllib3
+
+from headroom.operator.children import FIELD_MANAGER
+from headroom.operator.models import GROUP, KIND, PLURAL, VERSION
+
+log = logging.getLogger("headroom.operator.kube")
+T = TypeVar("T")
+
+# Plural names of the kinds the operator touches (no discovery round trip needed for them).
+PLURALS: dict[tuple[str, str], str] = {
+    ("v1", "Pod"): "pods",
+    ("v1", "Service"): "services",
+    ("v1", "Event"): "events",
+    ("apps/v1", "Deployment"): "deployments",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrules",
+    ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",
+    (f"{GROUP}/{VERSION}", KIND): PLURAL,
+}
+CLUSTER_SCOPED = {"CustomResourceDefinition", "Namespace"}
+TRANSIENT = {0, 409, 429, 500, 502, 503, 504}
+
+
+class KubeError(Exception):
+    """A failed API call, with the server's status code, reason and message."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+    @property
+    def transient(self) -> bool:
+        """Worth retrying: conflicts, throttling, server errors, connection failures."""
+        return self.status in TRANSIENT
+
+
+def object_path(api_version: str, kind: str, namespace: str | None, name: str | None = None) -> str:
+    """The REST path of a collection or an object."""
+    try:
+        plural = PLURALS[(api_version, kind)]
+    except KeyError:
+        raise ValueError(f"no plural known for {api_version} {kind}") from None
+    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    if namespace and kind not in CLUSTER_SCOPED:
+        base += f"/namespaces/{namespace}"
+    base += f"/{plural}"
+    return f"{base}/{name}" if name else base
+
+
+def load_configuration(kubeconfig: str | None = None) -> kubernetes.client.Configuration:
+    """Credentials from a kubeconfig file, else in-cluster, else the default kubeconfig."""
+    cfg = kubernetes.client.Configuration()
+    if kubeconfig:
+        kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+        kubernetes.config.load_incluster_config(client_configuration=cfg)
+    else:
+        kubernetes.config.load_kube_config(client_configuration=cfg)
+    return cfg
+
+
+class Kube:
+    """JSON over the API server, with server-side apply under headroom's field manager."""
+
+    def __init__(self, configuration: kubernetes.client.Configuration, timeout: float = 15.0):
+        self.configuration = configuration
+        self.api = kubernetes.client.ApiClient(configuration)
+        self.timeout = timeout
+        self._discovery: dict[str, tuple[float, frozenset[str]]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def connect(cls, kubeconfig: str | None = None) -> Kube:
+        """A client for the cluster named by `kubeconfig` (or in-cluster)."""
+        return cls(load_configuration(kubeconfig))
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: list[tuple[str, str]] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        """One API call; returns the decoded JSON body, raises KubeError on non-2xx."""
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        req = self.api.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query or [],
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        try:
+            resp = self.api.call_api(*req, _request_timeout=self.timeout)
+            data = resp.read()
+        except kubernetes.client.exceptions.ApiException as exc:
+            raise _error(exc.status or 0, exc.reason or "", exc.body) from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise KubeError(0, "ConnectionError", str(exc)) from None
+        if not 200 <= resp.status <= 299:
+            raise _error(resp.status, resp.reason or "", data)
+        return json.loads(data) if data else None
+
+    def get(
+        self, api_version: str, kind: str, namespace: str | None, name: str
+    ) -> dict[str, Any] | None:
+        """The object, or None when it does not exist."""
+        try:
+            obj: dict[str, Any] = self.request(
+                "GET", object_path(api_version, kind, namespace, name)
+            )
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return obj
+
+    def list(
+        self, api_version: str, kind: str, namespace: str | None, label_selector: str = ""
+    ) -> list[dict[str, Any]]:
+        """Objects of a kind in a namespace, optionally filtered by labels."""
+        query = [("labelSelector", label_selector)] if label_selector else []
+        out = self.request("GET", object_path(api_version, kind, namespace), query=query)
+        items: list[dict[str, Any]] = out.get("items", [])
+        return items
+
+    def apply(
+        self, obj: dict[str, Any], *, field_manager: str = FIELD_MANAGER, force: bool = True
+    ) -> dict[str, Any]:
+        """Server-side apply: the fields in `obj` become owned by `field_manager`."""
+        meta = obj["metadata"]
+        path = object_path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+        query = [("fieldManager", field_manager)]
+        if force:
+            query.append(("force", "true"))
+        out: dict[str, Any] = self.request(
+            "PATCH", path, query=query, body=obj, content_type="application/apply-patch+yaml"
+        )
+        return out
+
+    def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
+        """Delete with background propagation; False when it was already gone."""
+        try:
+            self.request(
+                "DELETE",
+                object_path(api_version, kind, namespace, name),
+                body={"propagationPolicy": "Background"},
+            )
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    def served_kinds(self, group_version: str, ttl: float = 60.0) -> frozenset[str]:
+        """Kinds the API server serves for a group/version (empty when absent); cached."""
+        now = time.monotonic()
+        with self._lock:
+            hit = self._discovery.get(group_version)
+            if hit and now - hit[0] < ttl:
+                return hit[1]
+        path = f"/apis/{group_version}" if "/" in group_version else f"/api/{group_version}"
+        try:
+            doc = self.request("GET", path)
+            kinds = frozenset(
+                r["kind"] for r in doc.get("resources", []) if "/" not in r.get("name", "/")
+            )
+        except KubeError as exc:
+            if exc.status not in (404, 503):
+                raise
+            kinds = frozenset()
+        with self._lock:
+            self._discovery[group_version] = (now, kinds)
+        return kinds
+
+
+def _error(status: int, reason: str, body: Any) -> KubeError:
+    message = ""
+    if isinstance(body, bytes | str):
+        try:
+            doc = json.loads(body)
+            message = doc.get("message", "") if isinstance(doc, dict) else str(doc)
+            reason = doc.get("reason", reason) if isinstance(doc, dict) else reason
+        except ValueError:
+            message = body.decode(errors="replace") if isinstance(body, bytes) else body
+    return KubeError(status, reason or "Error", message[:2000])
+
+
+def with_retries(
+    fn: Callable[[], T],
+    *,
+    attempts: int = 4,
+    base_delay: float = 0.25,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """Call `fn`, retrying transient KubeErrors with exponential backoff and jitter."""
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except KubeError as exc:
+            if not exc.transient or attempt == attempts - 1:
+                raise
+            delay = base_delay * 2**attempt * (0.5 + random.random())
+            log.debug("transient API error, retrying", extra={"error": str(exc), "delay": delay})
+            sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def owns_field(obj: dict[str, Any], manager: str, path: tuple[str, ...]) -> bool:
+    """Whether `manager` holds `path` (e.g. ("spec", "replicas")) through server-side apply."""
+    for entry in obj.get("metadata", {}).get("managedFields", []) or []:
+        if entry.get("manager") != manager or entry.get("operation") != "Apply":
+            continue
+        node = entry.get("fieldsV1", {})
+        for part in path:
+            node = node.get(f"f:{part}")
+            if node is None:
+                break
+        else:
+            return True
+    return False

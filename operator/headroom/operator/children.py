@@ -1,0 +1,401 @@
+"""The objects an InferenceDeployment owns, rendered as plain dicts (pure: no API calls).
+
+A Deployment (engine + sidecar containers, the engine told to allocate exactly the planned KV
+pool), a Service, a PodDisruptionBudget, and, when the Prometheus operator's CRDs exist, a
+ServiceMonitor and a PrometheusRule. Every object carries a controller owner reference, so
+deleting the InferenceDeployment garbage-collects them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from headroom.operator.models import GROUP, KIND, VERSION, InferenceDeploymentSpec
+from headroom.operator.sizing import Sizing, served_model_name
+
+FIELD_MANAGER = "headroom-operator"
+SELECTOR_LABEL = f"{GROUP}/inferencedeployment"
+ENGINE_PORT = 8000
+SIDECAR_PORT = 9090
+RUN_AS_USER = 10001
+MODELS_MOUNT = "/models"
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The InferenceDeployment the children belong to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+
+def owner_reference(owner: Owner) -> dict[str, Any]:
+    """A controller reference; blockOwnerDeletion makes foreground deletion wait for children."""
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": owner.name,
+        "uid": owner.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The labels that pick this deployment's pods."""
+    return {SELECTOR_LABEL: name}
+
+
+def selector_string(name: str) -> str:
+    """status.selector, the form /scale and `kubectl get -l` take."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+
+
+def labels(name: str, component: str = "inference") -> dict[str, str]:
+    """Recommended labels plus the selector label."""
+    return {
+        "app.kubernetes.io/name": "headroom",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": FIELD_MANAGER,
+        **selector_labels(name),
+    }
+
+
+def _meta(owner: Owner, name: str | None = None) -> dict[str, Any]:
+    return {
+        "name": name or owner.name,
+        "namespace": owner.namespace,
+        "labels": labels(owner.name),
+        "ownerReferences": [owner_reference(owner)],
+    }
+
+
+def engine_args(spec: InferenceDeploymentSpec, sizing: Sizing, resource_name: str) -> list[str]:
+    """`headroom serve` flags: the pool is exactly the planned `kv_blocks_per_pod`."""
+    e, p = spec.engine, sizing.plan
+    return [
+        "serve",
+        "--model",
+        spec.model.path,
+        "--served-model-name",
+        served_model_name(spec, resource_name),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ENGINE_PORT),
+        "--block-size",
+        str(e.block_size),
+        "--num-blocks",
+        str(p.kv_blocks_per_pod),
+        "--kv-cache-dtype",
+        e.kv_cache_dtype,
+        "--max-model-len",
+        str(sizing.max_model_len),
+        "--max-num-seqs",
+        str(e.max_num_seqs),
+        "--enable-prefix-caching" if e.prefix_caching else "--no-enable-prefix-caching",
+        "--attention-backend",
+        e.attention_backend,
+    ]
+
+
+_CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "runAsUser": RUN_AS_USER,
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
+def _engine_container(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> dict[str, Any]:
+    gpus = str(spec.gpu.count_per_pod)
+    mounts = [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "shm", "mountPath": "/dev/shm"},
+    ]
+    if spec.model.volume_claim_name:
+        mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
+    return {
+        "name": "engine",
+        "image": spec.engine.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": ["headroom"],
+        "args": engine_args(spec, sizing, name),
+        "env": [
+            # The root filesystem is read-only: caches (torch, Hugging Face) go to /tmp.
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+        ],
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "resources": {
+            "requests": {
+                "cpu": spec.engine.cpu,
+                "memory": spec.engine.memory,
+                spec.gpu.resource_name: gpus,
+            },
+            "limits": {"memory": spec.engine.memory, spec.gpu.resource_name: gpus},
+        },
+        # Loading weights can take minutes; the startup probe holds liveness off until then.
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 90,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": "http"},
+            "periodSeconds": 5,
+            "timeoutSeconds": 3,
+            "failureThreshold": 3,
+        },
+        "securityContext": dict(_CONTAINER_SECURITY),
+        "volumeMounts": mounts,
+    }
+
+
+def _sidecar_container(spec: InferenceDeploymentSpec, name: str) -> dict[str, Any]:
+    def field(path: str) -> dict[str, Any]:
+        return {"fieldRef": {"fieldPath": path}}
+
+    return {
+        "name": "sidecar",
+        "image": spec.engine.sidecar_image or spec.engine.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": ["headroom"],
+        "args": [
+            "sidecar",
+            "--engine-url",
+            f"http://127.0.0.1:{ENGINE_PORT}",
+            "--port",
+            str(SIDECAR_PORT),
+        ],
+        "env": [
+            {"name": "POD_NAME", "valueFrom": field("metadata.name")},
+            {"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
+            {"name": "HEADROOM_INFERENCEDEPLOYMENT", "value": name},
+            {"name": "HOME", "value": "/tmp"},
+        ],
+        "ports": [{"name": "metrics", "containerPort": SIDECAR_PORT, "protocol": "TCP"}],
+        "resources": {
+            "requests": {"cpu": "100m", "memory": "128Mi"},
+            "limits": {"memory": "256Mi"},
+        },
+        "livenessProbe": {"tcpSocket": {"port": "metrics"}, "periodSeconds": 20},
+        "securityContext": dict(_CONTAINER_SECURITY),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+
+
+def deployment(
+    owner: Owner, spec: InferenceDeploymentSpec, sizing: Sizing, replicas: int | None
+) -> dict[str, Any]:
+    """The Deployment; `replicas=None` leaves the field to another owner (advisory mode)."""
+    volumes: list[dict[str, Any]] = [
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
+    ]
+    if spec.model.volume_claim_name:
+        volumes.append(
+            {
+                "name": "models",
+                "persistentVolumeClaim": {
+                    "claimName": spec.model.volume_claim_name,
+                    "readOnly": True,
+                },
+            }
+        )
+    pod_spec: dict[str, Any] = {
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+        "containers": [
+            _engine_container(spec, sizing, owner.name),
+            _sidecar_container(spec, owner.name),
+        ],
+        "volumes": volumes,
+        "tolerations": [
+            {"key": spec.gpu.resource_name, "operator": "Exists", "effect": "NoSchedule"}
+        ],
+    }
+    if spec.gpu.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.gpu.node_selector)
+    dep_spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(owner.name)},
+        # Never drop below the current capacity during a rollout: KV capacity is the product.
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        "template": {
+            "metadata": {
+                "labels": labels(owner.name),
+                "annotations": {
+                    "kubectl.kubernetes.io/default-container": "engine",
+                    f"{GROUP}/kv-blocks": str(sizing.plan.kv_blocks_per_pod),
+                },
+            },
+            "spec": pod_spec,
+        },
+    }
+    if replicas is not None:
+        dep_spec = {"replicas": replicas, **dep_spec}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(owner),
+        "spec": dep_spec,
+    }
+
+
+def service(owner: Owner) -> dict[str, Any]:
+    """A ClusterIP Service for the OpenAI API and the sidecar's metrics."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(owner.name),
+            "ports": [
+                {"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"},
+                {
+                    "name": "metrics",
+                    "port": SIDECAR_PORT,
+                    "targetPort": "metrics",
+                    "protocol": "TCP",
+                },
+            ],
+        },
+    }
+
+
+def pod_disruption_budget(owner: Owner) -> dict[str, Any]:
+    """Voluntary evictions (node drains) take one pod at a time."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(owner),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner.name)}},
+    }
+
+
+def service_monitor(owner: Owner, interval_seconds: int) -> dict[str, Any]:
+    """Prometheus operator scrape config for the sidecars."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _meta(owner),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(owner.name)},
+            "namespaceSelector": {"matchNames": [owner.namespace]},
+            "endpoints": [
+                {
+                    "port": "metrics",
+                    "path": "/metrics",
+                    "interval": f"{min(interval_seconds, 15)}s",
+                    # The sidecar sets namespace/pod/inferencedeployment itself; keep them.
+                    "honorLabels": True,
+                }
+            ],
+        },
+    }
+
+
+def alert_rules(owner: Owner, spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
+    """Per-deployment alerts over the metric contract."""
+    sel = f'namespace="{owner.namespace}",inferencedeployment="{owner.name}"'
+    lookahead = spec.scaling.saturation_lookahead_seconds
+    target = f"{owner.namespace}/{owner.name}"
+    return [
+        {
+            "alert": "HeadroomKVSaturationSoon",
+            "expr": f"min by (namespace, inferencedeployment, pod) "
+            f"(headroom_kv_saturation_eta_seconds{{{sel}}}) < {lookahead}",
+            "for": "2m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": f"{target}: a pod's KV cache fills within {lookahead}s",
+                "description": "Pod {{ $labels.pod }} saturates in {{ $value | humanizeDuration }}"
+                " at the current growth.",
+            },
+        },
+        {
+            "alert": "HeadroomKVCacheFull",
+            "expr": f"max by (namespace, inferencedeployment, pod) "
+            f"(headroom_kv_block_occupancy_ratio{{{sel}}}) >= 0.98",
+            "for": "1m",
+            "labels": {"severity": "critical"},
+            "annotations": {
+                "summary": f"{target}: KV cache full",
+                "description": "Pod {{ $labels.pod }} KV occupancy is {{ $value | humanizePercentage }}.",
+            },
+        },
+        {
+            "alert": "HeadroomPreempting",
+            "expr": f"sum by (namespace, inferencedeployment) "
+            f"(rate(headroom_preemptions_total{{{sel}}}[5m])) > 0",
+            "for": "5m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": f"{target}: sequences are preempted for lack of KV blocks",
+                "description": "{{ $value | humanize }} preemptions/s over 5 minutes.",
+            },
+        },
+        {
+            "alert": "HeadroomEngineDown",
+            "expr": f"max by (namespace, inferencedeployment, pod) "
+            f"(headroom_engine_up{{{sel}}}) == 0",
+            "for": "5m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": f"{target}: the sidecar cannot read its engine",
+                "description": "Pod {{ $labels.pod }} engine is not answering /stats.",
+            },
+        },
+    ]
+
+
+def prometheus_rule(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """The alerts as a PrometheusRule."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": _meta(owner),
+        "spec": {"groups": [{"name": f"headroom.{owner.namespace}.{owner.name}",
+                             "rules": alert_rules(owner, spec)}]},
+    }  # fmt: skip
+
+
+def render(
+    owner: Owner,
+    spec: InferenceDeploymentSpec,
+    sizing: Sizing,
+    replicas: int | None,
+    *,
+    monitoring: frozenset[str] = frozenset(),
+) -> list[dict[str, Any]]:
+    """All children in apply order; `monitoring` names the Prometheus operator kinds that
+    exist in the cluster (ServiceMonitor, PrometheusRule), and only those are rendered."""
+    objs = [
+        deployment(owner, spec, sizing, replicas),
+        service(owner),
+        pod_disruption_budget(owner),
+    ]
+    if "ServiceMonitor" in monitoring:
+        objs.append(service_monitor(owner, spec.scaling.interval_seconds))
+    if "PrometheusRule" in monitoring:
+        objs.append(prometheus_rule(owner, spec))
+    return objs

@@ -1,0 +1,104 @@
+"""`headroom operator` (run the controller) and `headroom crd` (print the CRD YAML).
+
+kopf and the Kubernetes client load inside `run_operator`, so building the parser stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from pydantic import ValidationError
+
+
+def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `headroom operator` and `headroom crd`."""
+    op = subparsers.add_parser(
+        "operator",
+        help="run the InferenceDeployment operator",
+        description="Reconcile InferenceDeployments (headroom.dev/v1alpha1): size pods from KV "
+        "arithmetic, own their Deployment, and scale it before the KV cache saturates.",
+    )
+    scope = op.add_mutually_exclusive_group()
+    scope.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        dest="namespaces",
+        metavar="NS",
+        help="watch this namespace (repeatable; globs like 'team-*' work)",
+    )
+    scope.add_argument(
+        "--all-namespaces", "-A", action="store_true", help="watch every namespace (default)"
+    )
+    op.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then ~/.kube)")
+    op.add_argument("--metrics-port", type=int, default=8080, help="/metrics port (0: off)")
+    op.add_argument("--liveness-port", type=int, default=0, help="/healthz port (0: off)")
+    op.add_argument(
+        "--prometheus-url", help="Prometheus base URL for scaling.metricsSource: prometheus"
+    )
+    op.add_argument("--sidecar-port", type=int, default=9090, help="sidecar /saturation port")
+    op.add_argument(
+        "--tick-seconds", type=float, default=5.0, help="scaling timer granularity (seconds)"
+    )
+    op.add_argument("--peering", help="kopf peering name to run several replicas (HA)")
+    op.add_argument("--log-format", choices=["json", "text"], default="json")
+    op.add_argument("--verbose", "-v", action="store_true", help="debug logs")
+    op.set_defaults(func=run_operator)
+
+    crd = subparsers.add_parser(
+        "crd",
+        help="print the InferenceDeployment CRD",
+        description="Print the CustomResourceDefinition generated from the pydantic models "
+        "(what crds/inferencedeployment.yaml holds).",
+    )
+    crd.set_defaults(func=run_crd)
+
+
+def run_crd(args: argparse.Namespace) -> int:
+    """Print the CRD YAML to stdout."""
+    from headroom.operator.schema import crd_yaml
+
+    sys.stdout.write(crd_yaml())
+    return 0
+
+
+def run_operator(args: argparse.Namespace) -> int:
+    """Run the operator in the foreground until SIGINT/SIGTERM."""
+    import kopf
+
+    from headroom.operator.exporter import OperatorMetrics
+    from headroom.operator.handlers import Options, operate
+
+    try:
+        options = Options(
+            namespaces=args.namespaces or [],
+            kubeconfig=args.kubeconfig,
+            prometheus_url=args.prometheus_url,
+            metrics_port=args.metrics_port,
+            liveness_port=args.liveness_port,
+            tick_seconds=args.tick_seconds,
+            sidecar_port=args.sidecar_port,
+            peering=args.peering,
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        print(f"headroom operator: --{first['loc'][0]}: {first['msg']}", file=sys.stderr)
+        return 2
+    kopf.configure(
+        verbose=args.verbose,
+        log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL,
+    )
+    if not args.verbose:
+        # kopf narrates every handler run at INFO; keep the operator quiet by default.
+        logging.getLogger("kopf").setLevel(logging.WARNING)
+    metrics = OperatorMetrics()
+    if options.metrics_port:
+        metrics.serve(options.metrics_port)
+    try:
+        asyncio.run(operate(options, metrics=metrics))
+    except KeyboardInterrupt:
+        pass
+    return 0

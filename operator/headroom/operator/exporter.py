@@ -1,0 +1,70 @@
+"""The operator's own Prometheus metrics (`headroom operator --metrics-port`).
+
+`headroom_desired_replicas` is the one that matters: in advisory mode it is how an HPA or KEDA
+that owns scaling consumes headroom's decision (KEDA's prometheus scaler, or an HPA external
+metric through prometheus-adapter).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+LABELS = ("namespace", "inferencedeployment")
+
+
+class OperatorMetrics:
+    """Gauges and counters keyed by InferenceDeployment."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.desired_replicas = Gauge(
+            "headroom_desired_replicas",
+            "Replicas the scaling decision asks for (applied in auto mode, advised otherwise)",
+            [*LABELS, "mode"],
+            registry=self.registry,
+        )
+        self.current_replicas = Gauge(
+            "headroom_current_replicas",
+            "Replicas the owned Deployment asks for",
+            LABELS,
+            registry=self.registry,
+        )
+        self.decisions = Counter(
+            "headroom_scaling_decisions_total",
+            "Scaling decisions that changed (or advised changing) replicas",
+            [*LABELS, "action", "reason"],
+            registry=self.registry,
+        )
+        self.reconciles = Counter(
+            "headroom_reconciles_total",
+            "Reconciliations of InferenceDeployments by result",
+            ["result"],
+            registry=self.registry,
+        )
+
+    def publish(self, namespace: str, name: str, mode: str, desired: int, current: int) -> None:
+        """Record one decision's outcome."""
+        for other in ("auto", "advisory"):
+            if other != mode:
+                try:
+                    self.desired_replicas.remove(namespace, name, other)
+                except KeyError:
+                    pass
+        self.desired_replicas.labels(namespace, name, mode).set(desired)
+        self.current_replicas.labels(namespace, name).set(current)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop the series of a deleted InferenceDeployment."""
+        for mode in ("auto", "advisory"):
+            try:
+                self.desired_replicas.remove(namespace, name, mode)
+            except KeyError:
+                pass
+        try:
+            self.current_replicas.remove(namespace, name)
+        except KeyError:
+            pass
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        """Expose /metrics on `port` from a background thread."""
+        start_http_server(port, addr=addr, registry=self.registry)

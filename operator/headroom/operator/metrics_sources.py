@@ -1,0 +1,237 @@
+"""Where the scaling loop reads per-pod KV state from: the sidecars directly, or Prometheus.
+
+Both return `{pod name: PodSample}` for the pods they could read; a pod missing from the map
+has no usable sample, and `decide()` treats it as silent (never as idle). Parsing is pure and
+tested on its own; the fetching is a thin aiohttp shell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+from pydantic import ValidationError
+
+from headroom.operator.decide import PodSample
+from headroom.sidecar.report import SaturationReport
+
+SIDECAR_PORT = 9090
+
+
+class MetricsError(Exception):
+    """The source as a whole could not be read (Prometheus down, no URL configured)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PodInfo:
+    """What Kubernetes says about one pod of the deployment."""
+
+    name: str
+    ip: str | None
+    ready: bool
+    created_at: float
+    terminating: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """The InferenceDeployment being measured."""
+
+    namespace: str
+    name: str
+    prometheus_url: str | None = None
+
+
+class MetricsSource(Protocol):
+    """Reads per-pod samples for one InferenceDeployment."""
+
+    async def sample(self, target: Target, pods: list[PodInfo]) -> dict[str, PodSample]: ...
+
+
+# ---------------------------------------------------------------------------- sidecar
+
+
+def sample_from_report(report: SaturationReport) -> PodSample | None:
+    """A `/saturation` body as a sample; None when it carries no occupancy."""
+    if report.occupancy is None:
+        return None
+    return PodSample(
+        occupancy=report.occupancy,
+        sampled_at=report.time - (report.age_seconds or 0.0),
+        eta_seconds=report.eta_seconds,
+        waiting=report.waiting or 0,
+        running=report.running or 0,
+        preemption_rate=report.preemption_rate_per_second or 0.0,
+        hit_ratio=report.hit_ratio,
+        used_blocks=report.used_blocks,
+        capacity_blocks=report.capacity_blocks,
+        growth_blocks_per_second=report.growth_blocks_per_second,
+        engine_up=report.engine_up and report.fresh,
+    )
+
+
+class SidecarSource:
+    """GET http://<pod IP>:9090/saturation on every ready pod, concurrently."""
+
+    def __init__(
+        self, session: aiohttp.ClientSession, port: int = SIDECAR_PORT, timeout: float = 3.0
+    ) -> None:
+        self.session = session
+        self.port = port
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+
+    async def _one(self, pod: PodInfo) -> tuple[str, PodSample | None]:
+        url = f"http://{pod.ip}:{self.port}/saturation"
+        try:
+            async with self.session.get(url, timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    return pod.name, None
+                body = await resp.read()
+            return pod.name, sample_from_report(SaturationReport.model_validate_json(body))
+        except (aiohttp.ClientError, TimeoutError, ValidationError, OSError):
+            return pod.name, None  # a silent pod: decide() holds rather than guess
+
+    async def sample(self, target: Target, pods: list[PodInfo]) -> dict[str, PodSample]:
+        """Samples of the ready pods that answered with a usable report."""
+        wanted = [p for p in pods if p.ready and p.ip and not p.terminating]
+        results = await asyncio.gather(*(self._one(p) for p in wanted))
+        return {name: s for name, s in results if s is not None}
+
+
+# ---------------------------------------------------------------------------- prometheus
+
+# One instant query per InferenceDeployment: each series is tagged with `q` so that `or`
+# (which matches label sets, ignoring the metric name) keeps them all apart.
+_SERIES = (
+    ("occupancy", "headroom_kv_block_occupancy_ratio{%s}"),
+    ("eta", "headroom_kv_saturation_eta_seconds{%s}"),
+    ("up", "headroom_engine_up{%s}"),
+    ("time", "timestamp(headroom_engine_up{%s})"),
+    ("hit", "headroom_prefix_cache_hit_ratio{%s}"),
+    ("capacity", "headroom_kv_blocks_capacity{%s}"),
+    ("used", 'headroom_kv_blocks{%s,state="used"}'),
+    ("waiting", 'headroom_requests{%s,state="waiting"}'),
+    ("running", 'headroom_requests{%s,state="running"}'),
+    ("preempt", "rate(headroom_preemptions_total{%s}[1m])"),
+)
+
+
+def _quote(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def promql(target: Target) -> str:
+    """The PromQL that fetches every per-pod figure of one InferenceDeployment."""
+    sel = f'namespace="{_quote(target.namespace)}",inferencedeployment="{_quote(target.name)}"'
+    parts = [f'label_replace({expr % sel}, "q", "{q}", "", "")' for q, expr in _SERIES]
+    return " or ".join(parts)
+
+
+def _value(raw: str) -> float:
+    return float(raw)  # Prometheus sends "+Inf", "NaN" as strings float() understands
+
+
+def parse_prometheus(doc: dict[str, Any]) -> dict[str, PodSample]:
+    """An `/api/v1/query` response for `promql()` as samples keyed by pod."""
+    if doc.get("status") != "success":
+        raise MetricsError(f"Prometheus query failed: {doc.get('error', 'unknown error')}")
+    data = doc.get("data", {})
+    if data.get("resultType") != "vector":
+        raise MetricsError(f"expected a vector result, got {data.get('resultType')}")
+    per_pod: dict[str, dict[str, float]] = {}
+    for series in data.get("result", []):
+        labels = series.get("metric", {})
+        pod, q = labels.get("pod"), labels.get("q")
+        if not pod or not q:
+            continue
+        ts, raw = series["value"]
+        fig = per_pod.setdefault(pod, {})
+        fig[q] = _value(raw)
+        fig.setdefault("_ts", float(ts))
+    out: dict[str, PodSample] = {}
+    for pod, fig in per_pod.items():
+        occ = fig.get("occupancy")
+        if occ is None or math.isnan(occ):
+            continue
+        eta = fig.get("eta")
+        rate = fig.get("preempt", 0.0)
+
+        def count(key: str, fig: dict[str, float] = fig) -> int | None:
+            v = fig.get(key)
+            return None if v is None or math.isnan(v) else round(v)
+
+        out[pod] = PodSample(
+            occupancy=occ,
+            # The scrape time of the sample, so a target Prometheus lost shows up as stale.
+            sampled_at=fig.get("time", fig["_ts"]),
+            eta_seconds=None if eta is None or math.isinf(eta) or math.isnan(eta) else eta,
+            waiting=count("waiting") or 0,
+            running=count("running") or 0,
+            preemption_rate=0.0 if math.isnan(rate) else rate,
+            hit_ratio=None if math.isnan(fig.get("hit", math.nan)) else fig["hit"],
+            used_blocks=count("used"),
+            capacity_blocks=count("capacity"),
+            engine_up=fig.get("up", 0.0) >= 1.0,
+        )
+    return out
+
+
+class PrometheusSource:
+    """Instant queries against Prometheus' HTTP API (`/api/v1/query`)."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        default_url: str | None = None,
+        timeout: float = 5.0,
+    ) -> None:
+        self.session = session
+        self.default_url = default_url
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+
+    async def sample(self, target: Target, pods: list[PodInfo]) -> dict[str, PodSample]:
+        """Samples for the pods Prometheus has series for, restricted to `pods`."""
+        base = target.prometheus_url or self.default_url
+        if not base:
+            raise MetricsError(
+                "scaling.metricsSource is prometheus but neither scaling.prometheusURL nor the "
+                "operator's --prometheus-url is set"
+            )
+        url = base.rstrip("/") + "/api/v1/query"
+        try:
+            async with self.session.post(
+                url, data={"query": promql(target)}, timeout=self.timeout
+            ) as resp:
+                doc = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
+            raise MetricsError(f"Prometheus at {base} unreachable: {exc}") from None
+        samples = parse_prometheus(doc)
+        names = {p.name for p in pods}
+        return {k: v for k, v in samples.items() if k in names}
+
+
+def pod_info(pod: dict[str, Any], parse_time: Any) -> PodInfo:
+    """A Pod object as PodInfo (`parse_time` turns an RFC 3339 string into unix seconds)."""
+    meta = pod.get("metadata", {})
+    status = pod.get("status", {}) or {}
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions", []) or []
+    )
+    return PodInfo(
+        name=meta.get("name", ""),
+        ip=status.get("podIP"),
+        ready=ready and status.get("phase") == "Running",
+        created_at=parse_time(meta.get("creationTimestamp")) or 0.0,
+        terminating=meta.get("deletionTimestamp") is not None
+        or status.get("phase") in ("Succeeded", "Failed"),
+    )
+
+
+def pod_infos(pods: Iterable[dict[str, Any]], parse_time: Any) -> list[PodInfo]:
+    """All pods as PodInfo, sorted by name for determinism."""
+    return sorted((pod_info(p, parse_time) for p in pods), key=lambda p: p.name)

@@ -1,0 +1,466 @@
+"""The InferenceDeployment resource (headroom.dev/v1alpha1): spec and status as pydantic models.
+
+These models are the single source of the CRD schema (`schema.py` turns them into the structural
+OpenAPI the API server enforces) and of the operator's own validation, so both agree.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from headroom.engine.budget import GPU_PRESETS, MODEL_PRESETS
+from headroom.engine.budget.presets import GPU_ALIASES
+from headroom.operator.rules import CRDModel, Rule
+
+GROUP = "headroom.dev"
+VERSION = "v1alpha1"
+KIND = "InferenceDeployment"
+PLURAL = "inferencedeployments"
+SINGULAR = "inferencedeployment"
+SHORT_NAMES = ("infd",)
+CATEGORIES = ("headroom",)
+
+MODEL_PRESET_NAMES = tuple(sorted(MODEL_PRESETS))
+GPU_TYPE_NAMES = tuple(sorted(GPU_PRESETS)) + tuple(sorted(GPU_ALIASES))
+
+WeightDtype = Literal["fp32", "bf16", "fp16", "fp8", "int8", "int4"]
+KVCacheDtype = Literal["auto", "fp8", "int8"]
+AttentionBackend = Literal["auto", "torch", "cuda"]
+ScalingMode = Literal["auto", "advisory"]
+MetricsSource = Literal["sidecar", "prometheus"]
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_ARCH_FIELDS = (
+    "numLayers",
+    "numAttentionHeads",
+    "numKVHeads",
+    "headDim",
+    "hiddenSize",
+    "vocabSize",
+    "parameterCount",
+)
+_ARCH_OPTIONAL = (
+    "intermediateSize",
+    "maxPositionEmbeddings",
+    "kvLoraRank",
+    "qkRopeHeadDim",
+    "slidingWindow",
+    "numSlidingWindowLayers",
+)
+
+
+def _has(obj: object, alias: str) -> bool:
+    """CEL `has(self.<alias>)` for a model: the camelCase field is set."""
+    cls = type(obj)
+    for name, info in cls.model_fields.items():  # type: ignore[attr-defined]
+        if info.alias == alias or name == alias:
+            return getattr(obj, name) is not None
+    raise KeyError(alias)
+
+
+def _has_all(obj: object, aliases: tuple[str, ...]) -> bool:
+    return all(_has(obj, a) for a in aliases)
+
+
+def _has_any(obj: object, aliases: tuple[str, ...]) -> bool:
+    return any(_has(obj, a) for a in aliases)
+
+
+def _cel_all(aliases: tuple[str, ...]) -> str:
+    return " && ".join(f"has(self.{a})" for a in aliases)
+
+
+def _cel_any(aliases: tuple[str, ...]) -> str:
+    return " || ".join(f"has(self.{a})" for a in aliases)
+
+
+class ModelSpec(CRDModel):
+    """The model: a preset name, or the architecture numbers from its config.json."""
+
+    __rules__ = (
+        Rule(
+            cel=f"has(self.preset) || ({_cel_all(_ARCH_FIELDS)})",
+            message=(
+                "model needs either a preset or all of numLayers, numAttentionHeads, numKVHeads, "
+                "headDim, hiddenSize, vocabSize and parameterCount"
+            ),
+            check=lambda m: m.preset is not None or _has_all(m, _ARCH_FIELDS),
+        ),
+        Rule(
+            cel=f"!has(self.preset) || !({_cel_any(_ARCH_FIELDS + _ARCH_OPTIONAL)})",
+            message=(
+                "model.preset already fixes the architecture: remove the architecture fields "
+                "(numLayers, numKVHeads, ...) or the preset"
+            ),
+            check=lambda m: m.preset is None or not _has_any(m, _ARCH_FIELDS + _ARCH_OPTIONAL),
+        ),
+        Rule(
+            cel=(
+                "!has(self.numKVHeads) || !has(self.numAttentionHeads) || "
+                "self.numAttentionHeads % self.numKVHeads == 0"
+            ),
+            message="model.numAttentionHeads must be a multiple of model.numKVHeads",
+            check=lambda m: (
+                m.num_kv_heads is None
+                or m.num_attention_heads is None
+                or m.num_attention_heads % m.num_kv_heads == 0
+            ),
+            field_path=".numKVHeads",
+        ),
+        Rule(
+            cel="has(self.kvLoraRank) == has(self.qkRopeHeadDim)",
+            message="an MLA model needs both model.kvLoraRank and model.qkRopeHeadDim",
+            check=lambda m: (m.kv_lora_rank is None) == (m.qk_rope_head_dim is None),
+        ),
+        Rule(
+            cel=(
+                "!has(self.numSlidingWindowLayers) || self.numSlidingWindowLayers == 0 || "
+                "(has(self.slidingWindow) && (!has(self.numLayers) || "
+                "self.numSlidingWindowLayers <= self.numLayers))"
+            ),
+            message=(
+                "model.numSlidingWindowLayers needs model.slidingWindow and cannot exceed "
+                "model.numLayers"
+            ),
+            check=lambda m: (
+                not m.num_sliding_window_layers
+                or (
+                    m.sliding_window is not None
+                    and (m.num_layers is None or m.num_sliding_window_layers <= m.num_layers)
+                )
+            ),
+        ),
+    )
+
+    preset: str | None = Field(
+        default=None,
+        description="a model whose architecture headroom knows",
+        json_schema_extra={"enum": list(MODEL_PRESET_NAMES)},
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        max_length=253,
+        description="name clients send as `model`; defaults to the preset or the resource name",
+    )
+    path: str = Field(
+        default="tiny",
+        min_length=1,
+        max_length=1024,
+        description="weights directory inside the pod, or 'tiny' for the built-in test model",
+    )
+    volume_claim_name: str | None = Field(
+        default=None,
+        max_length=253,
+        description="a PersistentVolumeClaim with the weights, mounted read-only at /models",
+    )
+    weight_dtype: WeightDtype | None = Field(
+        default=None, description="weight precision (defaults to the preset's, else bf16)"
+    )
+    num_layers: int | None = Field(default=None, ge=1, le=1024)
+    num_attention_heads: int | None = Field(default=None, ge=1, le=4096)
+    num_kv_heads: int | None = Field(default=None, ge=1, le=4096, alias="numKVHeads")
+    head_dim: int | None = Field(default=None, ge=1, le=4096)
+    hidden_size: int | None = Field(default=None, ge=1, le=1_000_000)
+    intermediate_size: int | None = Field(default=None, ge=1, le=10_000_000)
+    vocab_size: int | None = Field(default=None, ge=1, le=100_000_000)
+    max_position_embeddings: int | None = Field(
+        default=None, ge=1, le=100_000_000, description="longest context the model supports"
+    )
+    parameter_count: int | None = Field(
+        default=None, ge=1, description="total parameters (all experts for MoE)"
+    )
+    kv_lora_rank: int | None = Field(default=None, ge=1, le=65536, description="MLA latent width")
+    qk_rope_head_dim: int | None = Field(default=None, ge=1, le=4096)
+    sliding_window: int | None = Field(default=None, ge=1)
+    num_sliding_window_layers: int | None = Field(default=None, ge=0, le=1024)
+
+
+class EngineSpec(CRDModel):
+    """How each pod's engine runs: image, paged-KV policy and limits."""
+
+    image: str = Field(
+        default="ghcr.io/headroom-dev/headroom:0.1.0", min_length=1, max_length=512
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    sidecar_image: str | None = Field(
+        default=None, max_length=512, description="defaults to engine.image"
+    )
+    block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV block")
+    kv_cache_dtype: KVCacheDtype = Field(
+        default="auto", description="auto keeps the weights' precision; fp8/int8 halve KV"
+    )
+    prefix_caching: bool = Field(default=True, description="reuse KV blocks of shared prefixes")
+    max_model_len: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000_000,
+        description="longest sequence the engine accepts; defaults to traffic.contextTokens",
+    )
+    max_num_seqs: int = Field(default=256, ge=1, le=65536, description="batch size cap")
+    max_num_batched_tokens: int = Field(default=8192, ge=1, le=1_048_576)
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0.0, le=1.0, description="fraction of GPU memory the engine may use"
+    )
+    attention_backend: AttentionBackend = "auto"
+    cpu: str = Field(default="4", max_length=32, description="CPU request of the engine")
+    memory: str = Field(default="32Gi", max_length=32, description="memory request and limit")
+
+
+class GPUSpec(CRDModel):
+    """The accelerator each pod gets."""
+
+    __rules__ = (
+        Rule(
+            cel="has(self.type) || has(self.memoryGiB)",
+            message="gpu needs a type preset (h100-80gb, a100-40gb, ...) or memoryGiB",
+            check=lambda g: g.type is not None or g.memory_gib is not None,
+        ),
+        Rule(
+            cel="!has(self.tensorParallel) || self.countPerPod % self.tensorParallel == 0",
+            message=(
+                "gpu.tensorParallel must divide gpu.countPerPod (the remaining factor becomes "
+                "pipeline parallelism)"
+            ),
+            check=lambda g: g.tensor_parallel is None or g.count_per_pod % g.tensor_parallel == 0,
+            field_path=".tensorParallel",
+        ),
+    )
+
+    type: str | None = Field(
+        default=None,
+        description="a GPU headroom knows the memory of",
+        json_schema_extra={"enum": list(GPU_TYPE_NAMES)},
+    )
+    memory_gib: float | None = Field(
+        default=None,
+        gt=0,
+        le=4096,
+        alias="memoryGiB",
+        description="memory per GPU in GiB; overrides the type's",
+    )
+    count_per_pod: int = Field(default=1, ge=1, le=64, description="GPUs each pod requests")
+    tensor_parallel: int | None = Field(
+        default=None, ge=1, le=64, description="tensor-parallel ranks; defaults to countPerPod"
+    )
+    resource_name: str = Field(default="nvidia.com/gpu", min_length=1, max_length=253)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+
+
+class TrafficSpec(CRDModel):
+    """The peak the deployment is sized for."""
+
+    peak_concurrency: int = Field(ge=1, le=10_000_000, description="concurrent sequences at peak")
+    context_tokens: int = Field(
+        ge=1, le=10_000_000, description="tokens per sequence, prompt + output, p95"
+    )
+    prefix_hit_ratio: float = Field(
+        default=0.0, ge=0.0, lt=1.0, description="expected share of prompt tokens found cached"
+    )
+
+
+class ScalingSpec(CRDModel):
+    """When and how far to scale; see decide.py for the rules."""
+
+    __rules__ = (
+        Rule(
+            cel="self.minReplicas <= self.maxReplicas",
+            message="scaling.minReplicas must not exceed scaling.maxReplicas",
+            check=lambda s: s.min_replicas <= s.max_replicas,
+            field_path=".minReplicas",
+        ),
+        Rule(
+            cel="self.targetOccupancy < self.scaleOutOccupancy",
+            message=(
+                "scaling.targetOccupancy must be below scaling.scaleOutOccupancy: a scale-out "
+                "sizes the deployment back down to targetOccupancy"
+            ),
+            check=lambda s: s.target_occupancy < s.scale_out_occupancy,
+            field_path=".targetOccupancy",
+        ),
+        Rule(
+            cel="self.scaleInHysteresis < self.targetOccupancy",
+            message="scaling.scaleInHysteresis must be smaller than scaling.targetOccupancy",
+            check=lambda s: s.scale_in_hysteresis < s.target_occupancy,
+            field_path=".scaleInHysteresis",
+        ),
+    )
+
+    mode: ScalingMode = Field(
+        default="auto",
+        description="auto sets the Deployment's replicas; advisory only publishes the decision",
+    )
+    min_replicas: int = Field(default=1, ge=1, le=10_000)
+    max_replicas: int = Field(default=10, ge=1, le=10_000)
+    target_occupancy: float = Field(
+        default=0.7, gt=0.0, lt=1.0, description="KV occupancy a scale-out sizes to"
+    )
+    scale_out_occupancy: float = Field(
+        default=0.85, gt=0.0, le=1.0, description="mean KV occupancy that triggers a scale-out"
+    )
+    scale_in_hysteresis: float = Field(
+        default=0.1,
+        ge=0.0,
+        lt=1.0,
+        description="scale in only if occupancy after removal stays below target minus this",
+    )
+    saturation_lookahead_seconds: int = Field(
+        default=180,
+        ge=1,
+        le=86400,
+        description="scale out when a pod would fill its KV cache sooner than this",
+    )
+    scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
+    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=86400)
+    max_scale_up_pods: int = Field(default=8, ge=1, le=10_000, description="pods added per step")
+    max_scale_down_pods: int = Field(
+        default=2, ge=1, le=10_000, description="pods removed per step"
+    )
+    interval_seconds: int = Field(default=15, ge=1, le=3600, description="decision period")
+    metrics_source: MetricsSource = "sidecar"
+    prometheus_url: str | None = Field(
+        default=None,
+        max_length=1024,
+        alias="prometheusURL",
+        description="Prometheus base URL; defaults to the operator's --prometheus-url",
+    )
+    metrics_max_age_seconds: int = Field(
+        default=60, ge=1, le=3600, description="older samples count as missing"
+    )
+    startup_grace_seconds: int = Field(
+        default=900,
+        ge=0,
+        le=86400,
+        description="a pod not ready after this long is reported as stuck",
+    )
+
+
+class InferenceDeploymentSpec(CRDModel):
+    """What the user asks for. The operator never writes it."""
+
+    __rules__ = (
+        Rule(
+            cel=(
+                "!has(self.engine) || !has(self.engine.maxModelLen) || "
+                "self.engine.maxModelLen >= self.traffic.contextTokens"
+            ),
+            message="engine.maxModelLen must be at least traffic.contextTokens",
+            check=lambda s: (
+                s.engine.max_model_len is None
+                or s.engine.max_model_len >= s.traffic.context_tokens
+            ),
+            field_path=".engine.maxModelLen",
+        ),
+    )
+
+    model: ModelSpec
+    gpu: GPUSpec
+    traffic: TrafficSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    scaling: ScalingSpec = Field(default_factory=ScalingSpec)
+    replicas: int | None = Field(
+        default=None,
+        ge=0,
+        le=10_000,
+        description=(
+            "written through /scale by an external autoscaler in advisory mode; the operator "
+            "follows it there and ignores it in auto mode"
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------- status
+
+
+class Budget(CRDModel):
+    """The sizing arithmetic (`headroom plan` for the same inputs)."""
+
+    feasible: bool
+    binding: str = Field(max_length=32)
+    reason: str | None = Field(default=None, max_length=4096)
+    kv_cache_dtype: str = Field(max_length=16)
+    block_size: int
+    tensor_parallel: int
+    pipeline_parallel: int
+    gpus_per_pod: int
+    weights_bytes_per_gpu: int
+    kv_bytes_per_token: int = Field(description="whole model, one token")
+    kv_bytes_per_token_per_gpu: int
+    kv_bytes_per_gpu: int
+    kv_blocks_per_pod: int
+    kv_tokens_per_pod: int
+    sequences_per_pod: int
+    sized_replicas: int | None = Field(default=None, description="pods the peak needs")
+
+
+class KVStatus(CRDModel):
+    """Live KV-cache figures across ready pods."""
+
+    occupancy: float | None = Field(default=None, description="mean used/capacity, 0-1")
+    occupancy_percent: int | None = None
+    max_occupancy: float | None = None
+    hit_ratio: float | None = Field(default=None, description="mean prefix-cache hit ratio")
+    hit_percent: int | None = None
+    eta_seconds: int | None = Field(default=None, description="soonest pod saturation forecast")
+    eta: str | None = Field(default=None, max_length=32, description="eta for people")
+    waiting: int | None = None
+    preemption_rate_per_second: float | None = None
+    pods_reporting: int | None = None
+    observed_at: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
+
+
+class Condition(CRDModel):
+    """metav1.Condition."""
+
+    type: str = Field(max_length=316, pattern=r"^[A-Z][A-Za-z0-9]*$")
+    status: ConditionStatus
+    observed_generation: int | None = Field(default=None, ge=0)
+    last_transition_time: str = Field(json_schema_extra={"format": "date-time"})
+    reason: str = Field(min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*)?$")
+    message: str = Field(max_length=32768)
+
+
+class DecisionInputs(CRDModel):
+    """The numbers a scaling decision was made from."""
+
+    ready_replicas: int
+    starting_replicas: int
+    pods_reporting: int
+    mean_occupancy: float | None = None
+    max_occupancy: float | None = None
+    min_eta_seconds: float | None = None
+    waiting: int | None = None
+    preemption_rate_per_second: float | None = None
+    demand_blocks: float | None = None
+    projected_occupancy: float | None = None
+
+
+class DecisionRecord(CRDModel):
+    """One scaling decision that changed (or would have changed, in advisory mode) replicas."""
+
+    time: str = Field(json_schema_extra={"format": "date-time"})
+    from_: int = Field(alias="from")
+    to: int
+    reason: str = Field(max_length=64)
+    message: str = Field(default="", max_length=4096)
+    applied: bool = Field(description="false in advisory mode")
+    inputs: DecisionInputs
+
+
+class InferenceDeploymentStatus(CRDModel):
+    """What the operator observed and decided."""
+
+    observed_generation: int | None = None
+    replicas: int | None = Field(default=None, description="replicas set on the Deployment")
+    ready_replicas: int | None = None
+    desired_replicas: int | None = Field(default=None, description="the operator's decision")
+    selector: str | None = Field(default=None, max_length=1024, description="for /scale")
+    budget: Budget | None = None
+    kv: KVStatus | None = None
+    conditions: list[Condition] = Field(default_factory=list, max_length=16)
+    last_decisions: list[DecisionRecord] = Field(default_factory=list, max_length=10)
+
+
+CONDITION_TYPES = ("Ready", "Feasible", "KVSaturated", "ScalingLimited")

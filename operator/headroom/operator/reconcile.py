@@ -1,0 +1,267 @@
+"""Reconcile one InferenceDeployment: validate, size, render the children, apply them.
+
+A shell around pure parts (models, sizing, children, conditions). It returns the status patch
+and the Events to post instead of writing them, so the kopf handlers stay a few lines and the
+logic is testable against a fake API. It never writes the resource's spec.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from pydantic import ValidationError
+
+from headroom.operator.apply import KubeError, owns_field, with_retries
+from headroom.operator.children import (
+    FIELD_MANAGER,
+    Owner,
+    render,
+    selector_string,
+)
+from headroom.operator.conditions import get_condition, set_condition
+from headroom.operator.models import InferenceDeploymentSpec
+from headroom.operator.sizing import SpecError, Sizing, budget, size, summary
+
+log = logging.getLogger("headroom.operator.reconcile")
+HANDOFF_MANAGER = "headroom-operator-handoff"
+MONITORING_GV = "monitoring.coreos.com/v1"
+MONITORING_KINDS = frozenset({"ServiceMonitor", "PrometheusRule"})
+
+EventType = Literal["Normal", "Warning"]
+
+
+class KubeAPI(Protocol):
+    """The calls reconcile and the scaling loop make (apply.Kube, or a fake in tests)."""
+
+    def get(
+        self, api_version: str, kind: str, namespace: str | None, name: str
+    ) -> dict[str, Any] | None: ...
+
+    def list(
+        self, api_version: str, kind: str, namespace: str | None, label_selector: str = ""
+    ) -> list[dict[str, Any]]: ...
+
+    def apply(
+        self, obj: dict[str, Any], *, field_manager: str = FIELD_MANAGER, force: bool = True
+    ) -> dict[str, Any]: ...
+
+    def served_kinds(self, group_version: str, ttl: float = 60.0) -> frozenset[str]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A Kubernetes Event to post on the InferenceDeployment."""
+
+    type: EventType
+    reason: str
+    message: str
+
+
+@dataclass
+class Outcome:
+    """What a reconcile or a scaling tick wants written: a status merge patch and Events."""
+
+    status: dict[str, Any] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A validated spec and its sizing, or why there is none."""
+
+    spec: InferenceDeploymentSpec | None
+    sizing: Sizing | None
+    error: str | None
+
+
+def parse(raw_spec: dict[str, Any] | None) -> Parsed:
+    """Validate the spec and size it; a bad spec gives `error`, never an exception."""
+    try:
+        spec = InferenceDeploymentSpec.model_validate(raw_spec or {})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        msg = first["msg"].removeprefix("Value error, ")
+        return Parsed(None, None, f"spec.{where}: {msg}" if where else f"spec: {msg}")
+    try:
+        sizing = size(spec)
+    except SpecError as exc:
+        return Parsed(spec, None, f"spec: {exc}")
+    return Parsed(spec, sizing, None)
+
+
+def owner_of(body: dict[str, Any]) -> Owner:
+    """The owner record of an InferenceDeployment body."""
+    meta = body["metadata"]
+    return Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+
+
+def clamp(n: int, spec: InferenceDeploymentSpec) -> int:
+    """n within [minReplicas, maxReplicas]."""
+    return max(spec.scaling.min_replicas, min(spec.scaling.max_replicas, n))
+
+
+def replicas_to_apply(
+    spec: InferenceDeploymentSpec, sizing: Sizing, live: dict[str, Any] | None
+) -> int | None:
+    """The Deployment's replicas: auto keeps the live count (the scaling loop's last decision)
+    or starts at the sized count; advisory follows spec.replicas (set through /scale by the
+    external autoscaler) or leaves the field to whoever owns it."""
+    if spec.scaling.mode == "advisory":
+        return clamp(spec.replicas, spec) if spec.replicas is not None else None
+    if live is not None and live.get("spec", {}).get("replicas") is not None:
+        return clamp(int(live["spec"]["replicas"]), spec)
+    return clamp(sizing.replicas, spec)
+
+
+def ready_condition(
+    deployment: dict[str, Any] | None,
+) -> tuple[Literal["True", "False"], str, str]:
+    """(status, reason, message) of Ready from the owned Deployment."""
+    if deployment is None:
+        return "False", "NoDeployment", "no Deployment exists for this InferenceDeployment"
+    want = int(deployment.get("spec", {}).get("replicas", 1) or 0)
+    st = deployment.get("status", {}) or {}
+    ready = int(st.get("readyReplicas", 0) or 0)
+    if want > 0 and ready >= want:
+        return "True", "AllReplicasReady", f"{ready}/{want} replicas ready"
+    return "False", "ReplicasNotReady", f"{ready}/{want} replicas ready"
+
+
+def _conditions(body: dict[str, Any], status: dict[str, Any]) -> list[dict[str, Any]]:
+    if "conditions" in status:
+        return list(status["conditions"])
+    return list((body.get("status") or {}).get("conditions") or [])
+
+
+def _set(
+    body: dict[str, Any],
+    status: dict[str, Any],
+    type_: str,
+    st: Literal["True", "False", "Unknown"],
+    reason: str,
+    message: str,
+    now: float,
+) -> None:
+    generation = body.get("metadata", {}).get("generation")
+    status["conditions"] = set_condition(
+        _conditions(body, status), type_, st, reason, message, generation=generation, now=now
+    )
+
+
+def _changed(body: dict[str, Any], type_: str, st: str, reason: str) -> bool:
+    cond = get_condition((body.get("status") or {}).get("conditions"), type_)
+    return cond is None or cond.get("status") != st or cond.get("reason") != reason
+
+
+def monitoring_kinds(kube: KubeAPI) -> frozenset[str]:
+    """Which Prometheus operator kinds the cluster serves (none when its CRDs are absent)."""
+    try:
+        return kube.served_kinds(MONITORING_GV) & MONITORING_KINDS
+    except KubeError as exc:
+        log.warning("cannot discover %s: %s", MONITORING_GV, exc)
+        return frozenset()
+
+
+def apply_children(
+    kube: KubeAPI,
+    owner: Owner,
+    spec: InferenceDeploymentSpec,
+    sizing: Sizing,
+    replicas: int | None,
+    live: dict[str, Any] | None,
+) -> tuple[dict[str, Any], list[Event]]:
+    """Server-side apply every child; returns the applied Deployment and any warnings."""
+    events: list[Event] = []
+    if replicas is None and live is not None and owns_field(live, FIELD_MANAGER, ("spec", "replicas")):
+        # Leaving a field out of an apply deletes it when no one else owns it, which would
+        # reset the Deployment to 1 replica. Hand it to a second manager first (the pattern the
+        # server-side apply docs give for passing replicas to an HPA).
+        current = int(live.get("spec", {}).get("replicas", 1))
+        handoff = {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": owner.name, "namespace": owner.namespace},
+            "spec": {"replicas": current},
+        }
+        with_retries(lambda: kube.apply(handoff, field_manager=HANDOFF_MANAGER))
+    kinds = monitoring_kinds(kube)
+    applied_deployment: dict[str, Any] = {}
+    for obj in render(owner, spec, sizing, replicas, monitoring=kinds):
+        try:
+            out = with_retries(lambda obj=obj: kube.apply(obj))
+        except KubeError as exc:
+            if obj["kind"] in MONITORING_KINDS and exc.status in (403, 404):
+                events.append(
+                    Event(
+                        "Warning",
+                        "MonitoringSkipped",
+                        f"{obj['kind']} not applied ({exc.status} {exc.reason}): {exc.message}",
+                    )
+                )
+                continue
+            raise
+        if obj["kind"] == "Deployment":
+            applied_deployment = out
+    return applied_deployment, events
+
+
+def reconcile(kube: KubeAPI, body: dict[str, Any], now: float) -> Outcome:
+    """Bring the children in line with the spec; the returned status goes to .status."""
+    out = Outcome()
+    st = out.status
+    meta = body["metadata"]
+    st["observedGeneration"] = meta.get("generation")
+    st["selector"] = selector_string(meta["name"])
+    parsed = parse(body.get("spec"))
+    if parsed.error is not None or parsed.sizing is None or parsed.spec is None:
+        message = parsed.error or "spec could not be sized"
+        if _changed(body, "Feasible", "False", "InvalidSpec"):
+            out.events.append(Event("Warning", "InvalidSpec", message))
+        _set(body, st, "Feasible", "False", "InvalidSpec", message, now)
+        _set(body, st, "Ready", "False", "InvalidSpec", "the spec is invalid: " + message, now)
+        return out
+    spec, sizing = parsed.spec, parsed.sizing
+    owner = owner_of(body)
+    st["budget"] = budget(sizing).wire()
+    live = kube.get("apps/v1", "Deployment", owner.namespace, owner.name)
+
+    if not sizing.feasible:
+        message = summary(sizing)
+        if _changed(body, "Feasible", "False", "Infeasible"):
+            out.events.append(Event("Warning", "Infeasible", message))
+        _set(body, st, "Feasible", "False", "Infeasible", message, now)
+        if live is None:
+            _set(body, st, "Ready", "False", "Infeasible", "no Deployment: " + message, now)
+        else:
+            status, reason, msg = ready_condition(live)
+            _set(body, st, "Ready", status, reason,
+                 msg + "; the running Deployment keeps its last feasible configuration", now)  # fmt: skip
+        return out
+
+    replicas = replicas_to_apply(spec, sizing, live)
+    applied, warnings = apply_children(kube, owner, spec, sizing, replicas, live)
+    out.events.extend(warnings)
+    dep_replicas = applied.get("spec", {}).get("replicas")
+    st["replicas"] = dep_replicas
+    st["readyReplicas"] = int((applied.get("status") or {}).get("readyReplicas", 0) or 0)
+    previous = (body.get("status") or {}).get("desiredReplicas")
+    st["desiredReplicas"] = (
+        replicas if spec.scaling.mode == "auto" and replicas is not None
+        else previous if previous is not None
+        else clamp(sizing.replicas, spec)
+    )  # fmt: skip
+    message = summary(sizing)
+    if _changed(body, "Feasible", "True", "Sized") or live is None:
+        out.events.append(Event("Normal", "Sized", message))
+    _set(body, st, "Feasible", "True", "Sized", message, now)
+    status, reason, msg = ready_condition(applied)
+    _set(body, st, "Ready", status, reason, msg, now)
+    if live is None:
+        out.events.append(
+            Event("Normal", "Created", f"Deployment {owner.name} created with {dep_replicas} "
+                  f"replicas, {sizing.plan.kv_blocks_per_pod} KV blocks per pod")
+        )  # fmt: skip
+    return out

@@ -1,0 +1,59 @@
+"""Cross-field rules written once: a CEL expression the API server enforces and a Python check
+the operator enforces, with the same message. The CRD schema and the pydantic models both read
+them, so an object kube-apiserver accepts is an object the operator accepts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic.alias_generators import to_camel
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One `x-kubernetes-validations` entry and its Python twin (`check` returns True if valid)."""
+
+    cel: str
+    message: str
+    check: Callable[[Any], bool]
+    field_path: str | None = None  # where kubectl points the error, e.g. ".minReplicas"
+
+
+def _add_rules(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    rules: tuple[Rule, ...] = getattr(cls, "__rules__", ())
+    if not rules:
+        return
+    entries = []
+    for r in rules:
+        entry: dict[str, str] = {"rule": r.cel, "message": r.message}
+        if r.field_path:
+            entry["fieldPath"] = r.field_path
+        entries.append(entry)
+    schema["x-kubernetes-validations"] = entries
+
+
+class CRDModel(BaseModel):
+    """Base of every CRD object: camelCase on the wire, unknown fields refused, rules applied."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        json_schema_extra=_add_rules,
+    )
+    __rules__: ClassVar[tuple[Rule, ...]] = ()
+
+    @model_validator(mode="after")
+    def _apply_rules(self) -> CRDModel:
+        for rule in type(self).__rules__:
+            if not rule.check(self):
+                raise ValueError(rule.message)
+        return self
+
+    def wire(self) -> dict[str, Any]:
+        """The object as the API server stores it (camelCase, unset optionals left out)."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")

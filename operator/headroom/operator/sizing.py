@@ -1,0 +1,194 @@
+"""From an InferenceDeployment spec to the budget model's `PlanInput`, and back to status.
+
+`plan_input()` is the one conversion: status.budget, the engine's `--num-blocks` and the
+scaling policy's pod capacity all come from `plan(plan_input(spec))`, the same function
+`headroom plan` runs, so the figures a user sees there match what the operator deploys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from headroom.engine.budget import (
+    GIB,
+    ModelArch,
+    Plan,
+    PlanInput,
+    UnknownPreset,
+    blocks_for_tokens,
+    gpu_preset,
+    model_preset,
+    plan,
+)
+from headroom.operator.models import Budget, InferenceDeploymentSpec, ModelSpec
+
+
+class SpecError(ValueError):
+    """The spec passed schema validation but cannot be turned into a plan."""
+
+
+def max_model_len(spec: InferenceDeploymentSpec) -> int:
+    """The longest sequence the engine will accept."""
+    return spec.engine.max_model_len or spec.traffic.context_tokens
+
+
+def served_model_name(spec: InferenceDeploymentSpec, resource_name: str) -> str:
+    """What clients send as `model`."""
+    return spec.model.served_model_name or spec.model.preset or resource_name
+
+
+def model_arch(model: ModelSpec, fallback_context: int) -> ModelArch:
+    """The architecture record of a preset, or of the spec's architecture fields."""
+    if model.preset is not None:
+        try:
+            arch = model_preset(model.preset)
+        except UnknownPreset as exc:
+            raise SpecError(str(exc)) from None
+        if model.weight_dtype is not None and model.weight_dtype != arch.weight_dtype:
+            arch = arch.model_copy(update={"weight_dtype": model.weight_dtype})
+        return arch
+    try:
+        return ModelArch(
+            name=model.served_model_name or "custom",
+            num_layers=model.num_layers,  # type: ignore[arg-type]  # rules guarantee these
+            num_attention_heads=model.num_attention_heads,  # type: ignore[arg-type]
+            num_kv_heads=model.num_kv_heads,  # type: ignore[arg-type]
+            head_dim=model.head_dim,  # type: ignore[arg-type]
+            hidden_size=model.hidden_size,  # type: ignore[arg-type]
+            intermediate_size=model.intermediate_size,
+            vocab_size=model.vocab_size,  # type: ignore[arg-type]
+            # Without a stated limit the model is assumed to take what the engine is given.
+            max_position_embeddings=model.max_position_embeddings or fallback_context,
+            num_parameters=model.parameter_count,  # type: ignore[arg-type]
+            weight_dtype=model.weight_dtype or "bf16",
+            kv_lora_rank=model.kv_lora_rank,
+            qk_rope_head_dim=model.qk_rope_head_dim,
+            sliding_window=model.sliding_window,
+            num_sliding_window_layers=model.num_sliding_window_layers or 0,
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise SpecError(f"model architecture: {where}: {first['msg']}") from None
+
+
+def plan_input(spec: InferenceDeploymentSpec) -> PlanInput:
+    """The budget model's input for this spec (pure; raises SpecError on a bad combination)."""
+    gpu = spec.gpu
+    if gpu.memory_gib is not None:
+        memory = int(gpu.memory_gib * GIB)
+        gpu_name = gpu.type or f"{gpu.memory_gib:g}GiB"
+    else:
+        assert gpu.type is not None  # the rules require a type or memoryGiB
+        try:
+            preset = gpu_preset(gpu.type)
+        except UnknownPreset as exc:
+            raise SpecError(str(exc)) from None
+        memory, gpu_name = preset.memory_bytes, preset.name
+    kv_dtype = spec.engine.kv_cache_dtype
+    try:
+        return PlanInput(
+            model=model_arch(spec.model, max_model_len(spec)),
+            gpu_name=gpu_name,
+            gpu_memory_bytes=memory,
+            tp=gpu.tensor_parallel or gpu.count_per_pod,
+            gpus_per_pod=gpu.count_per_pod,
+            concurrency=spec.traffic.peak_concurrency,
+            context=spec.traffic.context_tokens,
+            kv_dtype=kv_dtype,
+            prefix_hit=spec.traffic.prefix_hit_ratio if spec.engine.prefix_caching else 0.0,
+            block_size=spec.engine.block_size,
+            gpu_memory_utilization=spec.engine.gpu_memory_utilization,
+            max_num_seqs=spec.engine.max_num_seqs,
+            max_num_batched_tokens=spec.engine.max_num_batched_tokens,
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise SpecError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Sizing:
+    """The plan plus the operator's own feasibility verdict (which also checks maxModelLen)."""
+
+    plan: Plan
+    feasible: bool
+    reason: str | None
+    max_model_len: int
+
+    @property
+    def replicas(self) -> int:
+        """Pods the peak needs (1 when infeasible, so callers need not special-case)."""
+        return self.plan.replicas or 1
+
+
+def size(spec: InferenceDeploymentSpec) -> Sizing:
+    """Plan the deployment and decide whether the engine can start with this spec."""
+    inp = plan_input(spec)
+    result = plan(inp)
+    mml = max_model_len(spec)
+    reason = result.reason
+    if result.feasible:
+        arch = inp.model
+        need_blocks = blocks_for_tokens(mml, result.block_size)
+        if mml > arch.max_position_embeddings:
+            reason = (
+                f"engine.maxModelLen {mml} exceeds {arch.name}'s max_position_embeddings "
+                f"{arch.max_position_embeddings}"
+            )
+        elif result.kv_blocks_per_pod < need_blocks:
+            need = need_blocks * result.block_size * result.kv_bytes_per_token_per_gpu
+            reason = (
+                f"one {mml}-token sequence (engine.maxModelLen) needs {need / GIB:.2f} GiB of "
+                f"KV per GPU but only {result.kv_bytes_per_gpu / GIB:.2f} GiB is left after "
+                f"weights {result.weights_bytes_per_gpu / GIB:.1f} GiB and reserve "
+                f"{result.activation_reserve_bytes_per_gpu / GIB:.1f} GiB; lower maxModelLen "
+                f"or add GPUs per pod"
+            )
+    return Sizing(plan=result, feasible=reason is None, reason=reason, max_model_len=mml)
+
+
+def budget(sizing: Sizing) -> Budget:
+    """status.budget for a sizing."""
+    p = sizing.plan
+    return Budget(
+        feasible=sizing.feasible,
+        binding=p.binding,
+        reason=sizing.reason,
+        kv_cache_dtype=p.kv_dtype,
+        block_size=p.block_size,
+        tensor_parallel=p.tp,
+        pipeline_parallel=p.pp,
+        gpus_per_pod=p.gpus_per_pod,
+        weights_bytes_per_gpu=p.weights_bytes_per_gpu,
+        kv_bytes_per_token=p.kv_bytes_per_token,
+        kv_bytes_per_token_per_gpu=p.kv_bytes_per_token_per_gpu,
+        kv_bytes_per_gpu=p.kv_bytes_per_gpu,
+        kv_blocks_per_pod=p.kv_blocks_per_pod,
+        kv_tokens_per_pod=p.kv_tokens_per_pod,
+        sequences_per_pod=p.sequences_per_pod,
+        sized_replicas=p.replicas if sizing.feasible else None,
+    )
+
+
+def summary(sizing: Sizing) -> str:
+    """One line a person reads in `kubectl describe`: the arithmetic behind the pod count."""
+    p = sizing.plan
+    if not sizing.feasible:
+        return f"{p.model} on {p.gpus_per_pod}x {p.gpu} (tp {p.tp}): {sizing.reason}"
+    return (
+        f"{p.model} on {p.gpus_per_pod}x {p.gpu} (tp {p.tp}, {p.kv_dtype} KV): "
+        f"{p.kv_bytes_per_token_per_gpu:,} B/token/GPU, {p.kv_bytes_per_gpu / GIB:.1f} GiB KV "
+        f"per GPU = {p.kv_blocks_per_pod:,} blocks of {p.block_size} tokens per pod, "
+        f"{p.sequences_per_pod} sequences of {p.context:,} tokens; peak {p.concurrency} needs "
+        f"{p.replicas} pod(s) (binding: {p.binding})"
+    )
+
+
+def blocks_per_sequence(spec: InferenceDeploymentSpec) -> float:
+    """KV blocks one more p95 request will claim (its shared prefix stored once)."""
+    blocks = blocks_for_tokens(spec.traffic.context_tokens, spec.engine.block_size)
+    hit = spec.traffic.prefix_hit_ratio if spec.engine.prefix_caching else 0.0
+    return max(1.0, blocks * (1.0 - hit))

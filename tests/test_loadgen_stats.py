@@ -1,0 +1,156 @@
+"""Load generator pure parts: workload schedule and prompts, percentiles, summaries, progress."""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from headroom.engine.loadgen.client import LoadResult, RequestRecord, RunState, StatsSample
+from headroom.engine.loadgen.progress import ProgressBar, render_line
+from headroom.engine.loadgen.stats import (
+    percentile,
+    records_csv,
+    render_summary,
+    summarize,
+    summarize_engine,
+)
+from headroom.engine.loadgen.workload import LengthDist, PromptFactory, WorkloadSpec
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), st.floats(0, 100))
+def test_percentile_matches_numpy_linear(values: list[float], q: float) -> None:
+    assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), abs=1e-6)
+
+
+def test_percentile_edge_cases() -> None:
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_spec_needs_exactly_one_bound_and_a_prefix_length() -> None:
+    with pytest.raises(ValidationError, match="exactly one"):
+        WorkloadSpec()
+    with pytest.raises(ValidationError, match="exactly one"):
+        WorkloadSpec(num_requests=3, duration_s=1.0)
+    with pytest.raises(ValidationError, match="prefix_len"):
+        WorkloadSpec(num_requests=3, shared_prefix_fraction=0.5)
+    with pytest.raises(ValidationError, match="ramp_s"):
+        WorkloadSpec(num_requests=3, ramp_to=8)
+
+
+def test_ramp_schedule_steps_from_start_to_end() -> None:
+    spec = WorkloadSpec(duration_s=10.0, concurrency=1, ramp_to=5)
+    levels = [spec.concurrency_at(t) for t in (0, 2.4, 2.6, 5.0, 9.99, 10, 100)]
+    assert levels == [1, 1, 2, 3, 4, 5, 5]
+    assert spec.max_concurrency == 5
+    down = WorkloadSpec(num_requests=10, concurrency=8, ramp_to=2, ramp_s=6.0)
+    assert [down.concurrency_at(t) for t in (0, 3, 6)] == [8, 5, 2]
+    assert WorkloadSpec(num_requests=1, concurrency=3).concurrency_at(50) == 3
+
+
+def test_length_distributions_stay_in_bounds_and_center() -> None:
+    rng = random.Random(1)
+    for kind in ("fixed", "uniform", "normal", "exponential"):
+        d = LengthDist(kind=kind, mean=100, spread=0.5, max=400)  # type: ignore[arg-type]
+        xs = [d.sample(rng) for _ in range(2000)]
+        assert all(1 <= x <= 400 for x in xs)
+        assert 80 < sum(xs) / len(xs) < 120, kind
+    assert {LengthDist(mean=7).sample(rng) for _ in range(10)} == {7}
+
+
+def test_prompts_share_exactly_the_prefix_and_scale_with_the_ratio() -> None:
+    spec = WorkloadSpec(
+        num_requests=200, prompt_len=LengthDist(mean=20), shared_prefix_fraction=0.5,
+        prefix_len=60, seed=3,
+    )  # fmt: skip
+    factory = PromptFactory(spec, tokens_per_word=2.0)
+    reqs = [factory.make(i) for i in range(200)]
+    shared = [r for r in reqs if r.shared_prefix]
+    assert 60 < len(shared) < 140
+    assert all(r.prompt.startswith(factory.prefix + " ") for r in shared)
+    assert all(r.prompt_tokens == 80 for r in shared)
+    assert len(factory.prefix.split()) == 30
+    unique = [r for r in reqs if not r.shared_prefix]
+    assert all(len(r.prompt.split()) == 10 for r in unique)
+    # Unique prompts differ from each other early (else the prefix cache would hit on them).
+    heads = {" ".join(r.prompt.split()[:5]) for r in unique}
+    assert len(heads) == len(unique)
+    again = PromptFactory(spec, tokens_per_word=2.0)
+    assert [again.make(i) for i in range(200)] == reqs
+
+
+def _rec(i: int, ttft: float, tpot: float, out: int = 10, ok: bool = True, c: int = 1,
+         err: str | None = None) -> RequestRecord:  # fmt: skip
+    return RequestRecord(
+        index=i, start=0.0, concurrency=c, shared_prefix=False, ok=ok, error=err,
+        prompt_tokens=5 if ok else None, output_tokens=out if ok else 0,
+        ttft_s=ttft if ok else None, tpot_s=tpot if ok else None, e2e_s=ttft + tpot * 9,
+    )  # fmt: skip
+
+
+def _sample(t: float, used: int, q: int, h: int, p: int, c: int = 1) -> StatsSample:
+    return StatsSample(t=t, concurrency=c, used=used, capacity=100, queries_tokens=q,
+                       hits_tokens=h, preemptions=p, running=used // 10, waiting=0)  # fmt: skip
+
+
+def test_engine_summary_uses_deltas_and_survives_a_restart() -> None:
+    samples = [
+        _sample(0, 0, 1000, 900, 5),  # traffic before the run must not count
+        _sample(1, 50, 1100, 950, 6),
+        _sample(2, 80, 1300, 1000, 6),
+        _sample(3, 10, 40, 30, 1),  # engine restarted: counters went back
+    ]
+    e = summarize_engine(samples)
+    assert e is not None
+    assert (e.prefix_queries_tokens, e.prefix_hits_tokens, e.preemptions) == (340, 130, 2)
+    assert e.hit_ratio == pytest.approx(130 / 340)
+    assert e.peak_occupancy == pytest.approx(0.8)
+    assert e.peak_used_blocks == 80
+    assert summarize_engine([]) is None
+
+
+def test_summary_counts_errors_by_type_and_levels() -> None:
+    recs = [_rec(i, 0.1 * (i + 1), 0.01, c=1 if i < 4 else 2) for i in range(8)]
+    recs.append(_rec(8, 0, 0, ok=False, err="http_400_invalid_request_error", c=2))
+    recs.append(_rec(9, 0, 0, ok=False, err="timeout", c=2))
+    recs.append(_rec(10, 0, 0, ok=False, err="timeout", c=2))
+    samples = [_sample(0, 10, 0, 0, 0, c=1), _sample(1, 70, 100, 40, 0, c=2)]
+    result = LoadResult(model="m", tokens_per_word=1.0, duration_s=2.0, records=recs,
+                        samples=samples)  # fmt: skip
+    s = summarize(result)
+    assert (s.requests, s.ok, s.errors) == (11, 8, 3)
+    assert s.errors_by_type == {"timeout": 2, "http_400_invalid_request_error": 1}
+    assert s.requests_per_s == pytest.approx(4.0)
+    assert s.output_tokens == 80 and s.output_tokens_per_s == pytest.approx(40.0)
+    assert s.ttft.p50 == pytest.approx(0.45)
+    assert [lv.concurrency for lv in s.levels] == [1, 2]
+    assert [lv.requests for lv in s.levels] == [4, 7]
+    assert s.levels[1].errors == 3
+    assert s.levels[1].peak_occupancy == pytest.approx(0.7)
+    text = render_summary(s)
+    assert "timeout x2" in text and "peak occupancy 70.0%" in text and "hit ratio 40.0%" in text
+    csv_text = records_csv(recs)
+    assert csv_text.splitlines()[0].startswith("index,start,concurrency")
+    assert len(csv_text.splitlines()) == 12
+
+
+def test_progress_line_and_non_tty_throttling() -> None:
+    state = RunState(started=5, done=4, errors=1, in_flight=1, concurrency=2, output_tokens=400)
+    line = render_line(state, 2.0, total=8, duration=None, width=10)
+    assert line.startswith("[#####-----] 4/8 done")
+    assert "200 tok/s" in line
+    buf = io.StringIO()
+    bar = ProgressBar(total=8, stream=buf, line_interval_s=3600)
+    for _ in range(50):
+        bar.update(state, 1.0)
+    bar.close(state, 2.0)
+    assert len(buf.getvalue().splitlines()) == 2  # one throttled line, one final line
+    assert "\r" not in buf.getvalue()

@@ -1,0 +1,134 @@
+"""Request validation and OpenAI-schema error mapping of the HTTP server (no engine)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from headroom.engine.server.auth import bearer_token, key_matches
+from headroom.engine.server.errors import from_validation_error
+from headroom.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from headroom.engine.server.sse import encode_event
+
+
+def _error(model: type, body: dict) -> tuple[str, str | None]:
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    err = from_validation_error(info.value)
+    assert err.status == 400
+    return err.message, err.param
+
+
+def test_completion_defaults_and_prompt_shapes() -> None:
+    req = CompletionRequest.model_validate({"prompt": "hi"})
+    assert (req.max_tokens, req.n, req.temperature, req.stream) == (16, 1, 1.0, False)
+    assert req.prompts() == ["hi"]
+    assert CompletionRequest.model_validate({"prompt": [1, 2, 3]}).prompts() == [[1, 2, 3]]
+    assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompts() == ["a", "b"]
+    assert CompletionRequest.model_validate({"prompt": [[1], [2, 3]]}).prompts() == [[1], [2, 3]]
+    assert CompletionRequest.model_validate({"prompt": "x", "stop": "\n"}).stop_list == ["\n"]
+
+
+def test_unknown_field_is_named() -> None:
+    message, param = _error(CompletionRequest, {"prompt": "hi", "max_token": 5})
+    assert param == "max_token"
+    assert "unknown field 'max_token'" in message
+
+
+def test_missing_field_is_named() -> None:
+    message, param = _error(ChatCompletionRequest, {"model": "tiny"})
+    assert param == "messages"
+    assert "missing" in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", 2.5),
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("n", 0),
+        ("max_tokens", 0),
+        ("top_k", -2),
+    ],
+)
+def test_out_of_range_values_name_the_field(field: str, value: float) -> None:
+    message, param = _error(CompletionRequest, {"prompt": "hi", field: value})
+    assert param == field
+    assert f"field '{field}'" in message
+    assert repr(value) in message
+
+
+def test_union_field_errors_name_the_field_not_the_branch() -> None:
+    _, param = _error(CompletionRequest, {"prompt": {"text": "hi"}})
+    assert param == "prompt"
+    _, param = _error(CompletionRequest, {"prompt": "hi", "stop": 7})
+    assert param == "stop"
+    message, _ = _error(CompletionRequest, {"prompt": []})
+    assert "empty" in message
+
+
+def test_nested_field_path() -> None:
+    message, param = _error(
+        ChatCompletionRequest, {"messages": [{"role": "user", "content": "a"}, {"role": "bot"}]}
+    )
+    assert param == "messages[1].role"
+    assert "messages[1].role" in message
+
+
+@pytest.mark.parametrize(
+    ("body", "word"),
+    [
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x", "logprobs": 3}, "logprobs"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+    ],
+)
+def test_unsupported_settings_are_refused_by_name(body: dict, word: str) -> None:
+    message, _ = _error(CompletionRequest, body)
+    assert word in message
+    assert "not supported" in message
+
+
+def test_neutral_values_of_unsupported_settings_pass() -> None:
+    req = CompletionRequest.model_validate(
+        {"prompt": "x", "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": None,
+         "echo": False, "best_of": 1, "user": "me"}
+    )  # fmt: skip
+    assert req.n == 1
+
+
+def test_chat_message_parts_and_max_tokens_alias() -> None:
+    req = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                      {"type": "text", "text": "b"}]}],
+            "max_completion_tokens": 7,
+        }
+    )  # fmt: skip
+    assert req.messages[0].text == "ab"
+    assert req.requested_max_tokens == 7
+    _, param = _error(
+        ChatCompletionRequest,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+    )
+    assert param is not None and param.startswith("messages[0].content")
+
+
+def test_bearer_parsing_and_constant_time_compare() -> None:
+    assert bearer_token("Bearer abc") == "abc"
+    assert bearer_token("bearer  abc ") == "abc"
+    assert bearer_token("Basic abc") is None
+    assert bearer_token(None) is None
+    assert bearer_token("Bearer ") is None
+    assert key_matches("k1", "k1")
+    assert not key_matches("k1", "k2")
+    assert not key_matches("k1", None)
+
+
+def test_sse_event_encoding() -> None:
+    assert encode_event("[DONE]") == b"data: [DONE]\n\n"
+    assert encode_event({"a": 1}) == b'data: {"a":1}\n\n'

@@ -1,0 +1,154 @@
+"""The exposition itself: the metric contract's names, types and labels, and what is left out."""
+
+from __future__ import annotations
+
+import pytest
+from headroom.engine.stats import TTFT_BUCKETS_S
+from headroom.sidecar.collector import SidecarCollector, make_registry
+from headroom.sidecar.config import IdentityLabels, SidecarConfig
+from headroom.sidecar.sources import parse_headroom_stats
+from headroom.sidecar.state import PollState
+from headroom.sidecar.synthetic import SyntheticEngine
+from prometheus_client import generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+# shared/DESIGN.md "Metric contract": family name (as the parser names it) -> type.
+CONTRACT = {
+    "headroom_engine_up": "gauge",
+    "headroom_kv_blocks": "gauge",
+    "headroom_kv_blocks_capacity": "gauge",
+    "headroom_kv_block_occupancy_ratio": "gauge",
+    "headroom_kv_bytes_per_token": "gauge",
+    "headroom_prefix_cache_queries_tokens": "counter",
+    "headroom_prefix_cache_hits_tokens": "counter",
+    "headroom_prefix_cache_hit_ratio": "gauge",
+    "headroom_requests": "gauge",
+    "headroom_preemptions": "counter",
+    "headroom_kv_saturation_eta_seconds": "gauge",
+    "headroom_time_to_first_token_seconds": "histogram",
+    "headroom_time_per_output_token_seconds": "histogram",
+}
+# Beyond the contract, each justified in collector.py / docs/alerts.md.
+EXTRA = {
+    "headroom_sidecar_poll_errors": "counter",
+    "headroom_sidecar_engine_restarts": "counter",
+    "headroom_prefix_cache_enabled": "gauge",
+}
+IDENTITY = {"model": "tiny", "namespace": "llm", "inferencedeployment": "chat", "pod": "chat-0"}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _setup() -> tuple[SyntheticEngine, PollState, SidecarConfig, Clock]:
+    cfg = SidecarConfig(
+        engine_url="http://127.0.0.1:1",
+        labels=IdentityLabels(namespace="llm", inferencedeployment="chat", pod="chat-0"),
+    )
+    return SyntheticEngine(capacity=200, model="tiny"), PollState(horizon=61.0), cfg, Clock()
+
+
+def _families(state: PollState, cfg: SidecarConfig, clock: Clock) -> dict[str, Metric]:
+    text = generate_latest(make_registry(SidecarCollector(state, cfg, clock))).decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _drive(eng: SyntheticEngine, state: PollState, clock: Clock, polls: int = 5) -> None:
+    for _ in range(polls):
+        eng.set_used(eng.used + 10)
+        eng.queries_tokens_total += 64
+        eng.hits_tokens_total += 16
+        eng.running = 2
+        eng.observe_ttft(0.2)
+        state.record_success(parse_headroom_stats(eng.body()), clock.t)
+        clock.t += 1.0
+    clock.t -= 1.0
+
+
+def test_every_contract_metric_with_its_type_and_labels() -> None:
+    eng, state, cfg, clock = _setup()
+    _drive(eng, state, clock)
+    fams = _families(state, cfg, clock)
+    assert {n: f.type for n, f in fams.items()} == CONTRACT | EXTRA
+    for fam in fams.values():
+        for s in fam.samples:
+            extra = set(s.labels) - set(IDENTITY)
+            assert {k: s.labels[k] for k in IDENTITY} == IDENTITY, s
+            allowed = {"state", "le", "reason"}
+            assert extra <= allowed, s
+    states = {s.labels["state"]: s.value for s in fams["headroom_kv_blocks"].samples}
+    assert states == {"free": 150.0, "used": 50.0, "cached": 0.0}
+    assert fams["headroom_kv_block_occupancy_ratio"].samples[0].value == pytest.approx(0.25)
+    assert fams["headroom_prefix_cache_hit_ratio"].samples[0].value == pytest.approx(0.25)
+    queues = {s.labels["state"]: s.value for s in fams["headroom_requests"].samples}
+    assert queues == {"running": 2.0, "waiting": 0.0, "swapped": 0.0}
+    assert fams["headroom_kv_saturation_eta_seconds"].samples[0].value == pytest.approx(15.0)
+    reasons = {s.labels["reason"] for s in fams["headroom_sidecar_poll_errors"].samples}
+    assert reasons == {"unreachable", "timeout", "http_status", "garbage", "internal"}
+
+
+def test_counter_and_histogram_sample_names() -> None:
+    eng, state, cfg, clock = _setup()
+    _drive(eng, state, clock)
+    fams = _families(state, cfg, clock)
+    names = {s.name for f in fams.values() for s in f.samples}
+    assert {
+        "headroom_prefix_cache_queries_tokens_total",
+        "headroom_prefix_cache_hits_tokens_total",
+        "headroom_preemptions_total",
+        "headroom_sidecar_poll_errors_total",
+    } <= names
+    ttft = fams["headroom_time_to_first_token_seconds"].samples
+    buckets = [s for s in ttft if s.name.endswith("_bucket")]
+    assert [s.labels["le"] for s in buckets] == [repr(b) for b in TTFT_BUCKETS_S] + ["+Inf"]
+    le = {s.labels["le"]: s.value for s in buckets}
+    assert le["0.1"] == 0 and le["0.25"] == 5 and le["+Inf"] == 5
+    by_name = {s.name: s.value for s in ttft}
+    assert by_name["headroom_time_to_first_token_seconds_count"] == 5
+    assert by_name["headroom_time_to_first_token_seconds_sum"] == pytest.approx(1.0)
+
+
+def test_down_engine_exports_only_up_and_sidecar_counters() -> None:
+    eng, state, cfg, clock = _setup()
+    _drive(eng, state, clock)
+    state.record_error("unreachable", "connection refused")
+    fams = _families(state, cfg, clock)
+    assert set(fams) == {"headroom_engine_up", *EXTRA} - {"headroom_prefix_cache_enabled"}
+    assert fams["headroom_engine_up"].samples[0].value == 0.0
+    assert fams["headroom_engine_up"].samples[0].labels["model"] == "tiny"
+
+
+def test_stale_values_are_not_exported() -> None:
+    eng, state, cfg, clock = _setup()
+    _drive(eng, state, clock)
+    clock.t += cfg.stale_after + 1  # no poll recorded since: the poller is wedged
+    fams = _families(state, cfg, clock)
+    assert fams["headroom_engine_up"].samples[0].value == 0.0
+    assert "headroom_kv_block_occupancy_ratio" not in fams
+
+
+def test_infinite_eta_is_exported_as_inf() -> None:
+    eng, state, cfg, clock = _setup()
+    for _ in range(4):
+        state.record_success(parse_headroom_stats(eng.body()), clock.t)
+        clock.t += 1
+    text = generate_latest(make_registry(SidecarCollector(state, cfg, clock))).decode()
+    assert 'headroom_kv_saturation_eta_seconds{inferencedeployment="chat",model="tiny",' in text
+    line = next(x for x in text.splitlines() if x.startswith("headroom_kv_saturation_eta_seconds{"))
+    assert line.endswith(" +Inf")
+
+
+def test_unknown_labels_are_left_off() -> None:
+    eng, state, _, clock = _setup()
+    cfg = SidecarConfig(engine_url="http://127.0.0.1:1")
+    eng.model = ""
+    _drive(eng, state, clock)
+    fams = _families(state, cfg, clock)
+    sample = fams["headroom_kv_block_occupancy_ratio"].samples[0]
+    assert sample.labels == {}

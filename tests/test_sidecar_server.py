@@ -1,0 +1,221 @@
+"""The sidecar over HTTP against a misbehaving engine: it reports, counts, and never exits."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import pytest
+from aiohttp import ClientSession
+from aiohttp.test_utils import TestServer
+from headroom.sidecar.__main__ import main as sidecar_main
+from headroom.sidecar.config import SidecarConfig
+from headroom.sidecar.report import SaturationReport
+from headroom.sidecar.server import build_app
+from headroom.sidecar.synthetic import SyntheticEngine
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@dataclass
+class Rig:
+    engine: SyntheticEngine
+    sidecar: TestServer
+    http: ClientSession
+
+    async def metrics(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        async with self.http.get(self.sidecar.make_url("/metrics")) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            text = await resp.text()
+        return {
+            (s.name, frozenset(s.labels.items())): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        }
+
+    async def report(self) -> SaturationReport:
+        async with self.http.get(self.sidecar.make_url("/saturation")) as resp:
+            assert resp.status == 200
+            return SaturationReport.model_validate_json(await resp.read())
+
+    async def until(self, cond: Callable[[SaturationReport], bool], within: float = 10.0) -> None:
+        """Wait (bounded) until the sidecar's report satisfies `cond`."""
+        deadline = asyncio.get_running_loop().time() + within
+        while not cond(await self.report()):
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"condition not reached; last report {await self.report()}")
+            await asyncio.sleep(0.02)
+
+
+def _value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str,
+           **labels: str) -> float | None:  # fmt: skip
+    for (n, lbls), v in samples.items():
+        if n == name and set(labels.items()) <= lbls:
+            return v
+    return None
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    engine = SyntheticEngine(capacity=1000, model="tiny", slow_seconds=1.0)
+    async with TestServer(engine.app()) as eng_srv:
+        cfg = SidecarConfig(
+            engine_url=str(eng_srv.make_url("/")), interval=0.05, timeout=0.04,
+            window=5.0, forecast_window=5.0,
+        )  # fmt: skip
+        async with TestServer(build_app(cfg)) as sidecar, ClientSession() as http:
+            yield Rig(engine, sidecar, http)
+
+
+async def test_healthy_engine(rig: Rig) -> None:
+    rig.engine.set_used(250)
+    await rig.until(lambda r: r.fresh and r.forecast_ready)
+    m = await rig.metrics()
+    assert _value(m, "headroom_engine_up", model="tiny") == 1.0
+    assert _value(m, "headroom_kv_block_occupancy_ratio") == pytest.approx(0.25)
+    assert _value(m, "headroom_kv_blocks", state="used") == 250
+    assert _value(m, "headroom_kv_saturation_eta_seconds") == float("inf")
+    report = await rig.report()
+    assert report.engine_up and report.occupancy == pytest.approx(0.25)
+    assert report.used_blocks == 250 and report.capacity_blocks == 1000
+    assert report.eta_seconds is None  # not growing
+    async with rig.http.get(rig.sidecar.make_url("/healthz")) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["engine_up"] is True
+
+
+async def test_growing_usage_gives_a_finite_eta(rig: Rig) -> None:
+    await rig.until(lambda r: r.fresh)
+    for step in range(30):
+        rig.engine.set_used(100 + 10 * step)
+        await asyncio.sleep(0.03)
+    report = await rig.report()
+    assert report.growth_blocks_per_second is not None and report.growth_blocks_per_second > 0
+    assert report.eta_seconds is not None and report.eta_seconds > 0
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "reason"),
+    [
+        ("slow", "timeout"),
+        ("garbage", "garbage"),
+        ("bad_version", "garbage"),
+        ("http_500", "http_status"),
+    ],
+)
+async def test_faults_mark_the_engine_down_then_recover(
+    rig: Rig, behaviour: str, reason: str
+) -> None:
+    rig.engine.set_used(400)
+    await rig.until(lambda r: r.fresh)
+    rig.engine.behaviour = behaviour  # type: ignore[assignment]
+    await rig.until(lambda r: not r.engine_up)
+    report = await rig.report()
+    assert not report.fresh and report.occupancy is None and report.eta_seconds is None
+    assert report.last_error is not None and report.last_error.startswith(reason)
+    m = await rig.metrics()
+    assert _value(m, "headroom_engine_up") == 0.0
+    assert _value(m, "headroom_sidecar_poll_errors_total", reason=reason) >= 1  # type: ignore[operator]
+    assert _value(m, "headroom_kv_block_occupancy_ratio") is None  # no stale value as fresh
+    assert _value(m, "headroom_kv_blocks", state="used") is None
+    async with rig.http.get(rig.sidecar.make_url("/healthz")) as resp:
+        assert resp.status == 200  # the sidecar itself is fine
+    rig.engine.behaviour = "ok"
+    await rig.until(lambda r: r.fresh)
+    assert _value(await rig.metrics(), "headroom_kv_block_occupancy_ratio") == pytest.approx(0.4)
+
+
+async def test_unreachable_engine() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again before the sidecar polls: nothing listens
+    cfg = SidecarConfig(engine_url=f"http://127.0.0.1:{port}", interval=0.05, timeout=0.05)
+    async with TestServer(build_app(cfg)) as sidecar, ClientSession() as http:
+        rig = Rig(SyntheticEngine(), sidecar, http)
+        await rig.until(lambda r: r.last_error is not None)
+        m = await rig.metrics()
+        assert _value(m, "headroom_engine_up") == 0.0
+        assert _value(m, "headroom_sidecar_poll_errors_total", reason="unreachable") >= 1  # type: ignore[operator]
+        report = await rig.report()
+        assert report.model is None and not report.engine_up
+
+
+async def test_engine_restart_resets_forecast_and_counts(rig: Rig) -> None:
+    rig.engine.queries_tokens_total = 1000
+    for step in range(10):
+        rig.engine.set_used(500 + 20 * step)
+        await asyncio.sleep(0.03)
+    await rig.until(lambda r: r.forecast_ready)
+    rig.engine.restart()
+    await rig.until(lambda r: r.engine_restarts_total == 1)
+    report = await rig.report()
+    assert report.fresh and report.used_blocks == 0
+    m = await rig.metrics()
+    assert _value(m, "headroom_sidecar_engine_restarts_total") == 1.0
+    assert _value(m, "headroom_prefix_cache_queries_tokens_total") == 0.0  # the engine's reset
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("flags", "complaint"),
+    [
+        (["--engine-url", "localhost:8000"], "engine_url must be http(s)"),
+        (["--engine-url", "http://x:1", "--interval", "1", "--timeout", "2"], "must not exceed"),
+        (["--engine-url", "http://x:1", "--window", "0"], "window"),
+        (["--engine-url", "http://x:1", "--port", "70000"], "port"),
+        (["--engine-url", "http://x:1", "--source", "tgi"], "invalid choice"),
+    ],
+)
+def test_cli_rejects_bad_flags(
+    flags: list[str], complaint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        code = sidecar_main(flags)
+    except SystemExit as exc:  # argparse's own errors
+        code = int(exc.code or 0)
+    assert code == 2
+    assert complaint in capsys.readouterr().err
+
+
+async def test_python_m_headroom_sidecar_serves_metrics() -> None:
+    engine = SyntheticEngine(capacity=64, model="tiny")
+    engine.set_used(16)
+    port = _free_port()
+    async with TestServer(engine.app()) as eng_srv:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "headroom.sidecar", "--engine-url", str(eng_srv.make_url("/")),
+            "--host", "127.0.0.1", "--port", str(port), "--interval", "0.1", "--timeout", "0.1",
+            "--pod", "p-0", "--namespace", "ns",
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            async with ClientSession() as http:
+                text = ""
+                deadline = asyncio.get_running_loop().time() + 20
+                while "headroom_kv_block_occupancy_ratio" not in text:
+                    assert proc.returncode is None, "sidecar exited"
+                    assert asyncio.get_running_loop().time() < deadline, text
+                    try:
+                        async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                            text = await resp.text()
+                    except OSError:
+                        pass
+                    await asyncio.sleep(0.1)
+            line = next(x for x in text.splitlines() if x.startswith("headroom_kv_block_occ"))
+            assert line == (
+                'headroom_kv_block_occupancy_ratio{model="tiny",namespace="ns",pod="p-0"} 0.25'
+            )
+        finally:
+            proc.terminate()
+            await proc.wait()
+    assert proc.returncode == 0  # clean shutdown on SIGTERM

@@ -1,0 +1,85 @@
+"""Parsing the engine's `/stats` body (the `StatsSnapshot` contract) into a reading."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from headroom.engine.stats import STATS_SCHEMA_VERSION, TTFT_BUCKETS_S
+from headroom.sidecar.sources import GarbageError, parse_headroom_stats
+from headroom.sidecar.synthetic import SyntheticEngine
+
+
+def _engine() -> SyntheticEngine:
+    eng = SyntheticEngine(capacity=100, block_size=16, bytes_per_token=131072, model="tiny")
+    eng.cached = 10
+    eng.set_used(40)
+    eng.queries_tokens_total, eng.hits_tokens_total = 500, 125
+    eng.running, eng.waiting, eng.preemptions_total = 3, 2, 4
+    eng.observe_ttft(0.02)
+    eng.observe_ttft(3.0)
+    return eng
+
+
+def test_parses_a_snapshot() -> None:
+    eng = _engine()
+    r = parse_headroom_stats(eng.body())
+    assert r.source == "headroom"
+    assert r.model == "tiny" and r.instance_id == eng.instance_id
+    assert (r.capacity_blocks, r.used_blocks, r.cached_blocks, r.free_blocks) == (100, 40, 10, 50)
+    assert r.occupancy == pytest.approx(0.40)  # cached blocks are not "used"
+    assert (r.block_size, r.bytes_per_token) == (16, 131072)
+    assert r.prefix_cache_enabled is True
+    assert (r.prefix_queries_tokens_total, r.prefix_hits_tokens_total) == (500, 125)
+    assert (r.running, r.waiting, r.swapped, r.preemptions_total) == (3, 2, 0, 4)
+    assert r.ttft is not None
+    assert r.ttft.bounds == TTFT_BUCKETS_S
+    assert r.ttft.count == 2 and r.ttft.sum == pytest.approx(3.02)
+    assert r.ttft.counts[TTFT_BUCKETS_S.index(0.025)] == 1
+    assert r.ttft.counts[-1] == 2
+
+
+def test_empty_pool_is_zero_occupancy() -> None:
+    eng = SyntheticEngine(capacity=0)
+    assert parse_headroom_stats(eng.body()).occupancy == 0.0
+
+
+def _doc() -> dict[str, object]:
+    doc: dict[str, object] = json.loads(_engine().body())
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b"", "not a StatsSnapshot"),
+        (b"<html>502</html>", "not a StatsSnapshot"),
+        (b"[1, 2, 3]", "not a StatsSnapshot"),
+        (json.dumps({**_doc(), "version": STATS_SCHEMA_VERSION + 1}).encode(), "version"),
+        (json.dumps({**_doc(), "surprise": 1}).encode(), "not a StatsSnapshot"),
+        (json.dumps({k: v for k, v in _doc().items() if k != "kv"}).encode(), "kv"),
+        (
+            json.dumps({**_doc(), "kv": {**_doc()["kv"], "used": 99}}).encode(),  # type: ignore[dict-item]
+            "do not add up",
+        ),
+        (
+            json.dumps({**_doc(), "preemptions_total": -1}).encode(),
+            "preemptions_total",
+        ),
+    ],
+)
+def test_garbage(body: bytes, why: str) -> None:
+    with pytest.raises(GarbageError, match=why):
+        parse_headroom_stats(body)
+
+
+def test_histogram_that_is_not_cumulative_is_garbage() -> None:
+    doc = _doc()
+    hist = dict(doc["time_to_first_token_seconds"])  # type: ignore[call-overload]
+    hist["counts"] = [5] + [0] * (len(TTFT_BUCKETS_S) - 1)
+    doc["time_to_first_token_seconds"] = hist
+    with pytest.raises(GarbageError, match="cumulative"):
+        parse_headroom_stats(json.dumps(doc).encode())
+    hist["counts"] = [0] * 3
+    with pytest.raises(GarbageError, match="buckets but"):
+        parse_headroom_stats(json.dumps(doc).encode())
