@@ -232,8 +232,9 @@ class Prometheus:
         *,
         scrape_interval: str = "1s",
         binary: str = PROMETHEUS,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._dir = Path(tempfile.mkdtemp(prefix="headroom-prom-", dir=group.log_dir))
         config = {
@@ -311,3 +312,63 @@ class Timings:
         total = sum(s for _, s in self.phases)
         rows = [f"{n:<{width}}  {s:8.1f} s" for n, s in self.phases]
         return "\n".join([*rows, f"{'total':<{width}}  {total:8.1f} s"])
+
+
+class Operator:
+    """`headroom operator` as a local process, cluster-wide, authenticated by one kubeconfig."""
+
+    def __init__(self, group: Processes, kubeconfig: Path, *, tick: float) -> None:
+        self.group = group
+        self.kubeconfig = kubeconfig
+        self.tick = tick
+        self.metrics_port = 0
+        self.proc: Proc | None = None
+        self.starts = 0
+
+    def start(self, timeout: float = 120.0) -> Proc:
+        """Start it and wait for its /healthz (kopf answers once it has connected)."""
+        self.starts += 1
+        self.metrics_port = free_port()
+        health = free_port()
+        argv = [
+            *headroom_argv(),
+            "operator",
+            "--all-namespaces",
+            "--kubeconfig",
+            str(self.kubeconfig),
+            "--tick-seconds",
+            str(self.tick),
+            "--metrics-port",
+            str(self.metrics_port),
+            "--liveness-port",
+            str(health),
+            "--log-format",
+            "text",
+        ]
+        # The kubeconfig is the only credential it gets: no admin KUBECONFIG leaks in.
+        env = {"KUBECONFIG": str(self.kubeconfig)}
+        self.proc = self.group.start(f"operator-{self.starts}", argv, env=env)
+        wait_until(
+            lambda: http_ok(f"http://127.0.0.1:{health}/healthz"),
+            timeout=timeout,
+            what="the operator's /healthz",
+            alive=self.proc.check_alive,
+        )
+        return self.proc
+
+    def check_alive(self) -> None:
+        """Raise with its log's tail when it has exited."""
+        if self.proc is not None:
+            self.proc.check_alive()
+
+    def metrics(self) -> str:
+        """Its own /metrics text."""
+        return http_get(f"http://127.0.0.1:{self.metrics_port}/metrics").decode()
+
+    def logs(self) -> str:
+        """Everything every start of it has logged."""
+        return "\n".join(
+            p.log_path.read_text(errors="replace")
+            for p in self.group.procs
+            if p.name.startswith("operator-") and p.log_path.exists()
+        )

@@ -12,7 +12,6 @@ import time
 import pytest
 
 from e2e.cluster.harness import Cluster
-from e2e.cluster.pytest_plugin import skip_or_fail
 
 pytest_plugins = ["e2e.cluster.pytest_plugin"]
 
@@ -91,10 +90,12 @@ def _eventually(what: str, check: object, timeout: float = 60, every: float = 0.
 def test_timings(cluster: Cluster) -> None:
     res = cluster.build_result
     if res is not None:
+        state = "built now" if res.cold else "cached"
+        print(f"\n[cluster] binaries {state} in {res.bin_dir}; {res.recorded}")
         if res.cold:
-            print(f"\n[cluster] cold build took {res.seconds:.0f}s ({res.seconds / 60:.1f} min)")
-        else:
-            print(f"\n[cluster] binaries cached in {res.bin_dir}: {res.recorded or 'warm'}")
+            print(
+                f"[cluster] this run's build took {res.seconds:.0f}s ({res.seconds / 60:.1f} min)"
+            )
     if cluster.start_seconds is not None:
         print(f"[cluster] warm start of the control plane took {cluster.start_seconds:.1f}s")
     print(f"[cluster] {cluster.version} at {cluster.server}, components {cluster.pids}")
@@ -185,6 +186,8 @@ def test_gpu_deployment_runs_and_is_garbage_collected(
 def test_helm_runs(cluster: Cluster) -> None:
     res = cluster.build_result
     if res is not None and "helm" in res.failed:
+        from e2e.cluster.pytest_plugin import skip_or_fail
+
         skip_or_fail(f"helm could not be built; see {res.bin_dir}/.failed")
     out = cluster.helm("version", "--short").stdout
     assert out.startswith("v3."), out

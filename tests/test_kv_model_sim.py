@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from headroom.engine.block_table import slot_mapping
 from headroom.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from headroom.engine.sequence import Sequence
@@ -125,7 +124,7 @@ def _one_step(block_size: int = 4) -> tuple[Scheduler, KVSimulator, Sequence]:
 
 
 def test_simulator_accepts_a_correct_run() -> None:
-    sched, sim, seq = _one_step()
+    _, sim, seq = _one_step()
     sim.check(seq, seq.num_computed_tokens)
     assert sim.read(seq, 6) == reference_kv([1, 2, 3, 4, 5, 6])
 
@@ -142,7 +141,7 @@ def test_simulator_detects_a_wrong_block_table() -> None:
 
 def test_simulator_detects_a_skipped_copy() -> None:
     sched, sim, seq = _one_step()
-    (child,) = sched.fork(seq.seq_id, 1)
+    sched.fork(seq.seq_id, 1)
     out = sched.schedule()
     assert out.blocks_to_copy, "the shared partial block must be copied before appending"
     out.blocks_to_copy.clear()

@@ -8,7 +8,11 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
-from hypothesis import HealthCheck, event, settings, target
+from headroom.engine.block_pool import BlockPool
+from headroom.engine.prefix_cache import PrefixCache, hash_block_tokens
+from headroom.engine.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from headroom.engine.sequence import Sequence
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -19,20 +23,25 @@ from hypothesis.stateful import (
 )
 from test_kv_model_sim import VOCAB, KVSimulator, sample
 
-from headroom.engine.block_pool import BlockPool
-from headroom.engine.prefix_cache import PrefixCache, hash_block_tokens
-from headroom.engine.scheduler import RequestRejected, Scheduler, SchedulerConfig
-from headroom.engine.sequence import Sequence
 
-
-def colliding_hash(parent: int | None, tokens: tuple[int, ...], extra: str | None) -> int:
+def two_bit_hash(parent: int | None, tokens: tuple[int, ...], extra: str | None) -> int:
+    """Collides all the time, across unrelated content."""
     return hash_block_tokens(parent, tokens, extra) & 3
+
+
+def local_hash(parent: int | None, tokens: tuple[int, ...], extra: str | None) -> int:
+    """Ignores the parent: equal blocks under different prefixes collide."""
+    return hash(tokens)
+
+
+HASHES = {"full": hash_block_tokens, "two-bit": two_bit_hash, "local": local_hash}
 
 
 class CheckedPrefixCache(PrefixCache):
     """Asserts at the moment of eviction that the victim has no reference."""
 
     __slots__ = ("pool",)
+    pool: BlockPool
 
     def evict(self) -> int | None:
         if self.num_parked:
@@ -47,13 +56,13 @@ seq_counter = itertools.count().__next__
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(
-        num_blocks=st.integers(4, 20),
+        num_blocks=st.integers(3, 12),
         block_size=st.sampled_from([1, 2, 4]),
         budget=st.integers(1, 24),
         max_num_seqs=st.integers(1, 8),
         caching=st.booleans(),
         watermark=st.sampled_from([0.0, 0.0, 0.1, 0.3]),
-        weak_hash=st.booleans(),
+        hash_name=st.sampled_from(sorted(HASHES)),
     )
     def setup(
         self,
@@ -63,7 +72,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs: int,
         caching: bool,
         watermark: float,
-        weak_hash: bool,
+        hash_name: str,
     ) -> None:
         self.cfg = SchedulerConfig(
             num_blocks=num_blocks,
@@ -74,7 +83,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             enable_prefix_caching=caching,
             watermark=watermark,
         )
-        hash_fn = colliding_hash if weak_hash else hash_block_tokens
+        hash_fn = HASHES[hash_name]
         self.sched = Scheduler(self.cfg, hash_fn=hash_fn)
         pool = self.sched.pool
         if caching:
@@ -87,6 +96,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.done: list[Sequence] = []
         self.last_preemptions = 0
         self.last_evictions = 0
+        self.seen: set[str] = set()
+        self.broken = False
         self.forks = 0  # salts children's samples deterministically across replays
 
     # -- rules --------------------------------------------------------------------------
@@ -129,7 +140,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.check_pool()
             self.check_sequences()
 
-    def step(self, data: st.DataObject) -> None:
+    def step(self, data: st.DataObject | None) -> None:
+        try:
+            self._step(data)
+        except BaseException:
+            self.broken = True  # keeps teardown from masking the failure
+            raise
+
+    def _step(self, data: st.DataObject | None) -> None:
         sched, cfg = self.sched, self.cfg
         cache = sched.pool.prefix_cache
         out = sched.schedule()
@@ -157,21 +175,28 @@ class SchedulerMachine(RuleBasedStateMachine):
         for name, happened in (
             ("preemption", bool(out.preempted)),
             ("copy-on-write", bool(out.blocks_to_copy)),
-            ("prefix hit", any(e.start and e.start == e.seq.num_cached_tokens for e in out.prefills)),
+            (
+                "prefix hit",
+                any(e.start and e.start == e.seq.num_cached_tokens for e in out.prefills),
+            ),
             ("eviction", cache is not None and cache.evictions_total > self.last_evictions),
+            ("chunked prefill", any(not e.sample for e in out.prefills)),
         ):
             if happened:
-                event(name)
+                self.seen.add(name)
         self.last_evictions = cache.evictions_total if cache is not None else 0
         logits = self.sim.run(out)
         sampled = {sid: sample(kv) for sid, kv in logits.items()}
         # n > 1 sampling: fork some sequences whose prompt just finished prefill.
         for e in out.scheduled:
-            if e.sample and not e.seq.output_token_ids and data.draw(st.integers(0, 3)) == 0:
+            if data is None or not e.sample or e.seq.output_token_ids:
+                continue
+            if data.draw(st.integers(0, 3)) == 0:
                 for child in sched.fork(e.seq.seq_id, data.draw(st.integers(1, 2))):
                     self.forks += 1
                     sampled[child.seq_id] = sample(logits[e.seq.seq_id], salt=self.forks)
                     self.live[child.seq_id] = child
+                self.seen.add("fork")
         finished = sched.update(out, sampled)
         for seq in finished:
             assert len(seq.output_token_ids) == seq.max_tokens and seq.is_finished
@@ -201,15 +226,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.live[child.seq_id] = child
 
     def teardown(self) -> None:
-        if not hasattr(self, "sched"):
+        if not hasattr(self, "sched") or self.broken:
             return
         self.drain()
-        # Steer generation towards runs that preempt and evict, the paths that break.
-        target(float(self.sched.preemptions_total), label="preemptions")
-        cache = self.sched.pool.prefix_cache
-        target(float(cache.evictions_total if cache else 0), label="evictions")
-        if self.sched.preemptions_total:
-            event("preemption (any time)")
+        for name in sorted(self.seen):
+            event(name)
 
     def drain(self) -> None:
         """Forward progress: everything queued finishes in a bounded number of steps."""
@@ -217,14 +238,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         limit = 50 + 10 * sum(s.num_tokens + s.max_tokens for s in self.live.values())
         steps = 0
         while sched.has_unfinished():
-            out = sched.schedule()
-            logits = self.sim.run(out)
-            for seq in sched.update(out, {k: sample(v) for k, v in logits.items()}):
-                self.done.append(seq)
-                self.live.pop(seq.seq_id)
+            self.step(None)
+            self.check_pool()
+            self.check_sequences()
             steps += 1
             assert steps <= limit, f"no forward progress after {steps} steps"
-            self.check_pool()
         assert not self.live
         pool = sched.pool
         assert pool.num_used == 0 and pool.num_free + pool.num_cached == pool.num_blocks
@@ -283,7 +301,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 SchedulerMachine.TestCase.settings = settings(
     max_examples=200,
-    stateful_step_count=60,
+    stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )

@@ -8,10 +8,6 @@ import random
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-from pydantic import ValidationError
-
 from headroom.engine.loadgen.client import LoadResult, RequestRecord, RunState, StatsSample
 from headroom.engine.loadgen.progress import ProgressBar, render_line
 from headroom.engine.loadgen.stats import (
@@ -22,6 +18,9 @@ from headroom.engine.loadgen.stats import (
     summarize_engine,
 )
 from headroom.engine.loadgen.workload import LengthDist, PromptFactory, WorkloadSpec
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
 
 
 @given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), st.floats(0, 100))
@@ -59,7 +58,7 @@ def test_ramp_schedule_steps_from_start_to_end() -> None:
 def test_length_distributions_stay_in_bounds_and_center() -> None:
     rng = random.Random(1)
     for kind in ("fixed", "uniform", "normal", "exponential"):
-        d = LengthDist(kind=kind, mean=100, spread=0.5, max=400)  # type: ignore[arg-type]
+        d = LengthDist(kind=kind, mean=100, spread=0.5, max=400)
         xs = [d.sample(rng) for _ in range(2000)]
         assert all(1 <= x <= 400 for x in xs)
         assert 80 < sum(xs) / len(xs) < 120, kind

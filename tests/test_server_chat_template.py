@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from headroom.engine.server.chat_template import (
     ChatTemplateError,
     default_template,

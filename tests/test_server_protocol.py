@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
-from pydantic import ValidationError
+from typing import Any
 
+import pytest
 from headroom.engine.server.auth import bearer_token, key_matches
 from headroom.engine.server.errors import from_validation_error
 from headroom.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from headroom.engine.server.sse import encode_event
+from pydantic import BaseModel, ValidationError
 
 
-def _error(model: type, body: dict) -> tuple[str, str | None]:
+def _error(model: type[BaseModel], body: dict[str, Any]) -> tuple[str, str | None]:
     with pytest.raises(ValidationError) as info:
         model.model_validate(body)
     err = from_validation_error(info.value)
@@ -87,7 +88,7 @@ def test_nested_field_path() -> None:
         ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
     ],
 )
-def test_unsupported_settings_are_refused_by_name(body: dict, word: str) -> None:
+def test_unsupported_settings_are_refused_by_name(body: dict[str, Any], word: str) -> None:
     message, _ = _error(CompletionRequest, body)
     assert word in message
     assert "not supported" in message

@@ -105,3 +105,61 @@ def test_counter_rate() -> None:
     assert counter_rate([], []) is None
     assert counter_rate([1.0], [4.0]) is None
     assert counter_rate([0.0, 10.0], [4.0, 9.0]) == pytest.approx(0.5)
+
+
+def _line(n: int, slope: float, y0: float = 0.2) -> list[tuple[float, float]]:
+    return [(float(t), y0 + slope * t) for t in range(n)]
+
+
+def test_spike_after_flat_is_read_from_the_recent_segment() -> None:
+    # 20 s flat at 30 %, then 10 s of 1 %/s growth: plain OLS reads about a third of that.
+    points = [(float(t), 0.3) for t in range(20)]
+    points += [(float(t), 0.3 + 0.01 * (t - 19)) for t in range(20, 30)]
+    plain = forecast_saturation(points, segmented=False)
+    seg = forecast_saturation(points)
+    assert plain.slope_per_second is not None and plain.slope_per_second < 0.006
+    assert seg.slope_per_second == pytest.approx(0.01, rel=0.05)
+    assert seg.fit_points < seg.points == 30
+    assert seg.eta_seconds == pytest.approx((1 - 0.4) / 0.01, rel=0.05)
+
+
+def test_growth_that_stops_is_read_as_not_growing() -> None:
+    points = _line(20, 0.01) + [(float(t), 0.2 + 0.01 * 19) for t in range(20, 30)]
+    assert forecast_saturation(points).eta_seconds == math.inf
+    assert forecast_saturation(points, segmented=False).eta_seconds != math.inf
+
+
+def test_stairs_of_bursty_allocation_do_not_cut_the_window() -> None:
+    # +5 % every 5 s: a 1 %/s trend in steps; no segment of it is a change of trend.
+    points = [(float(t), 0.2 + 0.05 * (t // 5)) for t in range(30)]
+    fc = forecast_saturation(points)
+    assert fc.fit_points == 30
+    assert fc.slope_per_second == pytest.approx(0.01, rel=0.1)
+
+
+def test_noise_alone_does_not_cut_the_window() -> None:
+    rng = random.Random(3)
+    cuts = 0
+    for _ in range(50):
+        points = [(float(t), 0.3 + 0.004 * t + rng.gauss(0, 0.01)) for t in range(30)]
+        cuts += forecast_saturation(points).fit_points < 30
+    assert cuts <= 5  # BIC's penalty: a rare false break, not a habit
+
+
+@given(slope=st.floats(-0.05, 0.05), n=st.integers(3, 90))
+def test_segmented_fit_of_a_straight_line_is_the_line(slope: float, n: int) -> None:
+    fc = forecast_saturation(_line(n, slope))
+    assert fc.fit_points == n
+    assert fc.slope_per_second == pytest.approx(slope, abs=1e-9)
+
+
+def test_prefix_sum_fit_matches_direct_least_squares_far_from_zero() -> None:
+    # Monotonic clocks read large numbers; centring keeps the fit exact.
+    base = 8.6e6
+    points = [(base + t * 0.5, 0.1 + 0.003 * t + (0.01 if t % 3 else -0.02)) for t in range(40)]
+    mean_t = sum(t for t, _ in points) / 40
+    mean_y = sum(y for _, y in points) / 40
+    direct = sum((t - mean_t) * (y - mean_y) for t, y in points) / sum(
+        (t - mean_t) ** 2 for t, _ in points
+    )
+    assert least_squares_slope(points) == pytest.approx(direct, rel=1e-9)

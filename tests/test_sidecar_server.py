@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 from aiohttp import ClientSession
-from aiohttp.test_utils import TestServer
+from aiohttp.test_utils import BaseTestServer, TestServer
 from headroom.sidecar.__main__ import main as sidecar_main
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.report import SaturationReport
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(60)
 @dataclass
 class Rig:
     engine: SyntheticEngine
-    sidecar: TestServer
+    sidecar: BaseTestServer
     http: ClientSession
 
     async def metrics(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

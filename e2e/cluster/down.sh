@@ -78,3 +78,5 @@ else
   rm -rf "$DIR"
   log "removed $DIR"
 fi
+# Drop up.sh's lock file unless an up.sh holds it right now.
+( flock -n 9 && rm -f "$DIR.lock" ) 9>>"$DIR.lock" 2>/dev/null || true

@@ -37,7 +37,14 @@ UP_SH = HERE / "up.sh"
 DOWN_SH = HERE / "down.sh"
 
 #: The binaries ``build.sh`` produces; the first five are needed to start a cluster.
-CORE_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok")
+CORE_BINARIES = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubectl",
+    "kwok",
+)
 ALL_BINARIES = (*CORE_BINARIES, "helm")
 
 
@@ -79,8 +86,8 @@ class BuildResult:
 
     bin_dir: Path
     seconds: float
-    cold: bool
-    recorded: str = ""  # the cold build's own record ("cold build: 1234s on 2 CPUs")
+    cold: bool  # built in this call (False: found complete in the cache)
+    recorded: str = ""  # build.sh's record: "cold build: 1234s on 2 CPUs" or "rebuild: ..."
     failed: list[str] = field(default_factory=list)
     log: str = ""
 

@@ -62,6 +62,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     _state.wanted = True
     if os.environ.get("HEADROOM_CLUSTER_ENV"):
+        _state.notes.append(f"using the running cluster of {os.environ['HEADROOM_CLUSTER_ENV']}")
         return
     tr = session.config.pluginmanager.get_plugin("terminalreporter")
 
@@ -81,7 +82,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     res = _state.result
     if res.cold:
-        _state.notes.append(f"cold build of the control plane took {res.seconds:.0f}s")
+        _state.notes.append(
+            f"built the binaries in {res.seconds:.0f}s ({res.recorded}): {res.bin_dir}"
+        )
     else:
         _state.notes.append(
             f"control-plane binaries cached in {res.bin_dir} ({res.recorded or 'cold build'})"

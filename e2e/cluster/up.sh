@@ -16,7 +16,8 @@
 #   HEADROOM_KWOK_NODES     number of fake GPU nodes (default 2)
 #   HEADROOM_KWOK_POD_CIDR  CIDR that kwok hands pod IPs from (default 10.244.0.1/16; the IPs are
 #                           fake: nothing listens on them and nothing may send traffic to them)
-#   HEADROOM_ETCD           etcd binary (default /usr/bin/etcd)
+#   HEADROOM_ETCD           etcd binary (default: the etcd build.sh builds; Debian's 3.4 is too old
+#                           for the watch-list streams of 1.36 clients, see versions.sh)
 #   HEADROOM_UP_TIMEOUT     seconds to wait for readiness (default 120)
 set -euo pipefail
 
@@ -29,7 +30,6 @@ NAME="${1:-${HEADROOM_CLUSTER_NAME:-default}}"
 DIR="$(realpath -m "${HEADROOM_CLUSTER_DIR:-$HR_CACHE/cluster/$NAME}")"
 NODES="${HEADROOM_KWOK_NODES:-2}"
 POD_CIDR="${HEADROOM_KWOK_POD_CIDR:-10.244.0.1/16}"
-ETCD="${HEADROOM_ETCD:-/usr/bin/etcd}"
 TIMEOUT="${HEADROOM_UP_TIMEOUT:-120}"
 ENVF="$DIR/cluster.env"
 
@@ -58,16 +58,24 @@ if [[ -e "$DIR" ]]; then
   rm -rf "$DIR"
 fi
 
-[[ -x "$ETCD" ]] || { log "FATAL: etcd not found at $ETCD (apt-get install etcd-server)"; exit 2; }
 command -v openssl >/dev/null || { log "FATAL: openssl not found (apt-get install openssl)"; exit 2; }
+command -v curl >/dev/null || { log "FATAL: curl not found (apt-get install curl)"; exit 2; }
 
-BIN="$("$HERE/build.sh" | tail -1)"
-for b in "${HR_BINARIES[@]}"; do
+rc=0
+BIN="$("$HERE/build.sh" | tail -1)" || rc=$?
+# 3: some pieces failed (helm is optional for a running cluster; the check below is exact).
+if [[ $rc != 0 && $rc != 3 ]]; then log "FATAL: build.sh failed (rc=$rc)"; exit 2; fi
+for b in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok; do
   [[ -x "$BIN/$b" ]] || { log "FATAL: $BIN/$b missing after build.sh"; exit 2; }
 done
+ETCD="${HEADROOM_ETCD:-$BIN/etcd}"
+[[ -x "$ETCD" ]] || { log "FATAL: etcd not found at $ETCD"; exit 2; }
+etcd_extra=()
+# A throwaway test cluster needs no fsync (etcd 3.5+ has the flag; Debian's 3.4 does not).
+if "$ETCD" --help 2>&1 | grep -q -- '--unsafe-no-fsync'; then etcd_extra+=(--unsafe-no-fsync); fi
 
 mkdir -p "$DIR"/{pki,logs,pids,etcd}
-chmod 700 "$DIR"
+chmod 700 "$DIR" "$DIR/etcd"
 PKI="$DIR/pki"
 PIDS=""
 
@@ -101,25 +109,30 @@ SERVER="https://127.0.0.1:$APISERVER_PORT"
 
 # ---- PKI -----------------------------------------------------------------------------------------
 ossl() { openssl "$@" 2>>"$DIR/logs/openssl.log"; }
-ossl req -x509 -new -nodes -newkey rsa:2048 -keyout "$PKI/ca.key" -out "$PKI/ca.crt" -days 3650 \
+# EC P-256 keys: generating them costs nothing, unlike RSA on a busy 2-core machine.
+EC=(-newkey ec -pkeyopt ec_paramgen_curve:prime256v1)
+ossl req -x509 -new -nodes "${EC[@]}" -keyout "$PKI/ca.key" -out "$PKI/ca.crt" -days 3650 \
   -subj "/CN=headroom-test-ca" >/dev/null
-# cert NAME CN ORG [SAN] : a key and a certificate signed by the CA.
+# The front-proxy CA signs the client certificate the apiserver uses towards aggregated APIs.
+ossl req -x509 -new -nodes "${EC[@]}" -keyout "$PKI/front-proxy-ca.key" \
+  -out "$PKI/front-proxy-ca.crt" -days 3650 -subj "/CN=headroom-test-front-proxy-ca" >/dev/null
+# cert NAME CN ORG [SAN [CA]] : a key and a certificate signed by the CA (default "ca").
 cert() {
-  local name=$1 cn=$2 org=$3 san=${4:-} subj="/CN=$2" ext="$PKI/$1.ext"
+  local name=$1 cn=$2 org=$3 san=${4:-} ca=${5:-ca} subj="/CN=$2" ext="$PKI/$1.ext"
   [[ -n "$org" ]] && subj="/O=$org/CN=$cn"
   {
     echo "basicConstraints=critical,CA:FALSE"
-    echo "keyUsage=critical,digitalSignature,keyEncipherment"
+    echo "keyUsage=critical,digitalSignature"
     if [[ -n "$san" ]]; then
       echo "extendedKeyUsage=serverAuth,clientAuth"
-      echo "subjectAltName=$san"
+      [[ "$san" == none ]] || echo "subjectAltName=$san"
     else
       echo "extendedKeyUsage=clientAuth"
     fi
   } >"$ext"
-  ossl req -new -nodes -newkey rsa:2048 -keyout "$PKI/$name.key" -out "$PKI/$name.csr" \
+  ossl req -new -nodes "${EC[@]}" -keyout "$PKI/$name.key" -out "$PKI/$name.csr" \
     -subj "$subj" >/dev/null
-  ossl x509 -req -in "$PKI/$name.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" -CAcreateserial \
+  ossl x509 -req -in "$PKI/$name.csr" -CA "$PKI/$ca.crt" -CAkey "$PKI/$ca.key" -CAcreateserial \
     -days 3650 -extfile "$ext" -out "$PKI/$name.crt" >/dev/null
   rm -f "$PKI/$name.csr" "$ext"
 }
@@ -131,8 +144,9 @@ cert admin headroom-admin system:masters
 cert kcm system:kube-controller-manager ""
 cert scheduler system:kube-scheduler ""
 cert kwok headroom-kwok system:masters
-ossl genrsa -out "$PKI/sa.key" 2048
-ossl rsa -in "$PKI/sa.key" -pubout -out "$PKI/sa.pub"
+cert front-proxy-client front-proxy-client "" "" front-proxy-ca
+ossl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:prime256v1 -out "$PKI/sa.key"
+ossl pkey -in "$PKI/sa.key" -pubout -out "$PKI/sa.pub"
 chmod 600 "$PKI"/*.key
 
 # kubeconfig FILE USER : a kubeconfig for USER's client certificate.
@@ -210,7 +224,7 @@ start etcd "$ETCD" --name headroom --data-dir "$DIR/etcd" \
   --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
   --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
   --initial-cluster "headroom=http://127.0.0.1:$ETCD_PEER_PORT" --initial-cluster-state new \
-  --logger zap --log-outputs stderr --quota-backend-bytes 2147483648
+  --logger zap --log-outputs stderr --quota-backend-bytes 2147483648 "${etcd_extra[@]}"
 wait_for etcd bash -c "kill -0 $(cat "$DIR/pids/etcd.pid") && curl -sf http://127.0.0.1:$ETCD_PORT/health"
 
 start kube-apiserver "$BIN/kube-apiserver" \
@@ -218,6 +232,12 @@ start kube-apiserver "$BIN/kube-apiserver" \
   --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$APISERVER_PORT" \
   --tls-cert-file "$PKI/apiserver.crt" --tls-private-key-file "$PKI/apiserver.key" \
   --client-ca-file "$PKI/ca.crt" \
+  --requestheader-client-ca-file "$PKI/front-proxy-ca.crt" \
+  --requestheader-allowed-names front-proxy-client \
+  --requestheader-username-headers X-Remote-User --requestheader-group-headers X-Remote-Group \
+  --requestheader-extra-headers-prefix X-Remote-Extra- \
+  --proxy-client-cert-file "$PKI/front-proxy-client.crt" \
+  --proxy-client-key-file "$PKI/front-proxy-client.key" \
   --authorization-mode Node,RBAC \
   --enable-admission-plugins NodeRestriction \
   --service-account-issuer https://kubernetes.default.svc.cluster.local \

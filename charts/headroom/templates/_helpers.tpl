@@ -54,3 +54,64 @@ app.kubernetes.io/component: operator
 {{- printf "%s:%s" .Values.image.repository $tag }}
 {{- end }}
 {{- end }}
+
+{{/* "true" when the operator watches only named namespaces (no globs): its namespaced
+     permissions then go into one Role per watched namespace instead of the ClusterRole. */}}
+{{- define "headroom.namespacedRBAC" -}}
+{{- $ok := gt (len .Values.operator.watchNamespaces) 0 }}
+{{- range .Values.operator.watchNamespaces }}
+{{- if regexMatch "[*?\\[]" . }}{{ $ok = false }}{{ end }}
+{{- end }}
+{{- if $ok }}true{{ end }}
+{{- end }}
+
+{{/* Cluster-scoped permissions: kopf notices the CRD being (re)installed and resolves namespace
+     globs; with peering, kopf's leader election. Mirrors headroom.operator.rbac, rule for rule
+     (tests/test_chart_helm.py compares them). */}}
+{{- define "headroom.rules.cluster" -}}
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [list, watch]
+- apiGroups: [""]
+  resources: [namespaces]
+  verbs: [list, watch]
+{{- if .Values.operator.peering }}
+- apiGroups: [kopf.dev]
+  resources: [clusterkopfpeerings, kopfpeerings]
+  verbs: [get, list, watch, patch]
+{{- end }}
+{{- end }}
+
+{{/* Namespaced permissions: the InferenceDeployments (patch only for kopf's finalizer; spec is
+     never written), their status, the children applied server-side (an apply that creates the
+     object is authorized as `create` as well as `patch`), the pods the scaling loop reads, and
+     Events. Nothing else: no Secrets, no ConfigMaps. */}}
+{{- define "headroom.rules.namespaced" -}}
+- apiGroups: [headroom.dev]
+  resources: [inferencedeployments]
+  verbs: [get, list, watch, patch]
+- apiGroups: [headroom.dev]
+  resources: [inferencedeployments/status]
+  verbs: [get, patch]
+- apiGroups: [headroom.dev]
+  resources: [inferencedeployments/finalizers]
+  verbs: [update]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, create, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, create, patch]
+- apiGroups: [monitoring.coreos.com]
+  resources: [servicemonitors, prometheusrules]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end }}

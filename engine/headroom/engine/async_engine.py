@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -210,11 +211,14 @@ class AsyncEngine:
                     log.exception("engine step failed; aborting in-flight requests")
                     self._fail_all(exc)
                     outputs = []
+                # Publish first: a consumer that sees a final output also sees it counted.
+                self._publish()
                 for out in outputs:
                     self._deliver(out)
+            else:
+                self._publish()
             if not engine.has_unfinished():
                 self._idle.set()
-            self._publish()
 
     def _handle(self, command: _Command) -> None:
         engine = self.engine
@@ -233,6 +237,7 @@ class AsyncEngine:
         elif isinstance(command, _Abort):
             out = engine.abort(command.request_id)
             if out is not None:
+                self._publish()
                 self._deliver(out)
         else:
             self._abort_all()
@@ -257,10 +262,9 @@ class AsyncEngine:
         loop, sink = target
         if out.finished:
             del self._sinks[out.request_id]
-        try:
+        # RuntimeError: the consumer's loop is closed, so nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(sink.put_nowait, out)
-        except RuntimeError:  # the consumer's loop is closed; nobody is listening
-            pass
 
     def _publish(self) -> None:
         try:

@@ -10,7 +10,6 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 import torch
-
 from headroom.engine.scheduler import ScheduledSeq
 from headroom.engine.sequence import Sequence
 
@@ -28,13 +27,15 @@ def block_tables_tensor(
             raise ValueError(f"max_blocks {max_blocks} is shorter than a table of {width} blocks")
         width = max_blocks
     rows = [t + [0] * (width - len(t)) for t in tables]
-    out = torch.tensor(rows, dtype=torch.int32) if rows else torch.zeros((0, width), dtype=torch.int32)
+    out = (
+        torch.tensor(rows, dtype=torch.int32)
+        if rows
+        else torch.zeros((0, width), dtype=torch.int32)
+    )
     return out.to(device)
 
 
-def slot_mapping(
-    seq: Sequence | Seq[int], start: int, n: int, block_size: int
-) -> list[int]:
+def slot_mapping(seq: Sequence | Seq[int], start: int, n: int, block_size: int) -> list[int]:
     """Physical slots of positions `start..start+n-1` of a sequence (or a bare block table)."""
     table = seq.block_table if isinstance(seq, Sequence) else seq
     end = start + n

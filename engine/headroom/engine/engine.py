@@ -22,9 +22,9 @@ import time
 import uuid
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
-
 from headroom.engine.attention import select_backend
 from headroom.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from headroom.engine.model.loader import LoadedModel, load_model
@@ -33,7 +33,7 @@ from headroom.engine.model_runner import ModelRunner, kv_bytes_per_token
 from headroom.engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from headroom.engine.sampling import SamplingParams, completion_seed, make_generator, sample_rows
 from headroom.engine.scheduler import RequestRejected, Scheduler, SchedulerConfig
-from headroom.engine.sequence import Sequence, SequenceStatus
+from headroom.engine.sequence import Sequence
 from headroom.engine.stats import (
     TPOT_BUCKETS_S,
     TTFT_BUCKETS_S,
@@ -170,13 +170,13 @@ class Engine:
                 f"{cfg.max_position_embeddings}"
             )
         window = cfg.min_sliding_window
-        if window is not None and not getattr(backend, "supports_sliding_window", False):
-            if max_len > window:
-                log.info(
-                    "capping max_model_len to the sliding window",
-                    extra={"window": window, "backend": backend.name},
-                )
-                max_len = window
+        sliding_ok = getattr(backend, "supports_sliding_window", False)
+        if window is not None and not sliding_ok and max_len > window:
+            log.info(
+                "capping max_model_len to the sliding window",
+                extra={"window": window, "backend": backend.name},
+            )
+            max_len = window
         sched_cfg = SchedulerConfig(
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -216,10 +216,7 @@ class Engine:
             raise RequestRejected(
                 f"prompt token ids {bad[:5]} are outside the vocabulary of {self._vocab}"
             )
-        if params.seed is None:
-            seed = self._seed_rng.getrandbits(63)
-        else:
-            seed = params.seed
+        seed = self._seed_rng.getrandbits(63) if params.seed is None else params.seed
         req = _Request(request_id, ids, params, arrival_time or time.time(), seed)
         seq = Sequence.new(request_id, ids, params.max_tokens, extra_key=self.model_name)
         self.scheduler.add(seq)  # raises RequestRejected
@@ -238,7 +235,7 @@ class Engine:
         self._by_seq[seq.seq_id] = (req, comp)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Drop a request at once, freeing its blocks; returns its final output (None if unknown)."""
+        """Drop a request at once, freeing its blocks; its final output (None if unknown)."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
@@ -393,7 +390,7 @@ class Engine:
             comp.emitted_text = end
             comp.emitted_tokens = len(comp.token_ids)
             outs.append(
-                CompletionOutput(
+                CompletionOutput.model_construct(
                     index=comp.index,
                     text=text,
                     token_ids=new_ids,
@@ -402,7 +399,9 @@ class Engine:
                     stop_reason=comp.stop_reason,
                 )
             )
-        return RequestOutput(
+        # model_construct: these are the engine's own values, and validating a long prompt's
+        # ids on every step of every request would cost more than the step's bookkeeping.
+        return RequestOutput.model_construct(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             outputs=outs,
@@ -425,13 +424,14 @@ class Engine:
         if params is None:
             params = SamplingParams()
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(plist) != len(prompts):
+        prompt_list = cast(list[str | Seq[int]], list(prompts))
+        if len(plist) != len(prompt_list):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
         base = uuid.uuid4().hex[:8]
         ids = [f"gen-{base}-{i}" for i in range(len(prompts))]
         merged: dict[str, RequestOutput] = {}
         try:
-            for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            for rid, prompt, p in zip(ids, prompt_list, plist, strict=True):
                 self.add_request(rid, prompt, p)
             while any(rid not in merged or not merged[rid].finished for rid in ids):
                 if not self.has_unfinished():
@@ -505,4 +505,4 @@ def _default_kv_bytes(device: torch.device) -> int:
     return DEFAULT_CPU_KV_BYTES
 
 
-__all__ = ["Engine", "EngineConfig", "RequestRejected", "SamplingParams", "SequenceStatus"]
+__all__ = ["Engine", "EngineConfig", "RequestOutput", "RequestRejected", "SamplingParams"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from headroom.engine.attention.base import (
     AttentionBackend,
     KVDtype,
@@ -97,7 +96,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """Run a step; returns fp32 logits `[rows, vocab]` and the sampling entries they belong to."""
+        """Run a step: fp32 logits `[rows, vocab]` and the sampling entries they belong to."""
         batch, rows = self.build_batch(output)
         entries = [e for e in output.prefills if e.sample] + list(output.decodes)
         hidden = self.model(batch, self.caches, self.backend)

@@ -3,7 +3,8 @@
 Streaming (`Engine.step`, `AsyncEngine.stream`) yields deltas: `text` and `token_ids` hold only
 what is new since the previous output of that completion, and `outputs` lists only the
 completions that changed. `Engine.generate` returns one merged output per request where
-`text`/`token_ids` are the whole completion. Times are unix seconds.
+`text`/`token_ids` are the whole completion. Times are unix seconds. The engine builds these
+without re-validation and `prompt_token_ids` is shared with the engine: read, do not mutate.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """Prefix cache: full KV blocks found again by a chained hash of their tokens.
 
 A block's hash covers its parent block's hash, its own token ids and an extra key (model or
-adapter id), so equal hashes mean equal whole prefixes and a lookup walks block by block from
-the start. Hashes are 64-bit and can collide, so every hit also re-checks the stored token ids,
-parent hash and extra key; a mismatch ends the match as a miss.
+adapter id), and a lookup walks block by block from the start. Hashes can collide, so a hash
+is only an index: every hit re-checks the stored token ids and extra key, and that the stored
+parent is the very block matched one step earlier. Parents are named by a ref (block id plus
+a generation bumped whenever the block forgets its content), so by induction a hit is an exact
+prefix match whatever the hash quality, and a ref to a since-evicted parent matches nothing.
 
 A cached block may be in use (refcount >= 1) or parked (refcount 0, evictable). Parked blocks
 sit in an OrderedDict, which is CPython's C doubly linked list keyed by block id: parking
@@ -17,6 +19,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 HashFn = Callable[[int | None, tuple[int, ...], str | None], int]
+
+ROOT_REF = -1
+"""The parent ref of a sequence's first block."""
 
 
 def hash_block_tokens(
@@ -51,7 +56,9 @@ class PrefixCache:
     __slots__ = (
         "_by_hash",
         "_extra",
+        "_gen",
         "_hash",
+        "_num_blocks",
         "_parent",
         "_parked",
         "_tokens",
@@ -64,8 +71,10 @@ class PrefixCache:
     def __init__(self, num_blocks: int, hash_fn: HashFn = hash_block_tokens) -> None:
         self.hash_fn = hash_fn
         self._by_hash: dict[int, int] = {}
+        self._num_blocks = num_blocks
         self._hash: list[int | None] = [None] * num_blocks
-        self._parent: list[int | None] = [None] * num_blocks
+        self._gen: list[int] = [0] * num_blocks
+        self._parent: list[int] = [ROOT_REF] * num_blocks
         self._tokens: list[list[int] | None] = [None] * num_blocks
         self._extra: list[str | None] = [None] * num_blocks
         self._parked: OrderedDict[int, None] = OrderedDict()
@@ -95,27 +104,41 @@ class PrefixCache:
         """Parked block ids, least recently used first (for tests and debugging)."""
         return list(self._parked)
 
+    def ref(self, block_id: int) -> int:
+        """This block's identity in its current content, for its children's parent ref."""
+        return self._gen[block_id] * self._num_blocks + block_id
+
     def insert(
         self,
         block_id: int,
         block_hash: int,
-        parent_hash: int | None,
+        parent_ref: int,
         token_ids: list[int],
         extra_key: str | None,
-    ) -> bool:
-        """Make a full, in-use block findable; False when it or its content is already cached.
+    ) -> int | None:
+        """Make a full, in-use block findable; returns the ref that now stands for its content
+        (the parent ref of the next block), or None when a colliding entry holds the hash.
 
-        An identical block held elsewhere is not merged: block tables stay append-only, and the
-        duplicate simply goes back to the free list when released.
+        An identical block already cached is not merged: block tables stay append-only, its
+        ref is returned, and this copy simply goes back to the free list when released.
         """
-        if self._hash[block_id] is not None or block_hash in self._by_hash:
-            return False
+        if self._hash[block_id] is not None:  # shared with a fork or a prefix hit
+            return self.ref(block_id)
+        other = self._by_hash.get(block_hash)
+        if other is not None:
+            if (
+                self._parent[other] == parent_ref
+                and self._extra[other] == extra_key
+                and self._tokens[other] == token_ids
+            ):
+                return self.ref(other)
+            return None
         self._by_hash[block_hash] = block_id
         self._hash[block_id] = block_hash
-        self._parent[block_id] = parent_hash
+        self._parent[block_id] = parent_ref
         self._tokens[block_id] = token_ids
         self._extra[block_id] = extra_key
-        return True
+        return self.ref(block_id)
 
     def match(
         self,
@@ -129,11 +152,10 @@ class PrefixCache:
         chain `hashes` of its full blocks (at most `max_blocks` of them)."""
         hits: list[int] = []
         by_hash = self._by_hash
-        parent: int | None = None
+        parent = ROOT_REF
         limit = len(hashes) if max_blocks is None else min(max_blocks, len(hashes))
         for i in range(limit):
-            h = hashes[i]
-            block_id = by_hash.get(h)
+            block_id = by_hash.get(hashes[i])
             if (
                 block_id is None
                 or self._parent[block_id] != parent
@@ -142,7 +164,7 @@ class PrefixCache:
             ):
                 break
             hits.append(block_id)
-            parent = h
+            parent = self._gen[block_id] * self._num_blocks + block_id
         return hits
 
     def park(self, block_id: int) -> None:
@@ -166,8 +188,9 @@ class PrefixCache:
         h = self._hash[block_id]
         if h is not None and self._by_hash.get(h) == block_id:
             del self._by_hash[h]
+        self._gen[block_id] += 1  # refs to the old content now match nothing
         self._hash[block_id] = None
-        self._parent[block_id] = None
+        self._parent[block_id] = ROOT_REF
         self._tokens[block_id] = None
         self._extra[block_id] = None
 

@@ -1,11 +1,10 @@
 """FP8 (e4m3) and int8 KV quantization, shared by every attention backend.
 
 Granularity follows `headroom.engine.attention.base`:
-- fp8: one static fp32 scale per (layer, kv head). e4m3 keeps ~2 significant bits of mantissa
-  whatever the scale, so the scale only has to keep values inside +-448 (and away from the
-  subnormal range); a static per-head scale keeps the cache at exactly one byte per element,
-  and heads differ in range by an order of magnitude, so a single per-layer scale would push
-  the quiet heads into subnormals.
+- fp8: one static fp32 scale per (layer, kv head). e4m3 is a float format with 3 mantissa bits
+  whatever the scale, so the scale only has to keep values inside +-448 (and out of the
+  subnormals below 2**-6); a static scale keeps the cache at exactly one byte per element,
+  and per head rather than per layer because heads can differ widely in range.
 - int8: one fp32 scale per (token, kv head), absmax / 127 at write time. int8 is a uniform
   grid, so a scale shared over many tokens would spend most of the 255 levels on the rare
   outlier token; per-token scales cost 4 bytes per head-token (3 % at head_dim 128).
@@ -21,9 +20,6 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 INT8_MAX = 127.0
-# e4m3 normal numbers start at 2**-6; calibrating the absmax to FP8_MAX / FP8_HEADROOM keeps
-# a margin for values larger than the calibration sample saw.
-FP8_HEADROOM = 2.0
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -38,7 +34,7 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-(token, head) symmetric int8: returns (values int8 `[..., H, D]`, scales fp32 `[..., H]`)."""
+    """Per-(token, head) symmetric int8: (int8 values `[..., H, D]`, fp32 scales `[..., H]`)."""
     xf = x.float()
     scale = xf.abs().amax(dim=-1) / INT8_MAX
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -49,12 +45,6 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """int8 `[..., H, D]` * per-(token, head) `scale` `[..., H]` -> fp32."""
     return q.float() * scale.unsqueeze(-1)
-
-
-def fp8_scale_from_absmax(absmax: torch.Tensor) -> torch.Tensor:
-    """A static per-head fp8 scale from observed per-head absmax values (1.0 where none seen)."""
-    scale = absmax.float() * FP8_HEADROOM / FP8_MAX
-    return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
 def quantize(

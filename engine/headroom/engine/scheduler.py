@@ -25,13 +25,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from headroom.engine.block_pool import BlockPool
 from headroom.engine.budget import KVCacheDtype, ModelArch, Plan, kv_bytes_per_block
-from headroom.engine.prefix_cache import HashFn, extend_block_hashes, hash_block_tokens
+from headroom.engine.prefix_cache import (
+    ROOT_REF,
+    HashFn,
+    extend_block_hashes,
+    hash_block_tokens,
+)
 from headroom.engine.sequence import Sequence, SequenceStatus
 from headroom.engine.stats import KVBlockStats, PrefixCacheStats, RequestStats, SchedulerStats
+from pydantic import BaseModel, ConfigDict, Field
 
 _WAITING = SequenceStatus.WAITING
 _RUNNING = SequenceStatus.RUNNING
@@ -299,6 +303,7 @@ class Scheduler:
         self.pool.free_many(reversed(seq.block_table))
         seq.block_table.clear()
         seq.num_registered_blocks = 0
+        seq.cache_parent_ref = ROOT_REF
 
     def _preempt(self, seq: Sequence) -> None:
         self._free_blocks(seq)
@@ -436,9 +441,7 @@ class Scheduler:
         self.last_step_schedule_seconds = time.perf_counter() - t0
         return out
 
-    def _admit(
-        self, budget: int, prefills: list[ScheduledSeq], decodes: list[ScheduledSeq]
-    ) -> int:
+    def _admit(self, budget: int, prefills: list[ScheduledSeq], decodes: list[ScheduledSeq]) -> int:
         bs = self.block_size
         pool = self.pool
         cache = pool.prefix_cache
@@ -477,6 +480,8 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             seq.num_cached_tokens = num_cached
             seq.num_registered_blocks = len(hits)
+            if cache is not None:
+                seq.cache_parent_ref = cache.ref(hits[-1]) if hits else ROOT_REF
             seq.status = _RUNNING
             running.append(seq)
             if cache is not None:
@@ -534,9 +539,14 @@ class Scheduler:
         if len(hashes) < full:
             extend_block_hashes(hashes, tokens, bs, full, seq.extra_key, cache.hash_fn)
         table = seq.block_table
+        ref = seq.cache_parent_ref
         for i in range(seq.num_registered_blocks, full):
-            parent = hashes[i - 1] if i else None
-            cache.insert(table[i], hashes[i], parent, tokens[i * bs : (i + 1) * bs], seq.extra_key)
+            if ref is None:  # after a collision nothing further down this chain is findable
+                break
+            ref = cache.insert(
+                table[i], hashes[i], ref, tokens[i * bs : (i + 1) * bs], seq.extra_key
+            )
+        seq.cache_parent_ref = ref
         seq.num_registered_blocks = full
 
     # -- observability --------------------------------------------------------------------

@@ -7,6 +7,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from headroom.engine.prefix_cache import ROOT_REF
+
 _seq_ids = itertools.count()
 
 
@@ -41,8 +43,10 @@ class Sequence:
     # Chained content hashes of the full blocks of `all_token_ids` computed so far. They depend
     # on tokens only, so they survive preemption and are never recomputed.
     block_hashes: list[int] = field(default_factory=list)
-    # How many leading blocks of `block_table` have been offered to the prefix cache.
+    # How many leading blocks of `block_table` have been offered to the prefix cache, and the
+    # prefix-cache ref standing for the last of them (None: a hash collision broke the chain).
     num_registered_blocks: int = 0
+    cache_parent_ref: int | None = ROOT_REF
     _token_ids: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -113,5 +117,6 @@ class Sequence:
             parent_seq_id=self.seq_id,
             block_hashes=list(self.block_hashes),
             num_registered_blocks=self.num_registered_blocks,
+            cache_parent_ref=self.cache_parent_ref,
         )
         return child

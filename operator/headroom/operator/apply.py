@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 
 import kubernetes
 import urllib3
-
 from headroom.operator.children import FIELD_MANAGER
 from headroom.operator.models import GROUP, KIND, PLURAL, VERSION
 
@@ -73,11 +72,11 @@ def load_configuration(kubeconfig: str | None = None) -> kubernetes.client.Confi
     """Credentials from a kubeconfig file, else in-cluster, else the default kubeconfig."""
     cfg = kubernetes.client.Configuration()
     if kubeconfig:
-        kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)  # type: ignore[no-untyped-call]
     elif os.environ.get("KUBERNETES_SERVICE_HOST"):
-        kubernetes.config.load_incluster_config(client_configuration=cfg)
+        kubernetes.config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
     else:
-        kubernetes.config.load_kube_config(client_configuration=cfg)
+        kubernetes.config.load_kube_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
     return cfg
 
 
@@ -117,7 +116,7 @@ class Kube:
         )
         try:
             resp = self.api.call_api(*req, _request_timeout=self.timeout)
-            data = resp.read()
+            data = resp.read()  # type: ignore[no-untyped-call]
         except kubernetes.client.exceptions.ApiException as exc:
             raise _error(exc.status or 0, exc.reason or "", exc.body) from None
         except (urllib3.exceptions.HTTPError, OSError) as exc:

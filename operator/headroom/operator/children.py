@@ -113,7 +113,7 @@ _CONTAINER_SECURITY = {
 
 def _engine_container(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> dict[str, Any]:
     gpus = str(spec.gpu.count_per_pod)
-    mounts = [
+    mounts: list[dict[str, Any]] = [
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "shm", "mountPath": "/dev/shm"},
     ]
@@ -238,7 +238,10 @@ def deployment(
     dep_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector_labels(owner.name)},
         # Never drop below the current capacity during a rollout: KV capacity is the product.
-        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        "strategy": {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+        },
         "template": {
             "metadata": {
                 "labels": labels(owner.name),
@@ -340,7 +343,8 @@ def alert_rules(owner: Owner, spec: InferenceDeploymentSpec) -> list[dict[str, A
             "labels": {"severity": "critical"},
             "annotations": {
                 "summary": f"{target}: KV cache full",
-                "description": "Pod {{ $labels.pod }} KV occupancy is {{ $value | humanizePercentage }}.",
+                "description": "Pod {{ $labels.pod }} KV occupancy is "
+                "{{ $value | humanizePercentage }}.",
             },
         },
         {

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 
@@ -68,7 +69,6 @@ def run_crd(args: argparse.Namespace) -> int:
 def run_operator(args: argparse.Namespace) -> int:
     """Run the operator in the foreground until SIGINT/SIGTERM."""
     import kopf
-
     from headroom.operator.exporter import OperatorMetrics
     from headroom.operator.handlers import Options, operate
 
@@ -97,8 +97,6 @@ def run_operator(args: argparse.Namespace) -> int:
     metrics = OperatorMetrics()
     if options.metrics_port:
         metrics.serve(options.metrics_port)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(operate(options, metrics=metrics))
-    except KeyboardInterrupt:
-        pass
     return 0

@@ -8,14 +8,24 @@ It acts on time-to-saturation rather than a fixed percentage. The rules, in orde
 3. Scale out when a ready pod's saturation ETA is inside the lookahead, the mean occupancy is
    above `scale_out_occupancy`, or pods are preempting. The step comes from the KV math: the
    replicas that bring the projected demand (used blocks + waiting requests + growth over the
-   lookahead) to `target_occupancy`, at least one more than are ready.
+   lookahead) to `target_occupancy`. The step is taken only when that projection, over the
+   whole deployment, crosses `scale_out_occupancy`; otherwise the trigger came from one
+   unevenly loaded pod or a short burst, which more pods would not fix: hold and say so.
 4. Pods that exist but are not ready yet (loading weights) count as capacity on the way, so
-   a scale-out already in flight is not repeated while they load.
-5. Scale in only when every ready pod reports, nothing is starting, and the projected
-   occupancy after removal stays below `target - hysteresis` for the whole down-stabilization
-   window; then go to the highest replica count recommended during that window.
-6. Step sizes are capped (max pods per step), and a scale-up within the up-stabilization
-   window of the previous one is deferred.
+   a scale-out already in flight is not repeated while they load. A pod that became ready
+   less than `warmup_seconds` ago fills from the backlog, and after a scale-in the remaining
+   pods take over the removed pods' load; for `warmup_seconds` those slopes are redistribution,
+   not demand growth, so they are left out (used blocks still count, and so do the occupancy
+   and preemption triggers).
+5. Scale in only when every ready pod reports, nothing is starting, and the occupancy after
+   removal stays below `target - hysteresis` (and would not fill within the lookahead at the
+   current growth) for the whole down-stabilization window, and no scale-up happened within
+   it; then go to the highest count recommended during the window (HPA's sliding window).
+6. Pods being removed still hold KV and their load moves to the others: their used blocks and
+   (negative) growth count, so the pods left behind filling up is not mistaken for growth.
+7. Step sizes are capped (max pods per step), and a scale-up within the up-stabilization
+   window of the previous one is deferred; scale-in steps are `warmup_seconds` apart so each
+   redistribution settles before the next.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ class PodView:
     created_at: float
     terminating: bool = False
     sample: PodSample | None = None
+    ready_since: float | None = None  # when it last became ready (None: long ago / unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +85,8 @@ class Policy:
     max_scale_down_pods: int = 2
     metrics_max_age_seconds: float = 60.0
     startup_grace_seconds: float = 900.0
+    warmup_seconds: float = 90.0
+    growth_window_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -88,10 +101,15 @@ class Policy:
 
 @dataclass(frozen=True, slots=True)
 class ScaleInWindow:
-    """Since when scale-in has been recommended, and the highest count recommended since."""
+    """Since when scale-in has been possible, and the recommendations inside the window."""
 
     since: float
-    replicas: int
+    history: tuple[tuple[float, int], ...]  # (time, replicas recommended), oldest first
+
+    @property
+    def replicas(self) -> int:
+        """The highest count recommended inside the window: the safe scale-in target."""
+        return max(r for _, r in self.history)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +123,7 @@ class Inputs:
     last_scale_up_at: float | None = None
     last_scale_down_at: float | None = None
     scale_in: ScaleInWindow | None = None
+    recent: tuple[tuple[float, float], ...] = ()  # earlier decisions' (time, present demand)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +141,8 @@ class Figures:
     hit_ratio: float | None = None
     demand_blocks: float | None = None
     projected_occupancy: float | None = None  # demand over current replicas' capacity
+    growth_blocks_per_second: float | None = None  # the sidecars' slope, before confirmation
+    present_blocks: float | None = None  # used (incl. draining) + waiting requests' blocks
     stuck: int = 0  # pods not ready after the startup grace
 
 
@@ -140,7 +161,7 @@ class Decision:
     saturated: bool = False
     saturated_message: str = ""
     scale_in: ScaleInWindow | None = None
-    notes: tuple[str, ...] = field(default=())
+    recent: tuple[tuple[float, float], ...] = field(default=())  # feed back as Inputs.recent
 
 
 def _fresh(pod: PodView, now: float, max_age: float) -> bool:
@@ -159,13 +180,26 @@ def _used(sample: PodSample, policy: Policy) -> float:
 
 
 def _growth(sample: PodSample, policy: Policy) -> float:
-    """Blocks per second the pod's KV use is growing (0 when it is not)."""
+    """Net blocks per second the pod's KV use changes by (negative while it drains)."""
     if sample.growth_blocks_per_second is not None:
-        return max(0.0, sample.growth_blocks_per_second)
+        return sample.growth_blocks_per_second
     if sample.eta_seconds is None or sample.eta_seconds <= 0:
         return 0.0
     free = max(0.0, _capacity(sample, policy) - _used(sample, policy))
     return free / sample.eta_seconds
+
+
+def _slope(points: tuple[tuple[float, float], ...]) -> float | None:
+    """Least-squares slope of (time, value) points; None without two distinct times."""
+    if len(points) < 2:
+        return None
+    n = len(points)
+    mt = sum(t for t, _ in points) / n
+    mv = sum(v for _, v in points) / n
+    sxx = sum((t - mt) ** 2 for t, _ in points)
+    if sxx <= 0:
+        return None
+    return sum((t - mt) * (v - mv) for t, v in points) / sxx
 
 
 def _clamp(n: int, policy: Policy) -> int:
@@ -187,6 +221,21 @@ def decide(inp: Inputs) -> Decision:
     on_the_way = max(0, current - len(ready))
     fresh = [pod for pod in ready if _fresh(pod, now, p.metrics_max_age_seconds)]
     samples = [pod.sample for pod in fresh if pod.sample is not None]
+    draining = [
+        pod.sample
+        for pod in inp.pods
+        if pod.terminating and pod.sample is not None and _fresh(pod, now, p.metrics_max_age_seconds)
+    ]
+    redistributing = (
+        inp.last_scale_down_at is not None and now - inp.last_scale_down_at < p.warmup_seconds
+    )
+    settled = [
+        pod.sample
+        for pod in fresh
+        if pod.sample is not None
+        and not redistributing
+        and (pod.ready_since is None or now - pod.ready_since >= p.warmup_seconds)
+    ]
     metrics: MetricsState = (
         "missing" if not samples else "partial" if len(samples) < len(ready) else "ok"
     )
@@ -236,16 +285,26 @@ def decide(inp: Inputs) -> Decision:
     # Demand, measured on the reporting pods and extrapolated to the silent ready ones.
     capacity = sum(_capacity(s, p) for s in samples) / len(samples)
     used = sum(_used(s, p) for s in samples)
-    growth = sum(_growth(s, p) for s in samples)
+    # Net growth of the settled pods, extrapolated to all ready pods: per-pod noise cancels,
+    # and a deployment whose pods fill and drain in turn is not growing.
+    growth = sum(_growth(s, p) for s in settled) / len(settled) if settled else 0.0
     waiting = sum(s.waiting for s in samples)
-    scale_up = len(ready) / len(samples)
-    used_all = used * scale_up
-    growth_all = growth * scale_up
-    demand = used_all + waiting * p.blocks_per_sequence + growth_all * p.lookahead_seconds
+    used_all = used * len(ready) / len(samples) + sum(_used(s, p) for s in draining)
+    measured = growth * len(ready) + sum(_growth(s, p) for s in draining)
+    present = used_all + waiting * p.blocks_per_sequence
+    # The sidecars fit 30 s; projected over a lookahead of minutes that slope mostly carries
+    # arrival noise. Only growth that also shows in the deployment's total demand over the
+    # last `growth_window_seconds` of decisions is projected.
+    recent = tuple(r for r in inp.recent if r[0] >= now - p.growth_window_seconds and r[0] < now)
+    recent += ((now, present),)
+    observed = _slope(recent)
+    confirmed = measured if observed is None else min(measured, observed)
+    growth_all = max(0.0, confirmed)
+    demand = present + growth_all * p.lookahead_seconds
     occupancies = [s.occupancy for s in samples]
     mean_occ = sum(occupancies) / len(occupancies)
     max_occ = max(occupancies)
-    etas = [s.eta_seconds for s in samples if s.eta_seconds is not None]
+    etas = [s.eta_seconds for s in settled if s.eta_seconds is not None]
     min_eta = min(etas) if etas else None
     preempt = sum(s.preemption_rate for s in samples)
     hits = [s.hit_ratio for s in samples if s.hit_ratio is not None]
@@ -259,6 +318,8 @@ def decide(inp: Inputs) -> Decision:
         hit_ratio=sum(hits) / len(hits) if hits else None,
         demand_blocks=demand,
         projected_occupancy=demand / (current * capacity),
+        growth_blocks_per_second=measured,
+        present_blocks=present,
     )
     saturated = max_occ >= 1.0 or preempt > 0
     sat_msg = (
@@ -267,7 +328,9 @@ def decide(inp: Inputs) -> Decision:
         if saturated
         else ""
     )
-    base = replace(base, figures=figures, saturated=saturated, saturated_message=sat_msg)
+    base = replace(
+        base, figures=figures, saturated=saturated, saturated_message=sat_msg, recent=recent
+    )
 
     eta_hit = min_eta is not None and min_eta < p.lookahead_seconds
     occ_hit = mean_occ > p.scale_out_occupancy
@@ -283,13 +346,26 @@ def decide(inp: Inputs) -> Decision:
             reason = "HighOccupancy"
             why = f"mean occupancy {mean_occ:.0%} > {p.scale_out_occupancy:.0%}"
         need = math.ceil(demand / (capacity * p.target_occupancy))
-        wanted = max(need, len(ready) + 1)
+        wanted = need
+        # Act when the whole deployment's projection crosses the scale-out line: a trigger that
+        # the total does not confirm is one pod (or one burst) running ahead of the rest.
+        if demand <= current * capacity * p.scale_out_occupancy:
+            wanted = current
         if wanted <= current:
+            if on_the_way > 0:
+                return replace(
+                    base,
+                    reason="CapacityPending",
+                    message=f"{why}; {on_the_way} pod(s) already on the way cover the projected "
+                    f"demand ({demand:.0f} blocks needs {need} at {p.target_occupancy:.0%})",
+                    scale_in=None,
+                )
             return replace(
                 base,
-                reason="CapacityPending",
-                message=f"{why}; {on_the_way} pod(s) already on the way cover the projected "
-                f"demand ({demand:.0f} blocks needs {need} at {p.target_occupancy:.0%})",
+                reason="LoadImbalance",
+                message=f"{why}, but the deployment's projected demand ({demand:.0f} blocks, "
+                f"{figures.projected_occupancy:.0%} of {current} pods) stays under "
+                f"{p.scale_out_occupancy:.0%}: one pod or a burst runs ahead, not the whole",
                 scale_in=None,
             )
         if (
@@ -338,9 +414,14 @@ def decide(inp: Inputs) -> Decision:
             scale_in=None,
         )
 
-    # Scale in: the replicas whose capacity keeps the projection below target - hysteresis.
+    # Scale in: the fewest replicas that keep today's demand below target - hysteresis and
+    # that the current growth would still not fill within the lookahead. (Adding a noisy 30 s
+    # slope times the whole lookahead to the target test would veto nearly every scale-in.)
     floor = p.target_occupancy - p.scale_in_hysteresis
-    recommend = _clamp(math.ceil(demand / (capacity * floor)), p)
+    recommend = math.ceil(present / (capacity * floor))
+    if growth_all > 0:
+        recommend = max(recommend, math.ceil(demand / capacity))
+    recommend = _clamp(recommend, p)
     if recommend >= current:
         return replace(
             base,
@@ -357,25 +438,24 @@ def decide(inp: Inputs) -> Decision:
             message=f"scale-in to {recommend} possible but {why}; holding {current}",
             scale_in=None,
         )
-    window = inp.scale_in
-    window = (
-        ScaleInWindow(since=now, replicas=recommend)
-        if window is None
-        else ScaleInWindow(since=window.since, replicas=max(window.replicas, recommend))
+    span = p.scale_down_stabilization_seconds
+    prior = inp.scale_in
+    history = (prior.history if prior else ()) + ((now, recommend),)
+    window = ScaleInWindow(
+        since=prior.since if prior else now,
+        history=tuple(h for h in history if h[0] >= now - span),
     )
-    last_change = max(
-        (t for t in (inp.last_scale_up_at, inp.last_scale_down_at) if t is not None),
-        default=None,
-    )
-    waited = now - window.since
-    since_change = math.inf if last_change is None else now - last_change
-    hold_for = p.scale_down_stabilization_seconds - min(waited, since_change)
-    if hold_for > 0:
+    since_up = math.inf if inp.last_scale_up_at is None else now - inp.last_scale_up_at
+    hold_for = span - min(now - window.since, since_up)
+    if redistributing:
+        hold_for = max(hold_for, p.warmup_seconds - (now - (inp.last_scale_down_at or now)))
+    if hold_for > 0 or window.replicas >= current:
+        wait = f"scale-in in {hold_for:.0f} s" if hold_for > 0 else "waiting for the window"
         return replace(
             base,
             reason="Stabilizing",
-            message=f"projected occupancy would stay below {floor:.0%} on {window.replicas} "
-            f"pods; scale-in in {hold_for:.0f} s unless load returns",
+            message=f"occupancy would stay below {floor:.0%} on {window.replicas} pods; {wait} "
+            f"unless load returns",
             scale_in=window,
         )
     target = max(window.replicas, current - p.max_scale_down_pods)
@@ -384,7 +464,7 @@ def decide(inp: Inputs) -> Decision:
         replicas=target,
         action="scale-in",
         reason="LowOccupancy",
-        message=f"demand {demand:.0f} blocks stayed below {floor:.0%} of {window.replicas} "
-        f"pods for {p.scale_down_stabilization_seconds:.0f} s; {current} -> {target}",
-        scale_in=None,
+        message=f"demand {present:.0f} blocks stayed below {floor:.0%} of {window.replicas} "
+        f"pods for {span:.0f} s; {current} -> {target}",
+        scale_in=window,
     )

@@ -7,6 +7,8 @@ metric through prometheus-adapter).
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 LABELS = ("namespace", "inferencedeployment")
@@ -46,24 +48,18 @@ class OperatorMetrics:
         """Record one decision's outcome."""
         for other in ("auto", "advisory"):
             if other != mode:
-                try:
+                with contextlib.suppress(KeyError):
                     self.desired_replicas.remove(namespace, name, other)
-                except KeyError:
-                    pass
         self.desired_replicas.labels(namespace, name, mode).set(desired)
         self.current_replicas.labels(namespace, name).set(current)
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop the series of a deleted InferenceDeployment."""
         for mode in ("auto", "advisory"):
-            try:
+            with contextlib.suppress(KeyError):
                 self.desired_replicas.remove(namespace, name, mode)
-            except KeyError:
-                pass
-        try:
+        with contextlib.suppress(KeyError):
             self.current_replicas.remove(namespace, name)
-        except KeyError:
-            pass
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Expose /metrics on `port` from a background thread."""

@@ -17,14 +17,13 @@ from typing import Any
 
 import aiohttp
 import kopf
-from pydantic import BaseModel, ConfigDict, Field
-
 from headroom.operator.apply import Kube, KubeError
 from headroom.operator.exporter import OperatorMetrics
 from headroom.operator.metrics_sources import MetricsSource, PrometheusSource, SidecarSource
 from headroom.operator.models import GROUP, PLURAL, VERSION
 from headroom.operator.reconcile import Outcome, parse, reconcile
 from headroom.operator.scaling import tick
+from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger("headroom.operator")
 FINALIZER = f"{GROUP}/finalizer"
@@ -43,7 +42,9 @@ class Options(BaseModel):
     liveness_port: int = Field(default=0, ge=0, le=65535, description="0 disables /healthz")
     tick_seconds: float = Field(default=5.0, gt=0, le=300, description="timer granularity")
     sidecar_port: int = Field(default=9090, ge=1, le=65535)
-    peering: str | None = Field(default=None, description="kopf peering name for HA; else standalone")
+    peering: str | None = Field(
+        default=None, description="kopf peering name for HA; else standalone"
+    )
     max_workers: int = Field(default=8, ge=1, le=64)
 
 
@@ -217,9 +218,7 @@ async def operate(
     """Run the operator until `stop_flag` is set (or a signal arrives in the main thread)."""
     kube = kube or Kube.connect(options.kubeconfig)
     ctx = Context(options, kube, metrics, source_factory)
-    liveness = (
-        f"http://0.0.0.0:{options.liveness_port}/healthz" if options.liveness_port else None
-    )
+    liveness = f"http://0.0.0.0:{options.liveness_port}/healthz" if options.liveness_port else None
     await kopf.operator(
         registry=build_registry(options),
         memo=kopf.Memo(ctx=ctx),

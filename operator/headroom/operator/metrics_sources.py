@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
-from pydantic import ValidationError
-
 from headroom.operator.decide import PodSample
 from headroom.sidecar.report import SaturationReport
+from pydantic import ValidationError
 
 SIDECAR_PORT = 9090
 
@@ -35,6 +34,7 @@ class PodInfo:
     ready: bool
     created_at: float
     terminating: bool = False
+    ready_since: float | None = None  # the Ready condition's lastTransitionTime
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +96,8 @@ class SidecarSource:
             return pod.name, None  # a silent pod: decide() holds rather than guess
 
     async def sample(self, target: Target, pods: list[PodInfo]) -> dict[str, PodSample]:
-        """Samples of the ready pods that answered with a usable report."""
-        wanted = [p for p in pods if p.ready and p.ip and not p.terminating]
+        """Samples of the ready (and terminating, still draining) pods that answered."""
+        wanted = [p for p in pods if p.ip and (p.ready or p.terminating)]
         results = await asyncio.gather(*(self._one(p) for p in wanted))
         return {name: s for name, s in results if s is not None}
 
@@ -218,10 +218,10 @@ def pod_info(pod: dict[str, Any], parse_time: Any) -> PodInfo:
     """A Pod object as PodInfo (`parse_time` turns an RFC 3339 string into unix seconds)."""
     meta = pod.get("metadata", {})
     status = pod.get("status", {}) or {}
-    ready = any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in status.get("conditions", []) or []
+    ready_cond = next(
+        (c for c in status.get("conditions", []) or [] if c.get("type") == "Ready"), {}
     )
+    ready = ready_cond.get("status") == "True"
     return PodInfo(
         name=meta.get("name", ""),
         ip=status.get("podIP"),
@@ -229,6 +229,7 @@ def pod_info(pod: dict[str, Any], parse_time: Any) -> PodInfo:
         created_at=parse_time(meta.get("creationTimestamp")) or 0.0,
         terminating=meta.get("deletionTimestamp") is not None
         or status.get("phase") in ("Succeeded", "Failed"),
+        ready_since=parse_time(ready_cond.get("lastTransitionTime")) if ready else None,
     )
 
 

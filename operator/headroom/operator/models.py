@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
-
 from headroom.engine.budget import GPU_PRESETS, MODEL_PRESETS
 from headroom.engine.budget.presets import GPU_ALIASES
 from headroom.operator.rules import CRDModel, Rule
+from pydantic import Field, field_validator
 
 GROUP = "headroom.dev"
 VERSION = "v1alpha1"
@@ -177,13 +176,18 @@ class ModelSpec(CRDModel):
     sliding_window: int | None = Field(default=None, ge=1)
     num_sliding_window_layers: int | None = Field(default=None, ge=0, le=1024)
 
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str | None) -> str | None:
+        if v is not None and v not in MODEL_PRESET_NAMES:
+            raise ValueError(f"unknown model {v!r}; known models: {', '.join(MODEL_PRESET_NAMES)}")
+        return v
+
 
 class EngineSpec(CRDModel):
     """How each pod's engine runs: image, paged-KV policy and limits."""
 
-    image: str = Field(
-        default="ghcr.io/headroom-dev/headroom:0.1.0", min_length=1, max_length=512
-    )
+    image: str = Field(default="ghcr.io/headroom-dev/headroom:0.1.0", min_length=1, max_length=512)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     sidecar_image: str | None = Field(
         default=None, max_length=512, description="defaults to engine.image"
@@ -248,6 +252,13 @@ class GPUSpec(CRDModel):
     resource_name: str = Field(default="nvidia.com/gpu", min_length=1, max_length=253)
     node_selector: dict[str, str] = Field(default_factory=dict)
 
+    @field_validator("type")
+    @classmethod
+    def _known_gpu(cls, v: str | None) -> str | None:
+        if v is not None and v not in GPU_TYPE_NAMES:
+            raise ValueError(f"unknown GPU {v!r}; known GPUs: {', '.join(GPU_TYPE_NAMES)}")
+        return v
+
 
 class TrafficSpec(CRDModel):
     """The peak the deployment is sized for."""
@@ -301,7 +312,7 @@ class ScalingSpec(CRDModel):
         default=0.85, gt=0.0, le=1.0, description="mean KV occupancy that triggers a scale-out"
     )
     scale_in_hysteresis: float = Field(
-        default=0.1,
+        default=0.05,
         ge=0.0,
         lt=1.0,
         description="scale in only if occupancy after removal stays below target minus this",
@@ -348,8 +359,7 @@ class InferenceDeploymentSpec(CRDModel):
             ),
             message="engine.maxModelLen must be at least traffic.contextTokens",
             check=lambda s: (
-                s.engine.max_model_len is None
-                or s.engine.max_model_len >= s.traffic.context_tokens
+                s.engine.max_model_len is None or s.engine.max_model_len >= s.traffic.context_tokens
             ),
             field_path=".engine.maxModelLen",
         ),

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal, Protocol
-
-from pydantic import ValidationError
 
 from headroom.operator.apply import KubeError, owns_field, with_retries
 from headroom.operator.children import (
@@ -22,7 +21,8 @@ from headroom.operator.children import (
 )
 from headroom.operator.conditions import get_condition, set_condition
 from headroom.operator.models import InferenceDeploymentSpec
-from headroom.operator.sizing import SpecError, Sizing, budget, size, summary
+from headroom.operator.sizing import Sizing, SpecError, budget, size, summary
+from pydantic import ValidationError
 
 log = logging.getLogger("headroom.operator.reconcile")
 HANDOFF_MANAGER = "headroom-operator-handoff"
@@ -136,7 +136,7 @@ def _conditions(body: dict[str, Any], status: dict[str, Any]) -> list[dict[str, 
     return list((body.get("status") or {}).get("conditions") or [])
 
 
-def _set(
+def set_status_condition(
     body: dict[str, Any],
     status: dict[str, Any],
     type_: str,
@@ -151,7 +151,7 @@ def _set(
     )
 
 
-def _changed(body: dict[str, Any], type_: str, st: str, reason: str) -> bool:
+def condition_changed(body: dict[str, Any], type_: str, st: str, reason: str) -> bool:
     cond = get_condition((body.get("status") or {}).get("conditions"), type_)
     return cond is None or cond.get("status") != st or cond.get("reason") != reason
 
@@ -175,7 +175,11 @@ def apply_children(
 ) -> tuple[dict[str, Any], list[Event]]:
     """Server-side apply every child; returns the applied Deployment and any warnings."""
     events: list[Event] = []
-    if replicas is None and live is not None and owns_field(live, FIELD_MANAGER, ("spec", "replicas")):
+    if (
+        replicas is None
+        and live is not None
+        and owns_field(live, FIELD_MANAGER, ("spec", "replicas"))
+    ):
         # Leaving a field out of an apply deletes it when no one else owns it, which would
         # reset the Deployment to 1 replica. Hand it to a second manager first (the pattern the
         # server-side apply docs give for passing replicas to an HPA).
@@ -186,12 +190,12 @@ def apply_children(
             "metadata": {"name": owner.name, "namespace": owner.namespace},
             "spec": {"replicas": current},
         }
-        with_retries(lambda: kube.apply(handoff, field_manager=HANDOFF_MANAGER))
+        with_retries(partial(kube.apply, handoff, field_manager=HANDOFF_MANAGER))
     kinds = monitoring_kinds(kube)
     applied_deployment: dict[str, Any] = {}
     for obj in render(owner, spec, sizing, replicas, monitoring=kinds):
         try:
-            out = with_retries(lambda obj=obj: kube.apply(obj))
+            out = with_retries(partial(kube.apply, obj))
         except KubeError as exc:
             if obj["kind"] in MONITORING_KINDS and exc.status in (403, 404):
                 events.append(
@@ -218,10 +222,12 @@ def reconcile(kube: KubeAPI, body: dict[str, Any], now: float) -> Outcome:
     parsed = parse(body.get("spec"))
     if parsed.error is not None or parsed.sizing is None or parsed.spec is None:
         message = parsed.error or "spec could not be sized"
-        if _changed(body, "Feasible", "False", "InvalidSpec"):
+        if condition_changed(body, "Feasible", "False", "InvalidSpec"):
             out.events.append(Event("Warning", "InvalidSpec", message))
-        _set(body, st, "Feasible", "False", "InvalidSpec", message, now)
-        _set(body, st, "Ready", "False", "InvalidSpec", "the spec is invalid: " + message, now)
+        set_status_condition(body, st, "Feasible", "False", "InvalidSpec", message, now)
+        set_status_condition(
+            body, st, "Ready", "False", "InvalidSpec", "the spec is invalid: " + message, now
+        )
         return out
     spec, sizing = parsed.spec, parsed.sizing
     owner = owner_of(body)
@@ -230,15 +236,17 @@ def reconcile(kube: KubeAPI, body: dict[str, Any], now: float) -> Outcome:
 
     if not sizing.feasible:
         message = summary(sizing)
-        if _changed(body, "Feasible", "False", "Infeasible"):
+        if condition_changed(body, "Feasible", "False", "Infeasible"):
             out.events.append(Event("Warning", "Infeasible", message))
-        _set(body, st, "Feasible", "False", "Infeasible", message, now)
+        set_status_condition(body, st, "Feasible", "False", "Infeasible", message, now)
         if live is None:
-            _set(body, st, "Ready", "False", "Infeasible", "no Deployment: " + message, now)
+            set_status_condition(
+                body, st, "Ready", "False", "Infeasible", "no Deployment: " + message, now
+            )
         else:
             status, reason, msg = ready_condition(live)
-            _set(body, st, "Ready", status, reason,
-                 msg + "; the running Deployment keeps its last feasible configuration", now)  # fmt: skip
+            msg += "; the running Deployment keeps its last feasible configuration"
+            set_status_condition(body, st, "Ready", status, reason, msg, now)
         return out
 
     replicas = replicas_to_apply(spec, sizing, live)
@@ -254,11 +262,11 @@ def reconcile(kube: KubeAPI, body: dict[str, Any], now: float) -> Outcome:
         else clamp(sizing.replicas, spec)
     )  # fmt: skip
     message = summary(sizing)
-    if _changed(body, "Feasible", "True", "Sized") or live is None:
+    if condition_changed(body, "Feasible", "True", "Sized") or live is None:
         out.events.append(Event("Normal", "Sized", message))
-    _set(body, st, "Feasible", "True", "Sized", message, now)
+    set_status_condition(body, st, "Feasible", "True", "Sized", message, now)
     status, reason, msg = ready_condition(applied)
-    _set(body, st, "Ready", status, reason, msg, now)
+    set_status_condition(body, st, "Ready", status, reason, msg, now)
     if live is None:
         out.events.append(
             Event("Normal", "Created", f"Deployment {owner.name} created with {dep_replicas} "

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from headroom.operator.apply import KubeError, with_retries
-from headroom.operator.children import Owner, deployment, selector_string
+from headroom.operator.children import deployment, selector_string
 from headroom.operator.conditions import parse_time, rfc3339
-from headroom.operator.decide import Decision, Inputs, Policy, PodView, ScaleInWindow, decide
+from headroom.operator.decide import Decision, Inputs, PodView, Policy, ScaleInWindow, decide
 from headroom.operator.metrics_sources import (
     MetricsError,
     MetricsSource,
@@ -23,17 +23,22 @@ from headroom.operator.metrics_sources import (
     Target,
     pod_infos,
 )
-from headroom.operator.models import DecisionInputs, DecisionRecord, InferenceDeploymentSpec, KVStatus
+from headroom.operator.models import (
+    DecisionInputs,
+    DecisionRecord,
+    InferenceDeploymentSpec,
+    KVStatus,
+)
 from headroom.operator.reconcile import (
     Event,
     KubeAPI,
     Outcome,
-    _changed,
-    _set,
+    condition_changed,
     owner_of,
     parse,
     ready_condition,
     reconcile,
+    set_status_condition,
 )
 from headroom.operator.sizing import Sizing, blocks_per_sequence
 
@@ -85,6 +90,7 @@ def views(infos: list[PodInfo], samples: dict[str, Any]) -> tuple[PodView, ...]:
             created_at=i.created_at,
             terminating=i.terminating,
             sample=samples.get(i.name),
+            ready_since=i.ready_since,
         )
         for i in infos
     )
@@ -236,13 +242,11 @@ async def tick(
     st["kv"] = kv_status(d, now)
     _conditions(body, st, d, auto, current, now, out)
     ready = ready_condition(live)
-    _set(body, st, "Ready", *ready, now)
+    set_status_condition(body, st, "Ready", *ready, now)
     return TickResult(out, d, d.scale_in, applied_replicas, spec.scaling.mode)
 
 
 def _with_message(d: Decision, message: str) -> Decision:
-    from dataclasses import replace
-
     return replace(d, message=message + f"; holding {d.replicas}", limited_message=message)
 
 
@@ -257,32 +261,45 @@ def _conditions(
 ) -> None:
     f = d.figures
     if d.metrics == "missing":
-        _set(body, st, "KVSaturated", "Unknown", "MetricsUnavailable", d.message, now)
+        set_status_condition(
+            body, st, "KVSaturated", "Unknown", "MetricsUnavailable", d.message, now
+        )
     elif d.saturated:
         reason = "Preempting" if f.preemption_rate > 0 else "CacheFull"
-        if _changed(body, "KVSaturated", "True", reason):
+        if condition_changed(body, "KVSaturated", "True", reason):
             out.events.append(Event("Warning", "KVSaturated", d.saturated_message))
-        _set(body, st, "KVSaturated", "True", reason, d.saturated_message, now)
+        set_status_condition(body, st, "KVSaturated", "True", reason, d.saturated_message, now)
     else:
         eta = "not growing" if f.min_eta_seconds is None else f"{f.min_eta_seconds:.0f} s"
         msg = (
             f"mean occupancy {f.mean_occupancy or 0:.0%}, max {f.max_occupancy or 0:.0%}, "
             f"soonest saturation {eta}, {f.waiting} waiting, {f.reporting}/{f.ready} pods report"
         )
-        _set(body, st, "KVSaturated", "False", "WithinCapacity", msg, now)
+        set_status_condition(body, st, "KVSaturated", "False", "WithinCapacity", msg, now)
 
     if d.limited:
-        reason, msg = d.limited, f"{d.limited_message}: {d.message}" if d.limited_message else d.message
+        reason, msg = (
+            d.limited,
+            f"{d.limited_message}: {d.message}" if d.limited_message else d.message,
+        )
     elif f.stuck:
-        reason, msg = "PodsNotReady", (
-            f"{f.stuck} pod(s) not ready after the startup grace: no GPU node free, image pull "
-            f"or model load failing? They still count as capacity on the way"
+        reason, msg = (
+            "PodsNotReady",
+            (
+                f"{f.stuck} pod(s) not ready after the startup grace: no GPU node free, image pull "
+                f"or model load failing? They still count as capacity on the way"
+            ),
         )
     elif not auto and d.replicas != current:
-        reason, msg = "Advisory", f"advisory mode: recommends {d.replicas}, Deployment has {current}"
+        reason, msg = (
+            "Advisory",
+            f"advisory mode: recommends {d.replicas}, Deployment has {current}",
+        )
     else:
-        _set(body, st, "ScalingLimited", "False", "WithinLimits", d.message or d.reason, now)
+        set_status_condition(
+            body, st, "ScalingLimited", "False", "WithinLimits", d.message or d.reason, now
+        )
         return
-    if _changed(body, "ScalingLimited", "True", reason):
+    if condition_changed(body, "ScalingLimited", "True", reason):
         out.events.append(Event("Warning" if reason != "Advisory" else "Normal", reason, msg))
-    _set(body, st, "ScalingLimited", "True", reason, msg, now)
+    set_status_condition(body, st, "ScalingLimited", "True", reason, msg, now)

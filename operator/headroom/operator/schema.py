@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
-
 from headroom.operator.models import (
     CATEGORIES,
     GROUP,
@@ -97,7 +96,7 @@ def structural(node: dict[str, Any], defs: dict[str, Any] | None = None) -> dict
 
 def _reorder(node: dict[str, Any]) -> dict[str, Any]:
     """Put `type` and `description` first so the YAML reads top-down."""
-    first = {k: node[k] for k in ("type", "description") if k in node}
+    first: dict[str, Any] = {k: node[k] for k in ("type", "description") if k in node}
     rest = {k: v for k, v in node.items() if k not in first}
     for key in ("properties",):
         if key in rest:
@@ -174,7 +173,10 @@ def crd() -> dict[str, Any]:
         "kind": "CustomResourceDefinition",
         "metadata": {
             "name": CRD_NAME,
-            "labels": {"app.kubernetes.io/name": "headroom", "app.kubernetes.io/part-of": "headroom"},
+            "labels": {
+                "app.kubernetes.io/name": "headroom",
+                "app.kubernetes.io/part-of": "headroom",
+            },
         },
         "spec": {
             "group": GROUP,

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pydantic import ValidationError
-
 from headroom.engine.budget import (
     GIB,
     ModelArch,
@@ -23,6 +21,7 @@ from headroom.engine.budget import (
     plan,
 )
 from headroom.operator.models import Budget, InferenceDeploymentSpec, ModelSpec
+from pydantic import ValidationError
 
 
 class SpecError(ValueError):
@@ -52,16 +51,16 @@ def model_arch(model: ModelSpec, fallback_context: int) -> ModelArch:
     try:
         return ModelArch(
             name=model.served_model_name or "custom",
-            num_layers=model.num_layers,  # type: ignore[arg-type]  # rules guarantee these
-            num_attention_heads=model.num_attention_heads,  # type: ignore[arg-type]
-            num_kv_heads=model.num_kv_heads,  # type: ignore[arg-type]
-            head_dim=model.head_dim,  # type: ignore[arg-type]
-            hidden_size=model.hidden_size,  # type: ignore[arg-type]
+            num_layers=model.num_layers,  # the rules guarantee these are set
+            num_attention_heads=model.num_attention_heads,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            hidden_size=model.hidden_size,
             intermediate_size=model.intermediate_size,
-            vocab_size=model.vocab_size,  # type: ignore[arg-type]
+            vocab_size=model.vocab_size,
             # Without a stated limit the model is assumed to take what the engine is given.
             max_position_embeddings=model.max_position_embeddings or fallback_context,
-            num_parameters=model.parameter_count,  # type: ignore[arg-type]
+            num_parameters=model.parameter_count,
             weight_dtype=model.weight_dtype or "bf16",
             kv_lora_rank=model.kv_lora_rank,
             qk_rope_head_dim=model.qk_rope_head_dim,

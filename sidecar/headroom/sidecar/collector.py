@@ -4,6 +4,15 @@ A custom collector over a per-sidecar registry, not the global one: each scrape 
 figures afresh, and a value the sidecar does not have (engine down, stale, not reported by the
 source, forecast not ready) is simply not emitted. Only `headroom_engine_up` and the sidecar's
 own counters are always present.
+
+Beyond the contract table, three series, each for a consumer:
+- `headroom_sidecar_poll_errors_total{reason}`: why `headroom_engine_up` is 0. The reasons
+  are unreachable, timeout, http_status, garbage and internal, all pre-set to 0 so that
+  `rate()` works from the first scrape. This is what the HeadroomEngineDown runbook checks.
+- `headroom_sidecar_engine_restarts_total`: explains a counter reset (and a restarted
+  forecast) when it is seen in a graph.
+- `headroom_prefix_cache_enabled`: lets HeadroomPrefixCacheIneffective skip engines that run
+  with caching off.
 """
 
 from __future__ import annotations
@@ -64,8 +73,8 @@ def render(fig: Figures, cfg: SidecarConfig) -> Iterator[Metric]:
     """The metric families for one set of figures."""
     names, values = _labels(fig, cfg)
 
-    def gauge(name: str, doc: str, value: float, unit: str = "") -> GaugeMetricFamily:
-        g = GaugeMetricFamily(name, doc, labels=names, unit=unit)
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=names)
         g.add_metric(values, value)
         return g
 

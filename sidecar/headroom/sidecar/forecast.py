@@ -2,18 +2,26 @@
 
 Method. Every poll adds a point (t, occupancy), t on the sidecar's monotonic clock and
 occupancy = used / capacity (evictable prefix-cache blocks count as free, as in the metric
-contract). Over the last `forecast_window` seconds of points *since the engine last restarted*
-the growth rate is the ordinary least-squares slope
+contract). The forecast reads the points of the last `forecast_window` seconds (30 s by
+default) *since the engine last restarted*. A restart drops usage to zero, and a fit across
+that drop would forecast shrinking usage while the new instance is in fact filling up.
 
-    slope = sum((t - mean_t) * (y - mean_y)) / sum((t - mean_t) ** 2)        (occupancy / s)
-
-A fit over the whole window rather than the last two points is what makes it robust: block
-usage moves in steps (a prefill grabs many blocks at once, a finished request frees them), and
-the slope of a line through every point averages the steps into the trend while a two-point
-difference would swing from zero to a cliff. Points from before a restart are excluded because
-a restart drops usage to zero, and a fit across that drop would forecast shrinking usage where
-the new instance is in fact filling up. The forecast needs at least `min_points` points
-spanning a non-zero time; before that there is no forecast at all (not "+Inf").
+1. Least squares over the window. The growth rate is the ordinary least-squares slope
+   `sum((t - mean_t) * (y - mean_y)) / sum((t - mean_t) ** 2)` in occupancy per second. Block
+   usage moves in steps: a prefill grabs many blocks at once, a finished request frees them.
+   A line through every point averages the steps into the trend, while a two-point difference
+   would swing between zero and a cliff.
+2. Segmented, for spikes. A window that holds a flat stretch and then the start of a spike
+   averages the two, and under-reads the new growth several times over. Exactly when it
+   matters, the forecast would be late. So the fit also tries every break point that leaves
+   at least `min_segment` points on each side, and fits the two sides separately (prefix sums
+   make this O(n)). If the two-line model explains the points better by the Bayesian
+   information criterion, the slope of the recent segment is used. The criterion is
+   `n ln(SSE / n) + 1.5 k ln n`, with k = 5 parameters for two lines and a break against 2 for
+   one. The penalty is 1.5 times BIC's because the search tries every split, and with the plain
+   penalty noise alone sometimes wins a split. Measured on a steady 0.5 %/s ramp with 0.5 %
+   noise, the plain penalty cut one run in 20 at 20 s of data and read a 170 % error; 1.5
+   cut none. The stairs of bursty allocation do not cut the window either.
 
 From the slope, with y the latest observed occupancy (the cliff is measured from where the cache
 is now, not from where the fitted line says it should be):
@@ -22,7 +30,11 @@ is now, not from where the fitted line says it should be):
     eta = 0                   when y >= 1 (already full)
     eta = +Inf                when slope <= 0 (not growing)
 
-Counters (prefix-cache queries and hits, preemptions) are cumulative in the engine; their
+The forecast needs at least `min_points` points spanning a non-zero time. Before that there is
+no forecast at all, which is not the same as "+Inf". bench/sidecar.py measures the accuracy,
+plain against segmented, on synthetic ramps.
+
+Counters (prefix-cache queries and hits, preemptions) are cumulative in the engine. Their
 increase over the window follows Prometheus's `increase()` reset rule: a value lower than its
 predecessor means the counter restarted from zero, so the new value itself is the increase.
 """
@@ -35,35 +47,111 @@ from dataclasses import dataclass
 
 Point = tuple[float, float]
 
+# Growth below this (occupancy per second: over 30 years to fill) is "not growing"; it also
+# absorbs the rounding residue a perfectly flat series leaves in the prefix sums.
+MIN_GROWTH_PER_SECOND = 1e-9
+# Residual floor per point, so that a perfectly straight series (SSE 0) has a finite BIC.
+_SSE_FLOOR = 1e-12
+# Multiplier on BIC's k ln n penalty (see the module docstring).
+_PENALTY = 1.5
+
+
+@dataclass(frozen=True, slots=True)
+class LineFit:
+    """An OLS line over some points: slope, intercept at t = 0, and residual sum of squares."""
+
+    slope: float
+    intercept: float
+    sse: float
+    n: int
+
+
+class _Sums:
+    """Prefix sums of t, y, t*t, t*y, y*y: an OLS fit of any contiguous run in O(1)."""
+
+    def __init__(self, points: Sequence[Point]) -> None:
+        # Centre t so the squares stay small whatever the monotonic clock reads.
+        t0 = points[0][0] if points else 0.0
+        self.acc: list[tuple[float, float, float, float, float]] = [(0.0, 0.0, 0.0, 0.0, 0.0)]
+        st = sy = stt = sty = syy = 0.0
+        for t, y in points:
+            u = t - t0
+            st, sy, stt, sty, syy = st + u, sy + y, stt + u * u, sty + u * y, syy + y * y
+            self.acc.append((st, sy, stt, sty, syy))
+        self.t0 = t0
+
+    def fit(self, i: int, j: int) -> LineFit | None:
+        """The OLS line through points[i:j]; None with fewer than two distinct times."""
+        n = j - i
+        if n < 2:
+            return None
+        a, b = self.acc[i], self.acc[j]
+        st, sy, stt, sty, syy = (b[k] - a[k] for k in range(5))
+        sxx = stt - st * st / n
+        if sxx <= 1e-12:
+            return None
+        sxy = sty - st * sy / n
+        slope = sxy / sxx
+        sse = max(syy - sy * sy / n - slope * sxy, 0.0)
+        intercept = sy / n - slope * st / n - slope * self.t0
+        return LineFit(slope, intercept, sse, n)
+
+
+def least_squares(points: Sequence[Point]) -> LineFit | None:
+    """The OLS line through `points`; None with fewer than two distinct times."""
+    return _Sums(points).fit(0, len(points))
+
 
 def least_squares_slope(points: Sequence[Point]) -> float | None:
     """The OLS slope dy/dt through `points`; None with fewer than two distinct times."""
+    fit = least_squares(points)
+    return None if fit is None else fit.slope
+
+
+def _bic(sse: float, n: int, params: int) -> float:
+    return n * math.log(max(sse, n * _SSE_FLOOR) / n) + _PENALTY * params * math.log(n)
+
+
+def recent_trend(points: Sequence[Point], min_segment: int = 5) -> LineFit | None:
+    """The line the forecast extrapolates: the whole window's OLS line, or, when a two-segment
+    fit wins by BIC, the line through the recent segment (see the module docstring)."""
+    sums = _Sums(points)
     n = len(points)
-    if n < 2:
-        return None
-    mean_t = sum(t for t, _ in points) / n
-    mean_y = sum(y for _, y in points) / n
-    sxx = sum((t - mean_t) ** 2 for t, _ in points)
-    if sxx <= 0.0:
-        return None
-    sxy = sum((t - mean_t) * (y - mean_y) for t, y in points)
-    return sxy / sxx
+    whole = sums.fit(0, n)
+    if whole is None or n < 2 * min_segment:
+        return whole
+    best: tuple[float, LineFit] | None = None
+    for k in range(min_segment, n - min_segment + 1):
+        before, after = sums.fit(0, k), sums.fit(k, n)
+        if before is None or after is None:
+            continue
+        sse = before.sse + after.sse
+        if best is None or sse < best[0]:
+            best = (sse, after)
+    if best is not None and _bic(best[0], n, 5) < _bic(whole.sse, n, 2):
+        return best[1]
+    return whole
 
 
 def saturation_eta(occupancy: float, slope_per_second: float) -> float:
     """Seconds until occupancy reaches 1.0 at `slope_per_second`; +Inf when not growing."""
     if occupancy >= 1.0:
         return 0.0
-    if slope_per_second <= 0.0 or not math.isfinite(slope_per_second):
+    if slope_per_second <= MIN_GROWTH_PER_SECOND or not math.isfinite(slope_per_second):
         return math.inf
     return (1.0 - occupancy) / slope_per_second
 
 
 @dataclass(frozen=True, slots=True)
 class Forecast:
-    """A saturation forecast; `slope_per_second` and `eta_seconds` are None when not ready."""
+    """A saturation forecast; `slope_per_second` and `eta_seconds` are None when not ready.
+
+    `points` is how many points the window held, `fit_points` how many the slope was fitted
+    over (fewer when a recent change of trend cut the window).
+    """
 
     points: int
+    fit_points: int
     slope_per_second: float | None
     eta_seconds: float | None
 
@@ -73,14 +161,16 @@ class Forecast:
         return self.eta_seconds is not None
 
 
-def forecast_saturation(points: Sequence[Point], min_points: int = 3) -> Forecast:
+def forecast_saturation(
+    points: Sequence[Point], min_points: int = 3, segmented: bool = True, min_segment: int = 5
+) -> Forecast:
     """Fit the occupancy series (one engine instance, oldest first) and forecast saturation."""
     if len(points) < max(min_points, 2):
-        return Forecast(len(points), None, None)
-    slope = least_squares_slope(points)
-    if slope is None:
-        return Forecast(len(points), None, None)
-    return Forecast(len(points), slope, saturation_eta(points[-1][1], slope))
+        return Forecast(len(points), 0, None, None)
+    fit = recent_trend(points, min_segment) if segmented else least_squares(points)
+    if fit is None:
+        return Forecast(len(points), 0, None, None)
+    return Forecast(len(points), fit.n, fit.slope, saturation_eta(points[-1][1], fit.slope))
 
 
 def counter_increase(values: Sequence[float], epochs: Sequence[int] | None = None) -> float:

@@ -62,7 +62,10 @@ class SaturationReport(BaseModel):
         "growing (+Inf) when forecast_ready, or no forecast yet when not"
     )
     forecast_ready: bool = Field(description="enough points since the last restart to fit a slope")
-    forecast_points: int = Field(description="points in the slope fit")
+    forecast_points: int = Field(description="points in the forecast window since the restart")
+    fit_points: int = Field(
+        description="points the slope was fitted over: the recent segment when the trend changed"
+    )
     hit_ratio: float | None = Field(
         description="prefix-cache hit tokens / queried tokens over window_seconds; None with no "
         "queries in the window or prefix caching off"
@@ -108,6 +111,7 @@ def build_report(
         eta_seconds=finite_or_none(fig.eta_seconds),
         forecast_ready=ready,
         forecast_points=fig.forecast_points,
+        fit_points=fig.fit_points,
         hit_ratio=fig.hit_ratio,
         prefix_cache_enabled=r.prefix_cache_enabled if r else None,
         running=r.running if r else None,

@@ -113,6 +113,7 @@ class Figures:
     growth_blocks_per_second: float | None
     eta_seconds: float | None
     forecast_points: int
+    fit_points: int
     hit_ratio: float | None
     preemption_rate_per_second: float | None
     errors: dict[ErrorReason, int]
@@ -126,31 +127,25 @@ def figures(state: PollState, cfg: SidecarConfig, now: float) -> Figures:
     fresh = state.last_poll_ok and age is not None and age <= cfg.stale_after
     reading = state.last_reading if fresh else None
     slope = blocks_slope = eta = hit_ratio = preempt_rate = None
-    points = 0
+    points = fit_points = 0
     if reading is not None:
         fit_from = now - cfg.forecast_window
         fit = [
             (s.t, s.occupancy) for s in state.samples if s.epoch == state.epoch and s.t >= fit_from
         ]
         fc = forecast_saturation(fit, cfg.min_forecast_points)
-        slope, eta, points = fc.slope_per_second, fc.eta_seconds, fc.points
+        slope, eta = fc.slope_per_second, fc.eta_seconds
+        points, fit_points = fc.points, fc.fit_points
         if slope is not None and reading.capacity_blocks is not None:
             blocks_slope = slope * reading.capacity_blocks
 
         window = [s for s in state.samples if s.t >= now - cfg.window]
         if reading.prefix_cache_enabled is not False:
-            hq = [s for s in window if s.hits is not None and s.queries is not None]
-            hit_ratio = windowed_ratio(
-                [s.hits for s in hq if s.hits is not None],
-                [s.queries for s in hq if s.queries is not None],
-                [s.epoch for s in hq],
-            )
-        pre = [s for s in window if s.preemptions is not None]
-        preempt_rate = counter_rate(
-            [s.t for s in pre],
-            [s.preemptions for s in pre if s.preemptions is not None],
-            [s.epoch for s in pre],
-        )
+            hits, queries = _counter(window, "hits"), _counter(window, "queries")
+            if hits.times == queries.times:
+                hit_ratio = windowed_ratio(hits.values, queries.values, hits.epochs)
+        pre = _counter(window, "preemptions")
+        preempt_rate = counter_rate(pre.times, pre.values, pre.epochs)
 
     return Figures(
         engine_up=state.last_poll_ok,
@@ -162,12 +157,26 @@ def figures(state: PollState, cfg: SidecarConfig, now: float) -> Figures:
         growth_blocks_per_second=blocks_slope,
         eta_seconds=eta,
         forecast_points=points,
+        fit_points=fit_points,
         hit_ratio=hit_ratio,
         preemption_rate_per_second=preempt_rate,
         errors=dict(state.errors),
         restarts_total=state.restarts_total,
         last_error=state.last_error,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Series:
+    times: list[float]
+    values: list[float]
+    epochs: list[int]
+
+
+def _counter(samples: list[Sample], name: Literal["hits", "queries", "preemptions"]) -> _Series:
+    """One counter's samples, skipping those where the source did not report it."""
+    rows = [(s.t, v, s.epoch) for s in samples if (v := getattr(s, name)) is not None]
+    return _Series([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
 
 
 def finite_or_none(value: float | None) -> float | None:

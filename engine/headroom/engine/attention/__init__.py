@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-
 from headroom.engine.attention.base import (
     AttentionBackend,
     KVDtype,

@@ -19,11 +19,10 @@ import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
-
 from headroom.engine.attention.base import KVDtype, LayerKVCache
 from headroom.engine.kernels import compile as kc
 
@@ -462,18 +461,49 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-class _Kernels:
-    """Compiled kernels per (variant, device), built on first use."""
+class KernelRuntime(Protocol):
+    """Where kernels come from and how they run; `CupyRuntime` on a GPU (tests swap in an
+    emulator so the launchers' grids and argument lists are checked on CPU)."""
+
+    def function(self, variant: kc.KernelVariant, device: torch.device) -> Any:
+        """The launchable kernel `variant` for `device`."""
+        ...
+
+    def launch(
+        self,
+        fn: Any,
+        device: torch.device,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: tuple[Any, ...],
+        shared_mem: int = 0,
+    ) -> None:
+        """Launch `fn` with numpy-scalar `args` (np.uint64 addresses, np.int32/np.int64/
+        np.float32 values) on the current stream of `device`."""
+        ...
+
+    def resident_slots(self, fn: Any, device: torch.device) -> int:
+        """How many CTAs of `fn` the whole device holds at once."""
+        ...
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+class CupyRuntime:
+    """NVRTC-compiled CUBINs (cached on disk) loaded with `cupy.RawModule`, launched on
+    torch's current stream through `cupy.cuda.ExternalStream`."""
 
     def __init__(self) -> None:
         self._functions: dict[tuple[str, int], Any] = {}
 
-    def get(self, variant: kc.KernelVariant, device: torch.device) -> Any:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (variant.name, index)
+    def function(self, variant: kc.KernelVariant, device: torch.device) -> Any:
+        _require(device.type == "cuda", f"the cuda backend needs CUDA tensors, got {device}")
+        key = (variant.name, _device_index(device))
         fn = self._functions.get(key)
         if fn is None:
-            fn = self._load(variant, index)
+            fn = self._load(variant, key[1])
             self._functions[key] = fn
         return fn
 
@@ -497,37 +527,28 @@ class _Kernels:
         with cupy.cuda.Device(index):
             return cupy.RawModule(path=str(path)).get_function(variant.name)
 
+    def launch(
+        self,
+        fn: Any,
+        device: torch.device,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: tuple[Any, ...],
+        shared_mem: int = 0,
+    ) -> None:
+        import cupy
 
-_KERNELS = _Kernels()
+        index = _device_index(device)
+        stream = torch.cuda.current_stream(device)
+        with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
+            fn(grid, block, args, shared_mem=shared_mem)
 
-
-def _ptr(t: torch.Tensor | None) -> np.uint64:
-    return np.uint64(0 if t is None else t.data_ptr())
-
-
-def _launch(
-    fn: Any,
-    device: torch.device,
-    grid: tuple[int, int, int],
-    block: tuple[int, int, int],
-    args: tuple[Any, ...],
-    shared_mem: int = 0,
-) -> None:
-    import cupy
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(device)
-    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
-        fn(grid, block, args, shared_mem=shared_mem)
-
-
-def _require_cuda(t: torch.Tensor) -> None:
-    _require(t.is_cuda, f"the cuda backend needs CUDA tensors, got a tensor on {t.device}")
+    def resident_slots(self, fn: Any, device: torch.device) -> int:
+        return _resident_slots(int(fn.num_regs), int(fn.shared_size_bytes), _device_index(device))
 
 
 @cache
 def _resident_slots(fn_regs: int, fn_smem: int, device_index: int) -> int:
-    """How many decode CTAs fit on the whole GPU at once (registers and shared memory)."""
     import cupy
 
     props = cupy.cuda.runtime.getDeviceProperties(device_index)
@@ -536,6 +557,21 @@ def _resident_slots(fn_regs: int, fn_smem: int, device_index: int) -> int:
     by_smem = int(props["sharedMemPerMultiprocessor"]) // max(fn_smem, 1)
     per_sm = max(1, min(by_regs, by_smem, 32))
     return per_sm * int(props["multiProcessorCount"])
+
+
+_DEFAULT_RUNTIME: CupyRuntime | None = None
+
+
+def default_runtime() -> CupyRuntime:
+    """The process-wide CuPy runtime (kernels compiled once per process and device)."""
+    global _DEFAULT_RUNTIME
+    if _DEFAULT_RUNTIME is None:
+        _DEFAULT_RUNTIME = CupyRuntime()
+    return _DEFAULT_RUNTIME
+
+
+def _ptr(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
 
 
 def paged_decode(
@@ -549,6 +585,7 @@ def paged_decode(
     partition_size: int | None = None,
     row_to_seq: torch.Tensor | None = None,
     check_values: bool = True,
+    runtime: KernelRuntime | None = None,
 ) -> torch.Tensor:
     """Launch paged decode attention; `partition_size` None picks v1/v2 by the heuristic.
 
@@ -573,7 +610,7 @@ def paged_decode(
             seq_lens, query.shape[0], block_tables.shape[1] * cache.block_size, check_values
         )
         geo = _geometry(query, cache, block_tables, num_rows=query.shape[0])
-    _require_cuda(query)
+    rt = runtime or default_runtime()
     device = query.device
     shape = (geo.num_rows, geo.num_heads, geo.head_dim)
     if out is None:
@@ -588,13 +625,9 @@ def paged_decode(
         )
     if geo.num_rows == 0:
         return out
-    fn = _KERNELS.get(kc.decode_variant(geo.query_dtype, geo.kv_dtype, geo.head_dim), device)
+    fn = rt.function(kc.decode_variant(geo.query_dtype, geo.kv_dtype, geo.head_dim), device)
     if partition_size is None:
-        slots = _resident_slots(
-            int(fn.num_regs),
-            int(fn.shared_size_bytes),
-            device.index if device.index is not None else 0,
-        )
+        slots = rt.resident_slots(fn, device)
         partition_size = choose_partition_size(geo.ctas_per_partition, geo.max_context, slots)
     _require(
         partition_size >= 0 and partition_size % TILE_TOKENS == 0,
@@ -610,7 +643,7 @@ def paged_decode(
             (geo.num_rows, geo.num_heads, parts), dtype=torch.float32, device=device
         )
         part_sum = torch.empty_like(part_max)
-        reduce_fn = _KERNELS.get(kc.reduce_variant(geo.query_dtype), device)
+        reduce_fn = rt.function(kc.reduce_variant(geo.query_dtype), device)
     qs0, qs1 = query.stride(0), query.stride(1)
     for r0 in range(0, geo.num_rows, MAX_GRID_Y):
         r1 = min(geo.num_rows, r0 + MAX_GRID_Y)
@@ -646,9 +679,9 @@ def paged_decode(
             np.float32(scale),
         )
         grid = (geo.num_kv_heads * geo.head_chunks, rows, parts)
-        _launch(fn, device, grid, (DECODE_THREADS, 1, 1), args)
+        rt.launch(fn, device, grid, (DECODE_THREADS, 1, 1), args)
         if partition_size > 0:
-            _launch(
+            rt.launch(
                 reduce_fn,
                 device,
                 (geo.num_heads, rows, 1),
@@ -676,14 +709,15 @@ def write_kv(
     slot_mapping: torch.Tensor,
     *,
     check_values: bool = True,
+    runtime: KernelRuntime | None = None,
 ) -> None:
     """Launch `reshape_and_cache`: store (and quantise) K/V rows at their slots."""
     validate_write(key, value, cache, slot_mapping, check_values=check_values)
-    _require_cuda(key)
+    rt = runtime or default_runtime()
     if key.shape[0] == 0:
         return
     variant = kc.cache_write_variant(_QUERY_DTYPES[key.dtype], cache.kv_dtype)
-    fn = _KERNELS.get(variant, key.device)
+    fn = rt.function(variant, key.device)
     args = (
         _ptr(key),
         _ptr(value),
@@ -699,18 +733,23 @@ def write_kv(
         np.int64(value.stride(0)),
         np.int64(value.stride(1)),
     )
-    _launch(fn, key.device, (key.shape[0], 1, 1), (CACHE_THREADS, 1, 1), args)
+    rt.launch(fn, key.device, (key.shape[0], 1, 1), (CACHE_THREADS, 1, 1), args)
 
 
 def copy_blocks(
-    caches: list[LayerKVCache], src: torch.Tensor, dst: torch.Tensor, *, check_values: bool = True
+    caches: list[LayerKVCache],
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    *,
+    check_values: bool = True,
+    runtime: KernelRuntime | None = None,
 ) -> None:
     """Launch one `copy_blocks` kernel over every layer: blocks src[i] -> dst[i], scales too."""
     validate_copy(caches, src, dst, check_values=check_values)
     if src.numel() == 0:
         return
+    rt = runtime or default_runtime()
     first = caches[0]
-    _require_cuda(first.key)
     device = first.key.device
     per_block_scales = first.kv_dtype == "int8"
     rows = [
@@ -727,10 +766,10 @@ def copy_blocks(
     block_bytes = first.block_size * first.num_kv_heads * first.head_dim * first.key.element_size()
     scale_bytes = first.block_size * first.num_kv_heads * 4 if per_block_scales else 0
     _require(block_bytes % 16 == 0 and scale_bytes % 16 == 0, "block bytes must be 16-aligned")
-    fn = _KERNELS.get(kc.copy_blocks_variant(), device)
+    fn = rt.function(kc.copy_blocks_variant(), device)
     for l0 in range(0, len(caches), MAX_GRID_Y):
         l1 = min(len(caches), l0 + MAX_GRID_Y)
-        _launch(
+        rt.launch(
             fn,
             device,
             (pairs.shape[0], l1 - l0, 1),
@@ -744,13 +783,14 @@ class CudaBackend:
 
     `check_values` (default on) also checks index *contents* (block ids, slots, lengths),
     which costs a device sync per call; the engine may turn it off once its scheduler is
-    trusted. Shape, dtype and stride checks always run.
+    trusted. Shape, dtype and stride checks always run. `runtime` defaults to CuPy.
     """
 
     name = "cuda"
 
-    def __init__(self, check_values: bool = True) -> None:
+    def __init__(self, check_values: bool = True, runtime: KernelRuntime | None = None) -> None:
         self.check_values = check_values
+        self.runtime = runtime
 
     def write_kv(
         self,
@@ -759,7 +799,9 @@ class CudaBackend:
         cache: LayerKVCache,
         slot_mapping: torch.Tensor,
     ) -> None:
-        write_kv(key, value, cache, slot_mapping, check_values=self.check_values)
+        write_kv(
+            key, value, cache, slot_mapping, check_values=self.check_values, runtime=self.runtime
+        )
 
     def prefill(
         self,
@@ -773,10 +815,16 @@ class CudaBackend:
         validate_prefill(
             query, cache, query_start_loc, seq_lens, block_tables, check_values=self.check_values
         )
-        _require_cuda(query)
         row_seq, row_lens = prefill_rows(query_start_loc, seq_lens, query.shape[0])
         return paged_decode(
-            query, cache, row_lens, block_tables, scale, row_to_seq=row_seq, check_values=False
+            query,
+            cache,
+            row_lens,
+            block_tables,
+            scale,
+            row_to_seq=row_seq,
+            check_values=False,
+            runtime=self.runtime,
         )
 
     def decode(
@@ -788,8 +836,14 @@ class CudaBackend:
         scale: float,
     ) -> torch.Tensor:
         return paged_decode(
-            query, cache, seq_lens, block_tables, scale, check_values=self.check_values
+            query,
+            cache,
+            seq_lens,
+            block_tables,
+            scale,
+            check_values=self.check_values,
+            runtime=self.runtime,
         )
 
     def copy_blocks(self, caches: list[LayerKVCache], src: torch.Tensor, dst: torch.Tensor) -> None:
-        copy_blocks(caches, src, dst, check_values=self.check_values)
+        copy_blocks(caches, src, dst, check_values=self.check_values, runtime=self.runtime)

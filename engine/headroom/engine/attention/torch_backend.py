@@ -1,39 +1,36 @@
 """The torch attention backend: paged attention in plain torch ops, the CPU path and reference.
 
-Decode never materialises a sequence's whole context. Sequences are sorted by context length
-and the block tables are walked in chunks of a few blocks: each chunk's pages are gathered for
-all sequences still active in it with one `index_select` (a chunk-sized buffer that stays in
-cache), attended with torch's fused CPU attention kernel (which returns the log-sum-exp), and
-merged into a running (output, lse) pair. Gathering the whole context first would copy every
-K/V byte twice more than dense attention reads it, which alone costs 2-3x dense time.
+Decode is two passes over the block tables in chunks of a few blocks, with sequences sorted by
+context length so the sequences still active in a chunk are one contiguous range:
+1. gather the chunk's K pages for those sequences with one `index_select` into a reused
+   buffer that stays in cache, and write q.K scores per KV head with a batched matmul (the
+   query heads of one KV head form the matmul's rows, so GQA reads each K once);
+2. softmax over the whole context at once (fp32), then gather V chunk by chunk the same way
+   and accumulate p.V.
+Gathering a sequence's whole context into a dense copy first would move every K/V byte twice
+more than dense attention reads it; the chunked gather moves it once, into cache.
 
-Quantized K/V are dequantized to fp32 chunk by chunk and every softmax and accumulation is in
+Quantized K/V are dequantized to fp32 chunk by chunk, and every softmax and accumulation is in
 fp32 whatever the model dtype.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from headroom.engine import quant
 from headroom.engine.attention.base import LayerKVCache
 
-# Bytes of gathered K+V (fp32) per decode chunk: small enough to stay in L2/L3, large enough
-# that per-chunk op overhead is amortised.
+# Bytes of one gathered fp32 K (or V) chunk: small enough to stay in L2/L3, large enough that
+# the per-chunk op overhead is amortised.
 _CHUNK_BYTES = 2 * 1024 * 1024
-# Query rows per prefill tile: bounds the score matrix when the fused kernel falls back to math.
+# Bytes of the score matrix of one group of sequences; larger batches go in several groups.
+_SCORE_BYTES = 64 * 1024 * 1024
+# Query rows per prefill tile: bounds the score matrix if SDPA falls back to its math path.
 _PREFILL_TILE = 512
 _NEG_INF = float("-inf")
-
-
-def _fused_attention_op() -> Any:
-    """torch's fused CPU attention returning (output, logsumexp), or None on builds without it."""
-    ops = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    return getattr(ops, "default", None)
 
 
 class TorchBackend:
@@ -42,13 +39,20 @@ class TorchBackend:
     name = "torch"
     supports_sliding_window = True
 
-    def __init__(self, use_fused: bool | None = None) -> None:
-        fused = _fused_attention_op()
-        if use_fused is None:
-            use_fused = fused is not None
-        if use_fused and fused is None:
-            raise RuntimeError("this torch build has no fused CPU attention kernel")
-        self._fused = fused if use_fused else None
+    def __init__(self) -> None:
+        # Reused gather buffers: a fresh multi-MB tensor per chunk costs page faults that
+        # would dominate decode time.
+        self._workspace: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
+
+    def _buffer(
+        self, device: torch.device, dtype: torch.dtype, role: str, numel: int
+    ) -> torch.Tensor:
+        key = (str(device), dtype, role)
+        buf = self._workspace.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._workspace[key] = buf
+        return buf[:numel]
 
     # -- cache writes and copies --------------------------------------------------------------
 
@@ -151,87 +155,131 @@ class TorchBackend:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """One query per sequence over its paged context, chunk by chunk (see module doc)."""
+        """One query per sequence over its paged context (two chunked passes, see module doc)."""
         num_seqs, num_heads, head_dim = query.shape
         if num_seqs == 0:
             return torch.empty_like(query)
         device = cache.key.device
-        bs, kv_heads = cache.block_size, cache.num_kv_heads
         lens_t = seq_lens.to(device=device, dtype=torch.long)
         order = torch.argsort(lens_t, descending=True, stable=True)
         lens = lens_t[order].tolist()
-        tables = block_tables.to(device=device, dtype=torch.long).index_select(0, order)
-        q = query.index_select(0, order).float().unsqueeze(2)  # [B, H, 1, D]
-        out = torch.zeros(num_seqs, num_heads, head_dim, dtype=torch.float32, device=device)
-        lse = torch.full((num_seqs, num_heads), _NEG_INF, dtype=torch.float32, device=device)
         window = sliding_window or 0
         lo_pos = [max(0, n - window) if window else 0 for n in lens]
-        per_token = num_seqs * kv_heads * head_dim * 4 * 2
-        chunk_blocks = max(1, _CHUNK_BYTES // max(1, per_token * bs))
-        first_block = min(lo_pos) // bs
-        last_block = math.ceil(lens[0] / bs)
-        for b0 in range(first_block, last_block, chunk_blocks):
-            b1 = min(last_block, b0 + chunk_blocks)
-            c0, c1 = b0 * bs, b1 * bs
-            # lens are sorted descending: rows reaching past c0 are a prefix, rows whose window
-            # starts before c1 a suffix, so the active rows are one contiguous range.
-            r1 = _count_true(lens, lambda n: n > c0)
-            r0 = _count_true(lo_pos[:r1], lambda lo: lo >= c1)
-            if r0 >= r1:
-                continue
-            rows = slice(r0, r1)
-            blocks = tables[rows, b0:b1].reshape(-1)
-            n_rows, n_tok = r1 - r0, (b1 - b0) * bs
-            k = _gather(cache, blocks, key=True).view(n_rows, n_tok, kv_heads, head_dim)
-            v = _gather(cache, blocks, key=False).view(n_rows, n_tok, kv_heads, head_dim)
-            mask = None
-            if any(n < c1 for n in lens[r0:r1]) or any(lo > c0 for lo in lo_pos[r0:r1]):
-                pos = torch.arange(c0, c1, device=device)
-                row_lens = torch.tensor(lens[r0:r1], device=device)
-                row_lo = torch.tensor(lo_pos[r0:r1], device=device)
-                valid = (pos[None, :] < row_lens[:, None]) & (pos[None, :] >= row_lo[:, None])
-                mask = torch.zeros(n_rows, 1, 1, n_tok, device=device)
-                mask.masked_fill_(~valid[:, None, None, :], _NEG_INF)
-            o_c, lse_c = self._attend(q[rows], k.transpose(1, 2), v.transpose(1, 2), mask, scale)
-            new_lse = torch.logaddexp(lse[rows], lse_c)
-            w_old = torch.exp(lse[rows] - new_lse).unsqueeze(-1)
-            w_new = torch.exp(lse_c - new_lse).unsqueeze(-1)
-            out[rows] = out[rows] * w_old + o_c * w_new
-            lse[rows] = new_lse
+        tables = block_tables.to(device=device, dtype=torch.long).index_select(0, order)
+        kv_heads = cache.num_kv_heads
+        groups = num_heads // kv_heads
+        q = (query.index_select(0, order).float() * scale).view(
+            num_seqs, kv_heads, groups, head_dim
+        )
+        out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32, device=device)
+        rows_per_group = max(1, _SCORE_BYTES // (num_heads * 4 * max(1, lens[0])))
+        for g0 in range(0, num_seqs, rows_per_group):
+            g1 = min(num_seqs, g0 + rows_per_group)
+            out[g0:g1] = self._decode_group(
+                q[g0:g1], cache, lens[g0:g1], lo_pos[g0:g1], tables[g0:g1]
+            ).reshape(g1 - g0, num_heads, head_dim)
         result = torch.empty_like(out)
         result[order] = out
         return result.to(query.dtype)
 
-    def _attend(
+    def _decode_group(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor | None,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of `q` `[B, H, 1, D]` over `k`/`v` `[B, Hkv, N, D]` (fp32): (out `[B, H, D]`,
-        lse `[B, H]`); every row has at least one unmasked key."""
-        if self._fused is not None:
-            o, lse = self._fused(q, k, v, attn_mask=mask, scale=scale)
-            return o[:, :, 0], lse[:, :, 0]
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        s = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, 1, N]
-        if mask is not None:
-            s = s + mask
-        lse = torch.logsumexp(s, dim=-1)
-        o = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v)
-        return o[:, :, 0], lse[:, :, 0]
+        cache: LayerKVCache,
+        lens: list[int],
+        lo_pos: list[int],
+        tables: torch.Tensor,
+    ) -> torch.Tensor:
+        """Scaled queries `[R, Hkv, G, D]`, rows sorted by length (descending) -> outputs."""
+        rows, kv_heads, groups, head_dim = q.shape
+        device = q.device
+        bs = cache.block_size
+        per_token = rows * kv_heads * head_dim * 4
+        chunk_blocks = max(1, _CHUNK_BYTES // (per_token * bs))
+        first_block = min(lo_pos) // bs
+        last_block = math.ceil(lens[0] / bs)
+        chunk_blocks = min(chunk_blocks, last_block - first_block)
+        c_tok = chunk_blocks * bs
+        plan = []  # (chunk index, first block, last block, active rows r0..r1)
+        for j, b0 in enumerate(range(first_block, last_block, chunk_blocks)):
+            b1 = min(last_block, b0 + chunk_blocks)
+            # Sorted descending: rows reaching past the chunk start are a prefix, rows whose
+            # window starts before the chunk end a suffix; the active rows are one range.
+            r1 = _prefix_above(lens, b0 * bs)
+            r0 = _prefix_above(lo_pos[:r1], b1 * bs - 1)
+            if r0 < r1:
+                plan.append((j, b0, b1, r0, r1))
+        n_chunks = math.ceil((last_block - first_block) / chunk_blocks)
+        # [Hkv, chunk, row, G, C]: one contiguous [row, G, C] slab per (head, chunk) for bmm.
+        scores = torch.full(
+            (kv_heads, n_chunks, rows, groups, c_tok), _NEG_INF, dtype=torch.float32, device=device
+        )
+        q_heads = q.unbind(1)
+        for j, b0, b1, r0, r1 in plan:
+            n_tok = (b1 - b0) * bs
+            k = self._gather_into(cache, tables[r0:r1, b0:b1].reshape(-1), True)
+            k_heads = k.view(r1 - r0, n_tok, kv_heads, head_dim).unbind(2)
+            for h in range(kv_heads):
+                qk = (q_heads[h][r0:r1], k_heads[h].transpose(1, 2))
+                if n_tok == c_tok:
+                    torch.bmm(*qk, out=scores[h, j, r0:r1])
+                else:  # the last, shorter chunk: its slab is not contiguous
+                    scores[h, j, r0:r1, :, :n_tok] = torch.bmm(*qk)
+            c0 = b0 * bs
+            partial = lens[r1 - 1] < c0 + n_tok or lo_pos[r0] > c0
+            if partial:
+                pos = torch.arange(c0, c0 + n_tok, device=device)
+                row_hi = torch.tensor(lens[r0:r1], device=device)
+                row_lo = torch.tensor(lo_pos[r0:r1], device=device)
+                invalid = (pos[None, :] >= row_hi[:, None]) | (pos[None, :] < row_lo[:, None])
+                scores[:, j, r0:r1, :, :n_tok].masked_fill_(invalid[None, :, None, :], _NEG_INF)
+        peak = scores.amax(dim=(1, 4), keepdim=True)
+        probs = scores.sub_(peak).exp_()
+        denom = probs.sum(dim=(1, 4))  # [Hkv, R, G]
+        acc = torch.zeros(kv_heads, rows, groups, head_dim, dtype=torch.float32, device=device)
+        acc_heads = acc.unbind(0)
+        for j, b0, b1, r0, r1 in plan:
+            n_tok = (b1 - b0) * bs
+            v = self._gather_into(cache, tables[r0:r1, b0:b1].reshape(-1), False)
+            v_heads = v.view(r1 - r0, n_tok, kv_heads, head_dim).unbind(2)
+            for h in range(kv_heads):
+                acc_heads[h][r0:r1].baddbmm_(probs[h, j, r0:r1, :, :n_tok], v_heads[h])
+        acc.div_(denom.unsqueeze(-1))
+        return acc.permute(1, 0, 2, 3)
+
+    def _gather_into(self, cache: LayerKVCache, blocks: torch.Tensor, key: bool) -> torch.Tensor:
+        """Pages `blocks` of K (or V) as fp32 `[len(blocks), block_size, Hkv, D]` in a reused
+        workspace buffer, dequantized in place."""
+        stored = cache.key if key else cache.value
+        role = "k" if key else "v"
+        shape = (blocks.numel(), *stored.shape[1:])
+        numel = shape[0] * shape[1] * shape[2] * shape[3]
+        device = stored.device
+        out = self._buffer(device, torch.float32, role, numel).view(shape)
+        if stored.dtype == torch.float32:
+            torch.index_select(stored, 0, blocks, out=out)
+            return out
+        raw = _as_bytes(stored)
+        pages = self._buffer(device, raw.dtype, role + "-raw", numel).view(shape)
+        torch.index_select(raw, 0, blocks, out=pages)
+        if stored.dtype == quant.FP8_DTYPE:
+            pages = pages.view(quant.FP8_DTYPE)
+        out.copy_(pages)
+        scale = cache.k_scale if key else cache.v_scale
+        if cache.kv_dtype == "int8":
+            assert scale is not None
+            out.mul_(scale.index_select(0, blocks).unsqueeze(-1))
+        elif cache.kv_dtype == "fp8":
+            assert scale is not None
+            out.mul_(scale.unsqueeze(-1))
+        return out
 
 
-def _count_true(values: list[int], pred: Any) -> int:
-    """Length of the prefix of `values` where `pred` holds (values are monotone)."""
+def _prefix_above(values: list[int], bound: int) -> int:
+    """Length of the leading run of `values` (sorted descending) greater than `bound`."""
     n = 0
     for x in values:
-        if not pred(x):
+        if x <= bound:
             break
         n += 1
     return n
@@ -243,7 +291,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _gather(cache: LayerKVCache, blocks: torch.Tensor, key: bool) -> torch.Tensor:
-    """Pages `blocks` of K (or V) as fp32 `[len(blocks), block_size, Hkv, D]`, dequantized."""
+    """Pages `blocks` of K (or V) as a new fp32 `[len(blocks), block_size, Hkv, D]` tensor."""
     stored = cache.key if key else cache.value
     scale = cache.k_scale if key else cache.v_scale
     pages = _as_bytes(stored).index_select(0, blocks)
@@ -253,5 +301,6 @@ def _gather(cache: LayerKVCache, blocks: torch.Tensor, key: bool) -> torch.Tenso
         assert scale is not None
         return quant.dequantize(pages, "int8", scale.index_select(0, blocks))
     if cache.kv_dtype == "fp8":
+        assert scale is not None
         return quant.dequantize(pages, "fp8", scale)
     return pages if pages.dtype == torch.float32 else pages.float()

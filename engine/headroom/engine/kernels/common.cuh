@@ -4,9 +4,15 @@
 // ones), so this file uses only builtin integer types and device intrinsics.
 #pragma once
 
+#ifdef HEADROOM_HOST_EMULATION
+#include "host_emulation.cuh"  // CPU tests: see that file
+#define HEADROOM_DYNAMIC_SHARED(T, name) T* name = reinterpret_cast<T*>(::emu::dynamic_shared())
+#else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+#define HEADROOM_DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+#endif
 
 namespace headroom {
 
@@ -89,6 +95,19 @@ __device__ __forceinline__ u32 hmul2_u32(u32 a, __half2 b) {
 // (g+8, 2t), (g+8, 2t+1)}.
 template <bool BF16>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
+#ifdef HEADROOM_HOST_EMULATION
+template <>
+__device__ __forceinline__ void mma_16816<true>(float (&d)[4], const u32 (&a)[4], u32 b0,
+                                                u32 b1) {
+  ::emu::mma_16816(d, a, b0, b1, true);
+}
+template <>
+__device__ __forceinline__ void mma_16816<false>(float (&d)[4], const u32 (&a)[4], u32 b0,
+                                                 u32 b1) {
+  ::emu::mma_16816(d, a, b0, b1, false);
+}
+__device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
+#else
 template <>
 __device__ __forceinline__ void mma_16816<true>(float (&d)[4], const u32 (&a)[4], u32 b0,
                                                 u32 b1) {
@@ -112,6 +131,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
+#endif
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll

@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 KERNEL_DIR = Path(__file__).resolve().parent
 
@@ -137,7 +137,7 @@ class CompileResult:
 
 
 @cache
-def load_nvrtc() -> ModuleType:
+def load_nvrtc() -> Any:
     """CuPy's NVRTC bindings, with libnvrtc preloaded from site-packages if CuPy missed it."""
     try:
         from cupy_backends.cuda.libs import nvrtc

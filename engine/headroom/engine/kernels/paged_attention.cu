@@ -422,7 +422,7 @@ __device__ __forceinline__ void reduce_impl(QT* __restrict__ out,
                                             const int* __restrict__ seq_lens, int num_heads,
                                             int head_dim, int partition_size,
                                             int max_partitions) {
-  extern __shared__ float weights[];  // [max_partitions]
+  HEADROOM_DYNAMIC_SHARED(float, weights);  // [max_partitions]
   __shared__ float red[kDecodeWarps];
   const int head = blockIdx.x;
   const int qrow = blockIdx.y;

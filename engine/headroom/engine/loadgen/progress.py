@@ -15,17 +15,17 @@ def render_line(state: RunState, elapsed: float, total: int | None, duration: fl
     """One status line: bar (by requests or by time), counts, concurrency, tokens/s."""
     if total:
         frac = min(1.0, state.done / total)
-        where = f"{state.done}/{total}"
+        where = f"{state.done}/{total} done"
     elif duration:
         frac = min(1.0, elapsed / duration)
-        where = f"{elapsed:.0f}/{duration:.0f}s"
+        where = f"{min(elapsed, duration):.0f}/{duration:.0f}s, {state.done} done"
     else:
-        frac, where = 0.0, f"{state.done}"
+        frac, where = 0.0, f"{state.done} done"
     filled = round(frac * width)
     bar = "#" * filled + "-" * (width - filled)
     rate = state.output_tokens / elapsed if elapsed > 0 else 0.0
     return (
-        f"[{bar}] {where} done, {state.in_flight} in flight (target {state.concurrency}), "
+        f"[{bar}] {where}, {state.in_flight} in flight (target {state.concurrency}), "
         f"{state.errors} errors, {rate:,.0f} tok/s, {elapsed:.1f}s"
     )
 

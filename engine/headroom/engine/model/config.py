@@ -95,7 +95,8 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     rope_type = str(params.get("rope_type") or params.get("type") or "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModel(
-            f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            f"rope_type {rope_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
     partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
     if partial != 1.0:

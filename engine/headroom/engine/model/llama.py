@@ -11,12 +11,11 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from headroom.engine.attention.base import AttentionBackend, LayerKVCache
 from headroom.engine.model.batch import ForwardBatch
 from headroom.engine.model.config import ModelConfig
 from headroom.engine.model.rope import apply_rope, cos_sin, inverse_frequencies
+from torch import nn
 
 # Parameters some checkpoints carry that this implementation recomputes instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -99,7 +98,8 @@ class Attention(nn.Module):
                 )
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self.o_proj(out.reshape(n, self.q_size))
+        result: torch.Tensor = self.o_proj(out.reshape(n, self.q_size))
+        return result
 
 
 class MLP(nn.Module):
@@ -113,7 +113,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        result: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return result
 
 
 class DecoderLayer(nn.Module):
@@ -134,7 +135,8 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, batch, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        result: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return result
 
 
 class LlamaBody(nn.Module):
@@ -172,12 +174,14 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = cos_sin(batch.positions, self._inv_freq, x.dtype)
         for layer, cache in zip(self.model.layers, caches, strict=True):
             x = layer(x, cos, sin, cache, batch, backend)
-        return self.model.norm(x)
+        hidden: torch.Tensor = self.model.norm(x)
+        return hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[rows, vocab]` for selected hidden rows."""
-        return self.lm_head(hidden).float()
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()
 
     @torch.inference_mode()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

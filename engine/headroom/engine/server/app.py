@@ -88,6 +88,7 @@ class ServerState:
     chat_template: ChatTemplate | None = None
     sampling_params: Callable[..., Any] | None = None
     rejected_error: type[Exception] = ValueError
+    closed_error: type[Exception] = RuntimeError
     draining: bool = False
     load_error: str | None = None
     created: int = field(default_factory=now)
@@ -96,7 +97,9 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and not self.draining
+        # An engine whose step thread died cannot serve; probes must see that.
+        alive = bool(getattr(self.engine, "running", True))
+        return self.engine is not None and alive and not self.draining
 
     def enter(self) -> None:
         self.active += 1
@@ -225,6 +228,7 @@ class Generation:
         assert st.engine is not None
         self._engine = st.engine
         self._rejected = st.rejected_error
+        self._closed = st.closed_error
         self.jobs = [_Job(i, f"{base_id}-{i}", ids) for i, ids in enumerate(prompts)]
         self._params = params
         self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
@@ -278,6 +282,8 @@ class Generation:
             if isinstance(item, Exception):
                 if isinstance(item, self._rejected):
                     raise APIError(400, str(item), param="max_tokens", code="request_rejected")
+                if isinstance(item, self._closed):
+                    raise APIError(503, f"{item}; retry on another replica", code="draining")
                 if isinstance(item, ValueError):
                     raise APIError(400, str(item), code="invalid_request")
                 raise item
@@ -578,7 +584,12 @@ async def handle_ready(request: web.Request) -> web.Response:
     st = _state(request)
     if st.ready:
         return web.json_response({"status": "ready", "model": st.settings.served_model_name})
-    reason = "draining" if st.draining else (st.load_error or "loading")
+    if st.draining:
+        reason = "draining"
+    elif st.engine is not None:
+        reason = "engine loop stopped"
+    else:
+        reason = st.load_error or "loading"
     return web.json_response({"status": "not ready", "reason": reason}, status=503)
 
 

@@ -132,7 +132,10 @@ def _flag_errors(err: ValidationError) -> str:
     for e in err.errors(include_url=False):
         field = ".".join(str(x) for x in e["loc"])
         flag = flags.get(field, "--" + field.replace("_", "-")) if field else "flags"
-        parts.append(f"{flag}: {str(e['msg']).removeprefix('Value error, ')}")
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        for name, opt in (("stats_host", "--stats-host"), ("stats_port", "--stats-port")):
+            msg = msg.replace(name, opt)
+        parts.append(f"{flag}: {msg}")
     return "; ".join(parts)
 
 

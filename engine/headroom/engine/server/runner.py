@@ -16,12 +16,15 @@ import sys
 from typing import Any, TextIO
 
 from aiohttp import web
+from headroom.engine.async_engine import AsyncEngine, EngineClosed
 from headroom.engine.budget import ModelArch
 from headroom.engine.config import EngineConfig
+from headroom.engine.sampling import SamplingParams
+from headroom.engine.scheduler import RequestRejected
 from headroom.engine.server.app import ServerSettings, ServerState, create_app
 from headroom.engine.server.budget_report import BudgetReport, budget_kv_dtype
 from headroom.engine.server.chat_template import load_chat_template
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 log = logging.getLogger("headroom.server")
 
@@ -39,13 +42,19 @@ class ListenConfig(BaseModel):
     stats_host: str | None = None
     stats_port: int | None = Field(default=None, ge=0, le=65535)
 
+    @model_validator(mode="after")
+    def _check(self) -> ListenConfig:
+        if self.stats_host is not None and self.stats_port is None:
+            raise ValueError("stats_host needs stats_port (the separate listener's port)")
+        return self
+
     @property
     def separate_stats(self) -> bool:
         return self.stats_port is not None
 
 
 def model_arch(engine: Any) -> ModelArch:
-    """The budget model's record of the engine's loaded architecture."""
+    """The budget model's record of a (sync) `Engine`'s loaded architecture."""
     loaded = engine.loaded
     cfg = loaded.config
     params = sum(p.numel() for p in loaded.model.parameters())
@@ -65,7 +74,7 @@ def model_arch(engine: Any) -> ModelArch:
 
 
 def budget_report(engine: Any, config: EngineConfig) -> BudgetReport:
-    """The startup figures of a built engine (pool as allocated, weights as loaded)."""
+    """The startup figures of a built (sync) `Engine`: pool as allocated, weights as loaded."""
     loaded = engine.loaded
     sched = engine.scheduler.config
     dtype = str(loaded.dtype).removeprefix("torch.")
@@ -83,16 +92,13 @@ def budget_report(engine: Any, config: EngineConfig) -> BudgetReport:
     )
 
 
-def build_engine(config: EngineConfig) -> Any:
+def build_engine(config: EngineConfig) -> AsyncEngine:
     """Load the model and allocate the pool (blocking; run it off the event loop)."""
-    from headroom.engine.async_engine import AsyncEngine
-    from headroom.engine.engine import Engine
-
-    return AsyncEngine(Engine.from_config(config))
+    return AsyncEngine.from_config(config)
 
 
 async def _start_site(runner: web.AppRunner, host: str, port: int) -> tuple[web.TCPSite, int]:
-    site = web.TCPSite(runner, host, port, shutdown_timeout=HANDLER_FLUSH_S)
+    site = web.TCPSite(runner, host, port)
     await site.start()
     server = site._server  # aiohttp keeps the bound sockets here; needed for port 0
     sockets = getattr(server, "sockets", None) or []
@@ -122,13 +128,20 @@ async def serve(
     runners: list[web.AppRunner] = []
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its
     # engine requests (see app.Generation) instead of computing tokens nobody reads.
-    main = web.AppRunner(create_app(state), handler_cancellation=True, access_log=access_log)
+    main = web.AppRunner(
+        create_app(state),
+        handler_cancellation=True,
+        access_log=access_log,
+        shutdown_timeout=HANDLER_FLUSH_S,
+    )
     await main.setup()
     runners.append(main)
     _, port = await _start_site(main, listen.host, listen.port)
     print(f"headroom serve: listening on http://{listen.host}:{port}", file=out, flush=True)
     if listen.separate_stats:
-        ops = web.AppRunner(create_app(state, api=False), access_log=None)
+        ops = web.AppRunner(
+            create_app(state, api=False), access_log=None, shutdown_timeout=HANDLER_FLUSH_S
+        )
         await ops.setup()
         runners.append(ops)
         stats_host = listen.stats_host or listen.host
@@ -136,7 +149,6 @@ async def serve(
         _, sport = await _start_site(ops, stats_host, listen.stats_port)
         print(f"headroom serve: /health /ready /stats on http://{stats_host}:{sport}", file=out,
               flush=True)  # fmt: skip
-    engine: Any = None
     try:
         try:
             engine = await asyncio.to_thread(build_engine, config)
@@ -144,7 +156,7 @@ async def serve(
             state.load_error = f"model failed to load: {e}"
             print(f"headroom serve: {state.load_error}", file=sys.stderr, flush=True)
             return 1
-        report = budget_report(engine, config)
+        report = budget_report(engine.engine, config)
         print(f"headroom serve: {report.line()}", file=out, flush=True)
         try:
             report.check()
@@ -156,11 +168,9 @@ async def serve(
         state.tokenizer = engine.tokenizer
         state.max_model_len = report.max_model_len
         state.chat_template = load_chat_template(config.model)
-        from headroom.engine.sampling import SamplingParams
-        from headroom.engine.scheduler import RequestRejected
-
         state.sampling_params = SamplingParams
         state.rejected_error = RequestRejected
+        state.closed_error = EngineClosed
         state.engine = engine
         print(
             f"headroom serve: ready, model '{settings.served_model_name}', chat template "

@@ -1,0 +1,168 @@
+"""The torch paged-attention backend against a naive dense reference, and backend selection."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from headroom.engine.attention import (
+    BackendUnavailable,
+    TorchBackend,
+    allocate_layer_cache,
+    select_backend,
+)
+from headroom.engine.attention import torch_backend as tb
+from headroom.engine.attention.base import LayerKVCache
+
+BS, KV_HEADS, HEADS, DIM = 4, 2, 6, 8  # GQA: 3 query heads per KV head
+
+
+def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """One query `[H, D]` over keys `lo..hi-1` of `k`/`v` `[n, Hkv, D]`, in float64."""
+    groups = q.shape[0] // k.shape[1]
+    kk = k[lo:hi].double().repeat_interleave(groups, 1)
+    vv = v[lo:hi].double().repeat_interleave(groups, 1)
+    s = torch.einsum("hd,nhd->hn", q.double(), kk) * DIM**-0.5
+    return torch.einsum("hn,nhd->hd", s.softmax(-1), vv)
+
+
+def _fill(
+    lens: list[int], kv_dtype: str = "auto", dtype: torch.dtype = torch.float32, seed: int = 0
+) -> tuple[LayerKVCache, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """A cache holding sequences of `lens` tokens in shuffled blocks, with their block tables."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(math.ceil(n / BS) for n in lens) + 3
+    cache = allocate_layer_cache(num_blocks, BS, KV_HEADS, DIM, dtype, kv_dtype)  # type: ignore[arg-type]
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    backend = TorchBackend()
+    tables, keys, values = [], [], []
+    for n in lens:
+        table = [free.pop() for _ in range(math.ceil(n / BS))]
+        k = torch.randn(n, KV_HEADS, DIM, generator=gen).to(dtype)
+        v = torch.randn(n, KV_HEADS, DIM, generator=gen).to(dtype)
+        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(n)])
+        backend.write_kv(k, v, cache, slots)
+        tables.append(table)
+        keys.append(k)
+        values.append(v)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return cache, block_tables, keys, values
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("chunk_bytes", [tb._CHUNK_BYTES, 1], ids=["one-chunk", "block-chunks"])
+def test_decode_matches_naive_attention(
+    monkeypatch: pytest.MonkeyPatch, window: int | None, chunk_bytes: int
+) -> None:
+    # A 1-byte chunk budget forces one block per chunk, exercising the active-row ranges.
+    monkeypatch.setattr(tb, "_CHUNK_BYTES", chunk_bytes)
+    lens = [5, 13, 1, 9, 16, 4, 30]
+    cache, tables, keys, values = _fill(lens)
+    q = torch.randn(len(lens), HEADS, DIM, generator=torch.Generator().manual_seed(1))
+    out = TorchBackend().decode(
+        q, cache, torch.tensor(lens, dtype=torch.int32), tables, DIM**-0.5, sliding_window=window
+    )
+    for i, n in enumerate(lens):
+        lo = max(0, n - window) if window else 0
+        ref = _naive(q[i], keys[i], values[i], lo, n)
+        torch.testing.assert_close(out[i].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_splits_large_batches_into_score_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tb, "_SCORE_BYTES", 1)  # one sequence per group
+    lens = [7, 3, 12]
+    cache, tables, keys, values = _fill(lens, seed=4)
+    q = torch.randn(len(lens), HEADS, DIM, generator=torch.Generator().manual_seed(2))
+    out = TorchBackend().decode(q, cache, torch.tensor(lens, dtype=torch.int32), tables, DIM**-0.5)
+    for i, n in enumerate(lens):
+        torch.testing.assert_close(
+            out[i].double(), _naive(q[i], keys[i], values[i], 0, n), atol=1e-5, rtol=1e-5
+        )
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_prefill_attends_to_cached_prefix(window: int | None) -> None:
+    lens = [6, 13, 1, 9]
+    new = [2, 13, 1, 4]  # the last `new` positions are queries; the rest is cached prefix
+    cache, tables, keys, values = _fill(lens, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(sum(new), HEADS, DIM, generator=gen)
+    starts = torch.tensor([0, *torch.cumsum(torch.tensor(new), 0).tolist()], dtype=torch.int32)
+    out = TorchBackend().prefill(
+        q, cache, starts, torch.tensor(lens, dtype=torch.int32), tables, DIM**-0.5, window
+    )
+    for i, n in enumerate(lens):
+        for r in range(new[i]):
+            pos = n - new[i] + r
+            lo = max(0, pos - window + 1) if window else 0
+            ref = _naive(q[int(starts[i]) + r], keys[i], values[i], lo, pos + 1)
+            torch.testing.assert_close(out[int(starts[i]) + r].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype,tol", [("int8", 0.03), ("fp8", 0.15)])
+def test_quantized_kv_is_dequantized_inside_attention(kv_dtype: str, tol: float) -> None:
+    lens = [9, 17, 3]
+    cache, tables, keys, values = _fill(lens, kv_dtype=kv_dtype, seed=6)
+    assert cache.key.dtype == (torch.int8 if kv_dtype == "int8" else torch.float8_e4m3fn)
+    q = torch.randn(len(lens), HEADS, DIM, generator=torch.Generator().manual_seed(7))
+    out = TorchBackend().decode(q, cache, torch.tensor(lens, dtype=torch.int32), tables, DIM**-0.5)
+    for i, n in enumerate(lens):
+        ref = _naive(q[i], keys[i], values[i], 0, n).float()
+        rel = (out[i] - ref).norm() / ref.norm()
+        assert 0 < rel < tol, f"{kv_dtype}: relative error {rel:.3f}"
+
+
+def test_bf16_cache_and_queries_accumulate_in_fp32() -> None:
+    lens = [40, 7]
+    cache, tables, keys, values = _fill(lens, dtype=torch.bfloat16, seed=8)
+    q = torch.randn(len(lens), HEADS, DIM, generator=torch.Generator().manual_seed(9))
+    out = TorchBackend().decode(
+        q.bfloat16(), cache, torch.tensor(lens, dtype=torch.int32), tables, DIM**-0.5
+    )
+    assert out.dtype == torch.bfloat16
+    for i, n in enumerate(lens):
+        ref = _naive(q[i].bfloat16(), keys[i], values[i], 0, n)
+        torch.testing.assert_close(out[i].double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_write_kv_skips_negative_slots() -> None:
+    cache = allocate_layer_cache(2, BS, KV_HEADS, DIM, torch.float32)
+    k = torch.ones(3, KV_HEADS, DIM)
+    TorchBackend().write_kv(k, 2 * k, cache, torch.tensor([1, -1, 6]))
+    flat_k = cache.key.view(-1, KV_HEADS, DIM)
+    written = {i for i in range(2 * BS) if bool(flat_k[i].abs().sum() > 0)}
+    assert written == {1, 6}
+    assert torch.equal(cache.value.view(-1, KV_HEADS, DIM)[6], 2 * k[0])
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
+def test_copy_blocks_moves_data_and_per_token_scales(kv_dtype: str) -> None:
+    caches = [
+        allocate_layer_cache(4, BS, KV_HEADS, DIM, torch.float32, kv_dtype)  # type: ignore[arg-type]
+        for _ in range(2)
+    ]
+    backend = TorchBackend()
+    x = torch.randn(BS, KV_HEADS, DIM) * 3
+    for c in caches:
+        backend.write_kv(x, -x, c, torch.arange(BS, 2 * BS))  # block 1
+    backend.copy_blocks(caches, torch.tensor([1]), torch.tensor([3]))
+    for c in caches:
+        assert torch.equal(c.key[3].view(torch.uint8), c.key[1].view(torch.uint8))
+        assert torch.equal(c.value[3].view(torch.uint8), c.value[1].view(torch.uint8))
+        if kv_dtype == "int8":
+            assert c.k_scale is not None and c.v_scale is not None
+            assert torch.equal(c.k_scale[3], c.k_scale[1]) and bool(c.k_scale[3].gt(0).all())
+            assert torch.equal(c.v_scale[3], c.v_scale[1])
+        blocks = torch.tensor([3])
+        torch.testing.assert_close(tb._gather(c, blocks, key=True)[0], x, atol=0.3, rtol=0.1)
+
+
+def test_select_backend() -> None:
+    assert isinstance(select_backend("torch", "cpu"), TorchBackend)
+    assert isinstance(select_backend("auto", "cpu"), TorchBackend)
+    with pytest.raises(BackendUnavailable, match="CUDA device"):
+        select_backend("cuda", "cpu")
+    with pytest.raises(ValueError, match="auto, torch or cuda"):
+        select_backend("triton", "cpu")  # type: ignore[arg-type]

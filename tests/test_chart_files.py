@@ -1,0 +1,184 @@
+"""The Helm chart's files on their own (no helm binary needed): the CRD copy, values.yaml's
+documentation and use, and the Grafana dashboard's queries against the metric contract."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "charts" / "headroom"
+GENERATED_CRD = REPO / "crds" / "inferencedeployment.yaml"
+CHART_CRD = CHART / "crds" / "inferencedeployment.yaml"
+DASHBOARD = CHART / "files" / "grafana-dashboard.json"
+VALUE_REF = re.compile(r"\.Values((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
+
+
+def test_chart_crd_is_the_generated_crd_byte_for_byte() -> None:
+    assert CHART_CRD.is_file(), f"{CHART_CRD} is missing"
+    assert CHART_CRD.read_bytes() == GENERATED_CRD.read_bytes(), (
+        "charts/headroom/crds/inferencedeployment.yaml differs from crds/inferencedeployment.yaml "
+        "(`headroom crd`); refresh it: cp crds/inferencedeployment.yaml charts/headroom/crds/"
+    )
+
+
+def test_chart_metadata() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2"
+    assert chart["name"] == "headroom"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", chart["version"])
+    assert chart["appVersion"]
+
+
+# ---------------------------------------------------------------------------- values.yaml
+
+
+def _value_lines() -> list[tuple[int, str, list[str], bool]]:
+    """(indent, key, comment lines directly above, has inline value) for every mapping key."""
+    out: list[tuple[int, str, list[str], bool]] = []
+    comments: list[str] = []
+    for raw in (CHART / "values.yaml").read_text().splitlines():
+        line = raw.rstrip()
+        stripped = line.lstrip()
+        if not stripped:
+            comments = []
+            continue
+        if stripped.startswith("#"):
+            comments.append(stripped)
+            continue
+        m = re.match(r"^( *)([A-Za-z_][A-Za-z0-9_]*):(.*)$", line)
+        if m:
+            out.append((len(m.group(1)), m.group(2), comments, bool(m.group(3).strip())))
+        comments = []
+    return out
+
+
+def _documented_paths() -> tuple[set[str], set[str]]:
+    """(every key path in values.yaml, the paths covered by a `# --` comment on them or above)."""
+    paths: set[str] = set()
+    documented: set[str] = set()
+    stack: list[tuple[int, str, bool]] = []  # indent, key, documented
+    for indent, key, comments, _ in _value_lines():
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = ".".join([k for _, k, _ in stack] + [key])
+        own = any(c.startswith("# --") and len(c) > len("# -- ") for c in comments)
+        doc = own or any(d for _, _, d in stack)
+        paths.add(path)
+        if doc:
+            documented.add(path)
+        stack.append((indent, key, doc))
+    return paths, documented
+
+
+def test_every_value_is_documented() -> None:
+    paths, documented = _documented_paths()
+    assert paths, "values.yaml has no keys"
+    missing = sorted(p for p in paths if p not in documented and not _has_children(p, paths))
+    assert not missing, f"values without a `# --` comment: {missing}"
+
+
+def _has_children(path: str, paths: set[str]) -> bool:
+    return any(p.startswith(path + ".") for p in paths)
+
+
+def _template_value_refs() -> set[str]:
+    refs: set[str] = set()
+    for tpl in (CHART / "templates").iterdir():
+        refs.update(m.group(1).lstrip(".") for m in VALUE_REF.finditer(tpl.read_text()))
+    return refs
+
+
+def test_templates_only_use_values_that_exist() -> None:
+    paths, _ = _documented_paths()
+    unknown = sorted(r for r in _template_value_refs() if r not in paths)
+    assert not unknown, f"templates reference values missing from values.yaml: {unknown}"
+
+
+def test_every_value_is_used_by_a_template() -> None:
+    paths, _ = _documented_paths()
+    refs = _template_value_refs()
+    top = {p for p in paths if not _has_children(p, paths)}
+    # A leaf is used when a template names it or a map above it (toYaml of a whole map).
+    unused = sorted(p for p in top if not any(p == r or p.startswith(r + ".") for r in refs))
+    assert not unused, f"values no template reads: {unused}"
+
+
+# ---------------------------------------------------------------------------- dashboard
+
+
+def _dashboard() -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return doc
+
+
+def _exprs() -> list[tuple[str, str]]:
+    panels = _dashboard()["panels"]
+    assert isinstance(panels, list)
+    return [(p["title"], t["expr"]) for p in panels for t in p["targets"]]
+
+
+def _exported_metric_names() -> set[str]:
+    """Metric names the sidecar and the operator export, read from their source."""
+    names: set[str] = set()
+    for src in (
+        REPO / "sidecar" / "headroom" / "sidecar" / "collector.py",
+        REPO / "operator" / "headroom" / "operator" / "exporter.py",
+    ):
+        names.update(re.findall(r'"(headroom_[a-z_]+)"', src.read_text()))
+    return names
+
+
+def test_dashboard_panels_cover_the_kv_story() -> None:
+    exprs = " ".join(e for _, e in _exprs())
+    for metric in (
+        "headroom_kv_block_occupancy_ratio",
+        "headroom_prefix_cache_hits_tokens_total",
+        "headroom_kv_saturation_eta_seconds",
+        "headroom_desired_replicas",
+        "headroom_preemptions_total",
+    ):
+        assert metric in exprs, f"the dashboard has no panel on {metric}"
+    for _, expr in _exprs():
+        assert "inferencedeployment" in expr, f"not per InferenceDeployment: {expr}"
+    dash = _dashboard()
+    templating = dash["templating"]
+    assert isinstance(templating, dict)
+    assert {v["name"] for v in templating["list"]} >= {"namespace", "inferencedeployment"}
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+
+
+def test_dashboard_metrics_are_exported() -> None:
+    exported = _exported_metric_names()
+    assert exported, "found no exported metric names in the sidecar/operator sources"
+    for title, expr in _exprs():
+        for name in re.findall(r"\bheadroom_[a-z_]+", expr):
+            base = re.sub(r"_(bucket|sum|count)$", "", name)
+            assert name in exported or base in exported, f"{title}: {name} is not exported"
+
+
+def test_dashboard_queries_parse_as_promql(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (make tools installs Debian's prometheus)")
+    rules = []
+    for i, (_, expr) in enumerate(_exprs()):
+        # Grafana's variables, as Grafana substitutes them.
+        concrete = expr.replace("$__rate_interval", "1m").replace("$namespace", ".*")
+        concrete = concrete.replace("$inferencedeployment", ".*")
+        assert "$" not in concrete, f"unsubstituted variable in {expr}"
+        rules.append({"record": f"headroom:dashboard_panel_{i}", "expr": concrete})
+    path = tmp_path / "dashboard-rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    out = subprocess.run(
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

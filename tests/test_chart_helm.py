@@ -1,0 +1,312 @@
+"""The Helm chart rendered by the real helm: lint, what it renders for which values, RBAC equal to
+`headroom.operator.rbac`, the PrometheusRule gate, and `helm template | kubectl apply
+--dry-run=server` against the test control plane.
+
+helm and kubectl come from the e2e/cluster build (built once, cached under ~/.cache/headroom).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from headroom.operator.rbac import cluster_role_rules
+
+from e2e.cluster.harness import BuildError, Cluster, build
+from e2e.cluster.pytest_plugin import skip_or_fail
+
+pytest_plugins = ["e2e.cluster.pytest_plugin"]
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "charts" / "headroom"
+ALERTS = CHART / "files" / "headroom-alerts.yaml"
+DASHBOARD = CHART / "files" / "grafana-dashboard.json"
+NAMESPACE = "headroom-system"
+CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces", "clusterkopfpeerings"}
+
+
+@pytest.fixture(scope="module")
+def helm() -> Path:
+    """The helm binary of the cluster build (no running cluster needed to lint or render)."""
+    try:
+        result = build()
+    except BuildError as exc:
+        skip_or_fail(f"cannot build helm: {exc}")
+        raise
+    if "helm" in result.failed:
+        skip_or_fail(f"helm failed to build (see {result.bin_dir}/.failed)")
+    return result.bin_dir / "helm"
+
+
+def _run(helm: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [str(helm), *args], capture_output=True, text=True, timeout=120, check=False
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def render(helm: Path, *sets: str, api_versions: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """`helm template` of the chart with `--set` values; the objects it renders."""
+    args = ["template", "headroom", str(CHART), "--namespace", NAMESPACE]
+    for s in sets:
+        args += ["--set", s]
+    for v in api_versions:
+        args += ["--api-versions", v]
+    out = _run(helm, *args).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def kinds(objs: list[dict[str, Any]]) -> Counter[str]:
+    return Counter(o["kind"] for o in objs)
+
+
+def one(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [o for o in objs if o["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def _canon(rules: list[dict[str, Any]]) -> list[str]:
+    """Rules as comparable strings (order of rules and of list entries does not matter)."""
+    return sorted(
+        json.dumps({k: sorted(v) for k, v in r.items() if v}, sort_keys=True) for r in rules
+    )
+
+
+# ---------------------------------------------------------------------------- lint and render
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        (),
+        ("operator.replicas=2", "operator.peering=headroom"),
+        ("operator.watchNamespaces={team-a,team-b}", "operator.prometheusUrl=http://prom:9090"),
+        ("serviceAccount.create=false", "serviceAccount.name=robot", "rbac.create=false"),
+    ],
+    ids=["defaults", "peering", "namespaced", "bring-your-own-sa"],
+)
+def test_helm_lint_strict(helm: Path, sets: tuple[str, ...]) -> None:
+    args = ["lint", "--strict", str(CHART)]
+    for s in sets:
+        args += ["--set", s]
+    out = _run(helm, *args, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 chart(s) failed" in out.stdout
+
+
+def test_default_render(helm: Path) -> None:
+    objs = render(helm)
+    assert kinds(objs) == Counter(
+        {
+            "ServiceAccount": 1,
+            "ClusterRole": 1,
+            "ClusterRoleBinding": 1,
+            "Deployment": 1,
+            "Service": 1,
+            "ConfigMap": 1,
+        }
+    )
+    for o in objs:
+        labels = o["metadata"]["labels"]
+        assert labels["app.kubernetes.io/instance"] == "headroom"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+
+
+def test_operator_deployment_follows_the_values(helm: Path) -> None:
+    dep = one(
+        render(
+            helm,
+            "operator.watchNamespaces={team-a,team-b}",
+            "operator.prometheusUrl=http://prom.monitoring:9090",
+            "operator.tickSeconds=2",
+            "operator.healthPort=9000",
+            "image.tag=9.9.9",
+        ),
+        "Deployment",
+    )
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "headroom"
+    (c,) = pod["containers"]
+    assert c["image"] == "ghcr.io/headroom-dev/headroom:9.9.9"
+    assert c["command"] == ["headroom", "operator"]
+    args = c["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args
+    assert "--all-namespaces" not in args
+    assert "--prometheus-url=http://prom.monitoring:9090" in args
+    assert "--tick-seconds=2" in args
+    assert "--liveness-port=9000" in args
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert {"name": "health", "containerPort": 9000, "protocol": "TCP"} in c["ports"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert dep["spec"]["strategy"]["type"] == "Recreate"
+
+    default = one(render(helm), "Deployment")
+    (c,) = default["spec"]["template"]["spec"]["containers"]
+    assert "--all-namespaces" in c["args"]
+    assert c["image"].endswith(
+        ":" + yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    )
+
+
+def test_the_operator_cli_accepts_the_rendered_flags(helm: Path) -> None:
+    from headroom.cli import build_parser
+
+    for sets in [(), ("operator.peering=p", "operator.replicas=2", "operator.verbose=true")]:
+        (c,) = one(render(helm, *sets), "Deployment")["spec"]["template"]["spec"]["containers"]
+        args = build_parser().parse_args([*c["command"][1:], *c["args"]])
+        assert args.command == "operator"
+
+
+def test_more_replicas_need_peering(helm: Path) -> None:
+    out = _run(helm, "template", "x", str(CHART), "--set", "operator.replicas=2", check=False)
+    assert out.returncode != 0
+    assert "operator.replicas > 1 needs operator.peering" in out.stderr
+
+
+def test_own_service_account_needs_a_name(helm: Path) -> None:
+    out = _run(
+        helm, "template", "x", str(CHART), "--set", "serviceAccount.create=false", check=False
+    )
+    assert out.returncode != 0
+    assert "serviceAccount.name is required" in out.stderr
+    objs = render(helm, "serviceAccount.create=false", "serviceAccount.name=robot")
+    assert "ServiceAccount" not in kinds(objs)
+    assert one(objs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "robot"
+    assert one(objs, "ClusterRoleBinding")["subjects"][0]["name"] == "robot"
+
+
+# ---------------------------------------------------------------------------- RBAC
+
+
+@pytest.mark.parametrize("peering", [False, True])
+def test_cluster_role_equals_the_operators_rbac(helm: Path, peering: bool) -> None:
+    sets = ("operator.peering=headroom",) if peering else ()
+    role = one(render(helm, *sets), "ClusterRole")
+    assert _canon(role["rules"]) == _canon(cluster_role_rules(peering=peering))
+
+
+def test_named_namespaces_get_roles_and_the_cluster_role_keeps_only_cluster_scope(
+    helm: Path,
+) -> None:
+    objs = render(helm, "operator.watchNamespaces={team-a,team-b}")
+    assert kinds(objs)["Role"] == 2 and kinds(objs)["RoleBinding"] == 2
+    cluster_rules = one(objs, "ClusterRole")["rules"]
+    for rule in cluster_rules:
+        assert set(rule["resources"]) <= CLUSTER_SCOPED, rule
+    for ns in ("team-a", "team-b"):
+        role = next(o for o in objs if o["kind"] == "Role" and o["metadata"]["namespace"] == ns)
+        binding = next(
+            o for o in objs if o["kind"] == "RoleBinding" and o["metadata"]["namespace"] == ns
+        )
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": role["metadata"]["name"],
+        }
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "headroom", "namespace": NAMESPACE}
+        ]
+        # Together they grant exactly what the operator needs.
+        assert _canon(cluster_rules + role["rules"]) == _canon(cluster_role_rules())
+
+
+def test_namespace_globs_keep_everything_cluster_wide(helm: Path) -> None:
+    objs = render(helm, "operator.watchNamespaces={team-*}")
+    assert "Role" not in kinds(objs)
+    assert _canon(one(objs, "ClusterRole")["rules"]) == _canon(cluster_role_rules())
+
+
+@pytest.mark.parametrize("sets", [(), ("operator.watchNamespaces={a}",), ("operator.peering=p",)])
+def test_rbac_never_grants_secrets_or_wildcards(helm: Path, sets: tuple[str, ...]) -> None:
+    for obj in render(helm, *sets):
+        if obj["kind"] not in ("ClusterRole", "Role"):
+            continue
+        for rule in obj["rules"]:
+            assert "secrets" not in rule["resources"], rule
+            assert "configmaps" not in rule["resources"], rule
+            for key in ("apiGroups", "resources", "verbs"):
+                assert "*" not in rule[key], rule
+            assert not set(rule["verbs"]) & {"delete", "deletecollection", "escalate", "bind"}
+
+
+def test_rbac_off_renders_no_rbac(helm: Path) -> None:
+    objs = render(helm, "rbac.create=false")
+    assert not {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"} & set(kinds(objs))
+
+
+# ---------------------------------------------------------------------------- monitoring
+
+
+def test_prometheus_rule_only_where_the_prometheus_operator_is_served(helm: Path) -> None:
+    assert "PrometheusRule" not in kinds(render(helm))
+    objs = render(
+        helm, "prometheusRule.labels.release=kps", api_versions=("monitoring.coreos.com/v1",)
+    )
+    rule = one(objs, "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["labels"]["release"] == "kps"
+    # The sidecar's alert file, verbatim: its {{ $labels }} templates are not Helm's.
+    assert rule["spec"]["groups"] == yaml.safe_load(ALERTS.read_text())["groups"]
+    off = render(helm, "prometheusRule.enabled=false", api_versions=("monitoring.coreos.com/v1",))
+    assert "PrometheusRule" not in kinds(off)
+
+
+def test_operator_service_monitor_is_gated_too(helm: Path) -> None:
+    on = ("metrics.serviceMonitor.enabled=true",)
+    assert "ServiceMonitor" not in kinds(render(helm, *on))
+    sm = one(render(helm, *on, api_versions=("monitoring.coreos.com/v1",)), "ServiceMonitor")
+    svc = one(render(helm), "Service")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"]
+
+
+def test_dashboard_config_map_embeds_the_dashboard(helm: Path) -> None:
+    cm = one(render(helm, "grafanaDashboard.namespace=monitoring"), "ConfigMap")
+    assert cm["metadata"]["namespace"] == "monitoring"
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    (body,) = cm["data"].values()
+    assert json.loads(body) == json.loads(DASHBOARD.read_text())
+    assert "ConfigMap" not in kinds(render(helm, "grafanaDashboard.enabled=false"))
+
+
+def test_notes_render(cluster: Cluster) -> None:
+    out = cluster.helm(
+        "install", "headroom", str(CHART), "--dry-run=server", "--namespace", NAMESPACE
+    ).stdout
+    assert "kubectl get inferencedeployments" in out
+    assert "watches InferenceDeployments (headroom.dev/v1alpha1) in every namespace" in out
+    # The test cluster runs no Prometheus operator: the notes say where the alerts are instead.
+    assert "Alerts: not installed" in out and "headroom-alerts.yaml" in out
+
+
+# ---------------------------------------------------------------------------- the API server
+
+
+@pytest.mark.parametrize("namespaced", [False, True], ids=["cluster-wide", "namespaced"])
+def test_template_applies_with_server_dry_run(
+    cluster: Cluster, cluster_namespace: str, namespaced: bool
+) -> None:
+    args = ["template", "headroom", str(CHART), "--namespace", cluster_namespace]
+    args += ["--include-crds", "--kube-version", cluster.version]
+    if namespaced:
+        args += ["--set", f"operator.watchNamespaces={{{cluster_namespace}}}"]
+    manifest = cluster.helm(*args).stdout
+    out = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=manifest)
+    applied = out.stdout
+    assert "customresourcedefinition.apiextensions.k8s.io/inferencedeployments.headroom.dev" in (
+        applied
+    )
+    for obj in (d for d in yaml.safe_load_all(manifest) if d):
+        lower = obj["kind"].lower()
+        assert f"{lower}" in applied.lower() and obj["metadata"]["name"] in applied
+    assert applied.count("(server dry run)") == len([d for d in yaml.safe_load_all(manifest) if d])

@@ -1,0 +1,217 @@
+"""The prefix cache: chained hashes, exact matches despite collisions, LRU, counters, off."""
+
+from __future__ import annotations
+
+import random
+
+from headroom.engine.prefix_cache import (
+    ROOT_REF,
+    PrefixCache,
+    extend_block_hashes,
+    hash_block_tokens,
+)
+from headroom.engine.scheduler import Scheduler, SchedulerConfig
+from headroom.engine.sequence import Sequence
+from test_kv_model_sim import VOCAB, KVSimulator, drive, random_prompts, sample
+
+
+def chain(tokens: list[int], block_size: int, extra: str | None = None) -> list[int]:
+    hashes: list[int] = []
+    extend_block_hashes(hashes, tokens, block_size, len(tokens) // block_size, extra)
+    return hashes
+
+
+def fill(cache: PrefixCache, tokens: list[int], block_ids: list[int], bs: int) -> None:
+    """Register `tokens` block by block in `block_ids`, as the scheduler does."""
+    ref = ROOT_REF
+    for i, (b, h) in enumerate(zip(block_ids, chain(tokens, bs), strict=False)):
+        got = cache.insert(b, h, ref, tokens[i * bs : (i + 1) * bs], None)
+        assert got is not None
+        ref = got
+
+
+def test_chained_hashes_cover_the_whole_prefix_and_the_extra_key() -> None:
+    a = chain([1, 2, 3, 4, 5, 6], 2)
+    assert len(a) == 3
+    assert chain([1, 2, 3, 4, 9, 9], 2)[:2] == a[:2]
+    # A change in the first block changes every later hash, even with equal later tokens.
+    b = chain([0, 2, 3, 4, 5, 6], 2)
+    assert all(x != y for x, y in zip(a, b, strict=True))
+    assert chain([1, 2, 3, 4, 5, 6], 2, extra="adapter")[0] != a[0]
+    # Partial trailing blocks are not hashed; extending later continues the same chain.
+    hashes = chain([1, 2, 3], 2)
+    extend_block_hashes(hashes, [1, 2, 3, 4, 5, 6], 2, 3, None)
+    assert hashes == a
+
+
+def test_match_returns_the_longest_prefix_in_whole_blocks() -> None:
+    cache = PrefixCache(8)
+    fill(cache, [1, 2, 3, 4, 5, 6], [5, 6, 7], 2)
+    assert cache.match(chain([1, 2, 3, 4, 5, 6], 2), [1, 2, 3, 4, 5, 6], 2, None) == [5, 6, 7]
+    assert cache.match(chain([1, 2, 3, 4, 0, 0], 2), [1, 2, 3, 4, 0, 0], 2, None) == [5, 6]
+    assert cache.match(chain([9, 2, 3, 4], 2), [9, 2, 3, 4], 2, None) == []
+    q = [1, 2, 3, 4, 5, 6]
+    assert cache.match(chain(q, 2), q, 2, None, max_blocks=2) == [5, 6]
+    assert cache.match(chain(q, 2), q, 2, "other-model") == []
+
+
+def test_a_colliding_hash_never_returns_foreign_content() -> None:
+    # Every block hashes to 0: the hash only indexes, the stored tokens and parent decide.
+    cache = PrefixCache(8, hash_fn=lambda parent, tokens, extra: 0)
+    tokens = [1, 1, 2, 2]
+    hashes: list[int] = []
+    extend_block_hashes(hashes, tokens, 2, 2, None, cache.hash_fn)
+    assert cache.insert(0, hashes[0], ROOT_REF, [1, 1], None) is not None
+    other: list[int] = []
+    extend_block_hashes(other, [3, 3], 2, 1, None, cache.hash_fn)
+    assert other == hashes[:1]  # a collision
+    assert cache.match(other, [3, 3], 2, None) == []
+    assert cache.match(hashes, tokens, 2, None) == [0]
+
+
+def test_equal_blocks_under_different_prefixes_do_not_match() -> None:
+    # A hash that ignores the parent makes block [5, 5] collide under any prefix.
+    cache = PrefixCache(8, hash_fn=lambda parent, tokens, extra: hash(tokens))
+    ref0 = cache.insert(0, hash((1, 1)), ROOT_REF, [1, 1], None)
+    assert ref0 is not None
+    assert cache.insert(1, hash((5, 5)), ref0, [5, 5], None) is not None
+    query = [2, 2, 5, 5]
+    hashes: list[int] = []
+    extend_block_hashes(hashes, query, 2, 2, None, cache.hash_fn)
+    cache.insert(2, hashes[0], ROOT_REF, [2, 2], None)
+    assert cache.match(hashes, query, 2, None) == [2], "block 1 was computed after [1, 1]"
+
+
+def test_a_parent_that_was_evicted_and_reused_invalidates_its_children() -> None:
+    cache = PrefixCache(4)
+    fill(cache, [1, 1, 2, 2], [0, 1], 2)
+    cache.park(1)
+    cache.park(0)
+    assert cache.evict() == 1 and cache.evict() == 0
+    assert cache.match(chain([1, 1, 2, 2], 2), [1, 1, 2, 2], 2, None) == []
+
+
+def test_duplicate_content_is_not_cached_twice_but_keeps_the_chain() -> None:
+    cache = PrefixCache(8)
+    fill(cache, [1, 1, 2, 2], [0, 1], 2)
+    h = chain([1, 1, 2, 2, 3, 3], 2)
+    ref = cache.insert(4, h[0], ROOT_REF, [1, 1], None)  # same content as block 0
+    assert ref == cache.ref(0) and not cache.is_cached(4)
+    ref = cache.insert(5, h[1], ref, [2, 2], None)
+    assert ref == cache.ref(1)
+    # A block after the duplicates chains onto the cached originals and is found.
+    assert ref is not None and cache.insert(6, h[2], ref, [3, 3], None) is not None
+    assert cache.match(h, [1, 1, 2, 2, 3, 3], 2, None) == [0, 1, 6]
+
+
+def _sched(**kw: object) -> Scheduler:
+    values: dict[str, object] = {"num_blocks": 64, "block_size": 4, "max_model_len": 256}
+    values.update(kw)
+    return Scheduler(SchedulerConfig(**values))
+
+
+def _run_one(
+    sched: Scheduler, sim: KVSimulator, prompt: list[int], max_tokens: int = 3
+) -> Sequence:
+    seq = Sequence.new("r", prompt, max_tokens)
+    sched.add(seq)
+    drive(sched, sim)
+    return seq
+
+
+def test_a_repeated_prompt_hits_its_full_blocks_and_stops_one_token_short() -> None:
+    sched = _sched()
+    sim = KVSimulator(64, 4)
+    prompt = list(range(13))  # 3 full blocks + 1 token
+    first = _run_one(sched, sim, prompt)
+    assert first.num_cached_tokens == 0
+    stats = sched.stats()
+    assert stats.kv.cached >= 3 and stats.kv.used == 0
+    second = _run_one(sched, sim, prompt)
+    assert second.num_cached_tokens == 12
+    assert second.output_token_ids == first.output_token_ids
+    # An exact multiple of the block size still recomputes its last block's final token.
+    third = _run_one(sched, sim, list(range(12)))
+    assert third.num_cached_tokens == 8
+    s = sched.stats().prefix_cache
+    assert (s.queries_tokens_total, s.hits_tokens_total) == (13 + 13 + 12, 12 + 8)
+
+
+def test_hits_need_the_same_extra_key() -> None:
+    sched = _sched()
+    sim = KVSimulator(64, 4)
+    prompt = list(range(9))
+    a = Sequence.new("a", prompt, 2, extra_key="model-a")
+    sched.add(a)
+    drive(sched, sim)
+    b = Sequence.new("b", prompt, 2, extra_key="model-b")
+    sched.add(b)
+    drive(sched, sim)
+    assert b.num_cached_tokens == 0
+
+
+def test_generated_tokens_are_cached_too() -> None:
+    sched = _sched()
+    sim = KVSimulator(64, 4)
+    first = _run_one(sched, sim, [1, 2, 3], max_tokens=10)
+    follow_up = [*first.all_token_ids[:12], 7]  # a chat turn repeating the reply
+    assert _run_one(sched, sim, follow_up).num_cached_tokens == 12
+
+
+def test_eviction_takes_only_unreferenced_blocks_lru_first() -> None:
+    sched = _sched(num_blocks=8, max_num_batched_tokens=64, watermark=0.0)
+    sim = KVSimulator(8, 4)
+    cache = sched.pool.prefix_cache
+    assert cache is not None
+    a = _run_one(sched, sim, list(range(16)), max_tokens=1)
+    b = _run_one(sched, sim, list(range(100, 116)), max_tokens=1)
+    assert sched.stats().kv.cached == 8 and sched.stats().kv.free == 0
+    a_blocks = cache.parked_lru()[:4]
+    # `holder` revives a's 4 blocks (no copy) and needs a 5th: the LRU of b's is evicted.
+    holder = Sequence.new("h", [*a.all_token_ids[:16], 99], 8)
+    sched.add(holder)
+    out = sched.schedule()
+    sched.update(out, {k: sample(kv) for k, kv in sim.run(out).items()})
+    assert holder.num_cached_tokens == 16 and set(holder.block_table[:4]) == set(a_blocks)
+    assert cache.evictions_total == 1
+    # A newcomer needing 3 blocks evicts the rest of b's; holder's blocks stay cached and held.
+    other = Sequence.new("o", [50 + i for i in range(12)], 1)
+    sched.add(other)
+    sim.run(sched.schedule())
+    assert cache.evictions_total == 4
+    assert all(sched.pool.ref_counts[x] >= 1 and cache.is_cached(x) for x in holder.block_table[:4])
+    again = Sequence.new("b2", [*b.prompt_token_ids, 1], 1)
+    assert not cache.match(chain(again.all_token_ids, 4), again.all_token_ids, 4, None), (
+        "b's blocks were evicted"
+    )
+
+
+def test_turning_prefix_caching_off_changes_no_output() -> None:
+    rng = random.Random(7)
+    system = [rng.randrange(VOCAB) for _ in range(20)]
+    prompts = random_prompts(rng, 40, system, 30)
+    max_tokens = [rng.randrange(1, 12) for _ in prompts]
+    outputs = {}
+    for caching in (True, False):
+        sched = _sched(num_blocks=40, max_num_batched_tokens=48, enable_prefix_caching=caching)
+        sim = KVSimulator(40, 4)
+        seqs = [
+            Sequence.new(f"r{i}", p, m)
+            for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))
+        ]
+        for s in seqs:
+            sched.add(s)
+        drive(sched, sim)
+        outputs[caching] = [s.output_token_ids for s in seqs]
+        stats = sched.stats()
+        if caching:
+            assert stats.prefix_cache.hits_tokens_total > 0
+        else:
+            assert stats.prefix_cache.queries_tokens_total == 0 and stats.kv.cached == 0
+            assert not stats.prefix_cache.enabled
+    assert outputs[True] == outputs[False]
+
+
+def test_hash_function_is_deterministic_for_token_ids() -> None:
+    assert hash_block_tokens(None, (1, 2), None) == hash_block_tokens(None, (1, 2), None)
+    assert hash_block_tokens(None, (1, 2), None) != hash_block_tokens(None, (2, 1), None)

@@ -1,0 +1,100 @@
+"""`headroom load` end to end against a real `headroom serve --model tiny` subprocess."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from headroom.engine.loadgen.cli import add_arguments, run
+from headroom.engine.server.testing import ServerProcess, free_port
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with ServerProcess(
+        "--model", "tiny", "--max-model-len", "1024", "--num-blocks", "256"
+    ) as srv:  # fmt: skip
+        yield srv
+
+
+def _load(*flags: str) -> int:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return run(parser.parse_args(["--no-progress", "--stats-interval", "0.1", *flags]))
+
+
+def test_ramped_shared_prefix_run_reports_latency_and_kv(
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json, out_csv = tmp_path / "run.json", tmp_path / "run.csv"
+    code = _load(
+        "--url", server.url, "-n", "16", "-c", "1", "--ramp-to", "4", "--ramp-duration", "1.5",
+        "--prompt-len", "48", "--output-len", "8", "--shared-prefix-fraction", "0.5",
+        "--prefix-len", "64", "--seed", "5", "--json", str(out_json), "--csv", str(out_csv),
+    )  # fmt: skip
+    report = capsys.readouterr().out
+    assert code == 0
+    data = json.loads(out_json.read_text())
+    s = data["summary"]
+    assert (s["requests"], s["ok"], s["errors"]) == (16, 16, 0)
+    assert s["output_tokens"] == 16 * 8  # ignore_eos: every output runs to max_tokens
+    for key in ("ttft", "tpot", "e2e"):
+        d = s[key]
+        assert d["count"] == 16 and 0 < d["p50"] <= d["p95"] <= d["p99"]
+    recs = data["records"]
+    assert sorted(r["index"] for r in recs) == list(range(16))
+    # Prompts sized through the calibrated ratio land near their targets (+1 for BOS).
+    for r in recs:
+        target = (64 + 48 if r["shared_prefix"] else 48) + 1
+        assert abs(r["prompt_tokens"] - target) <= 0.25 * target
+    engine = s["engine"]
+    assert engine is not None and engine["samples"] >= 2
+    assert engine["capacity_blocks"] == 256
+    assert 0 < engine["peak_occupancy"] <= 1
+    shared = sum(r["shared_prefix"] for r in recs)
+    assert shared >= 2  # so the later shared requests hit the prefix cache
+    assert engine["hit_ratio"] is not None and engine["hit_ratio"] > 0
+    assert engine["prefix_queries_tokens"] >= sum(r["prompt_tokens"] for r in recs) - 16
+    assert len({r["concurrency"] for r in recs}) > 1 and len(s["levels"]) > 1
+    rows = list(csv.DictReader(io.StringIO(out_csv.read_text())))
+    assert len(rows) == 16 and {"ttft_s", "tpot_s", "prompt_tokens"} <= set(rows[0])
+    assert "TTFT" in report and "peak occupancy" in report
+
+
+def test_errors_are_counted_by_type(
+    server: ServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = _load("--url", server.url, "-n", "3", "-c", "3", "--prompt-len", "16",
+                 "--output-len", "2000", "--json", "-")  # fmt: skip
+    assert code == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["summary"]["errors_by_type"] == {"http_400_invalid_request_error": 3}
+    assert all("max_model_len 1024" in r["error_message"] for r in data["records"])
+
+
+def test_duration_mode_chat_endpoint_without_stats(
+    server: ServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nowhere = f"http://127.0.0.1:{free_port()}/stats"
+    code = _load("--url", server.url + "/v1", "--duration", "1.5", "-c", "2", "--endpoint", "chat",
+                 "--prompt-len", "16", "--output-len", "4", "--stats-url", nowhere,
+                 "--json", "-")  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0
+    data = json.loads(captured.out)
+    assert data["summary"]["ok"] >= 2
+    assert all(r["start"] < 1.5 for r in data["records"])
+    assert data["summary"]["engine"] is None
+    assert "not reachable" in captured.err
+
+
+def test_bad_flags_and_unreachable_server(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _load("--shared-prefix-fraction", "0.5") == 2
+    assert "prefix_len" in capsys.readouterr().err
+    assert _load("--url", f"http://127.0.0.1:{free_port()}", "-n", "1") == 2
+    assert "headroom load:" in capsys.readouterr().err

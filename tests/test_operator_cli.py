@@ -1,0 +1,88 @@
+"""The operator's command line, conditions bookkeeping, RBAC rules and exported metrics."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from prometheus_client import generate_latest
+
+from headroom.operator import cli
+from headroom.operator.conditions import get_condition, parse_time, rfc3339, set_condition
+from headroom.operator.exporter import OperatorMetrics
+from headroom.operator.rbac import cluster_role, cluster_role_rules
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="headroom")
+    cli.add_parsers(p.add_subparsers(dest="command"))
+    return p
+
+
+def test_operator_flags() -> None:
+    args = parser().parse_args(
+        ["operator", "-n", "a", "-n", "team-*", "--metrics-port", "9100", "--kubeconfig", "kc",
+         "--prometheus-url", "http://prom:9090"]
+    )  # fmt: skip
+    assert args.func is cli.run_operator
+    assert args.namespaces == ["a", "team-*"] and args.metrics_port == 9100
+    assert args.kubeconfig == "kc" and args.prometheus_url == "http://prom:9090"
+    assert parser().parse_args(["operator", "-A"]).all_namespaces
+    assert parser().parse_args(["crd"]).func is cli.run_crd
+
+
+def test_namespace_and_all_namespaces_are_exclusive() -> None:
+    with pytest.raises(SystemExit):
+        parser().parse_args(["operator", "-n", "a", "--all-namespaces"])
+
+
+def test_bad_option_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parser().parse_args(["operator", "--metrics-port", "70000"])
+    assert cli.run_operator(args) == 2
+    assert "--metrics_port" in capsys.readouterr().err
+
+
+def test_conditions_keep_transition_time_until_status_flips() -> None:
+    conds = set_condition(None, "Ready", "False", "ReplicasNotReady", "0/2", generation=1, now=100)
+    conds = set_condition(conds, "Feasible", "True", "Sized", "ok", generation=1, now=100)
+    assert [c["type"] for c in conds] == ["Ready", "Feasible"]
+    again = set_condition(conds, "Ready", "False", "ReplicasNotReady", "1/2", generation=2, now=200)
+    ready = get_condition(again, "Ready")
+    assert ready is not None and ready["lastTransitionTime"] == rfc3339(100)
+    assert ready["message"] == "1/2" and ready["observedGeneration"] == 2
+    flipped = set_condition(again, "Ready", "True", "AllReplicasReady", "2/2", generation=2, now=300)
+    ready = get_condition(flipped, "Ready")
+    assert ready is not None and ready["lastTransitionTime"] == rfc3339(300)
+    assert len(flipped) == 2
+    with pytest.raises(ValueError, match="unknown condition"):
+        set_condition(None, "Happy", "True", "Yes", "", generation=None, now=0)
+    assert parse_time(rfc3339(1_700_000_000)) == 1_700_000_000
+    assert parse_time("not a time") is None
+
+
+def test_rbac_rules_are_least_privilege() -> None:
+    rules = cluster_role_rules()
+    verbs = {(g, r): set(rule["verbs"]) for rule in rules for g in rule["apiGroups"]
+             for r in rule["resources"]}  # fmt: skip
+    assert verbs[("apps", "deployments")] == {"get", "patch"}
+    assert verbs[("", "pods")] == {"list"}
+    assert verbs[("", "events")] == {"create"}
+    assert "delete" not in set().union(*verbs.values())
+    assert "update" not in verbs[("headroom.dev", "inferencedeployments")]
+    assert len(cluster_role_rules(peering=True)) == len(rules) + 1
+    assert cluster_role()["kind"] == "ClusterRole"
+
+
+def test_desired_replicas_metric() -> None:
+    m = OperatorMetrics()
+    m.publish("ns", "chat", "advisory", desired=5, current=3)
+    text = generate_latest(m.registry).decode()
+    assert (
+        'headroom_desired_replicas{inferencedeployment="chat",mode="advisory",namespace="ns"} 5.0'
+        in text
+    )
+    m.publish("ns", "chat", "auto", desired=4, current=4)
+    text = generate_latest(m.registry).decode()
+    assert 'mode="advisory"' not in text and 'mode="auto"' in text
+    m.forget("ns", "chat")
+    assert "chat" not in generate_latest(m.registry).decode()

@@ -1,0 +1,260 @@
+"""Metrics sources: parsing alone, then a real sidecar and a real Prometheus end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from headroom.operator.conditions import parse_time
+from headroom.operator.metrics_sources import (
+    MetricsError,
+    PodInfo,
+    PrometheusSource,
+    SidecarSource,
+    Target,
+    parse_prometheus,
+    pod_info,
+    promql,
+    sample_from_report,
+)
+from headroom.sidecar.report import SaturationReport
+from headroom.sidecar.synthetic import SyntheticEngine
+
+PROMETHEUS = shutil.which("prometheus")
+TARGET = Target(namespace="llm", name="chat")
+
+
+def report(**kw: Any) -> SaturationReport:
+    base: dict[str, Any] = dict(
+        time=1000.0, source="headroom", pod="chat-0", namespace="llm", inferencedeployment="chat",
+        model="m", engine_up=True, fresh=True, age_seconds=0.5, stale_after_seconds=10,
+        last_error=None, occupancy=0.42, used_blocks=420, capacity_blocks=1000, cached_blocks=10,
+        block_size=16, bytes_per_token=4096, growth_blocks_per_second=2.0,
+        growth_ratio_per_second=0.002, eta_seconds=290.0, forecast_ready=True, forecast_points=9,
+        hit_ratio=0.3, prefix_cache_enabled=True, running=7, waiting=2, preemptions_total=5,
+        preemption_rate_per_second=0.1, window_seconds=60, forecast_window_seconds=30,
+        engine_restarts_total=0,
+    )  # fmt: skip
+    base.update(kw)
+    # Fields the operator does not read get neutral values, so the sidecar may add more.
+    for name, info in SaturationReport.model_fields.items():
+        if name not in base and info.is_required():
+            ann = str(info.annotation)
+            base[name] = (
+                None if "None" in ann else False if "bool" in ann else 0 if "int" in ann else 0.0
+            )
+    return SaturationReport(**base)
+
+
+def test_sample_from_report_keeps_the_figures() -> None:
+    s = sample_from_report(report())
+    assert s is not None
+    assert (s.occupancy, s.used_blocks, s.capacity_blocks, s.waiting) == (0.42, 420, 1000, 2)
+    assert s.eta_seconds == 290.0 and s.preemption_rate == 0.1 and s.engine_up
+    assert s.sampled_at == 999.5  # the last good poll, not the time of the report
+    stale = sample_from_report(report(fresh=False))
+    assert stale is not None and not stale.engine_up
+    assert sample_from_report(report(occupancy=None)) is None
+
+
+def test_promql_is_one_query_with_every_series_tagged() -> None:
+    q = promql(Target(namespace='we"ird', name="chat"))
+    assert q.count(" or ") == 9
+    assert 'namespace="we\\"ird",inferencedeployment="chat"' in q
+    for tag in ("occupancy", "eta", "up", "time", "preempt", "waiting", "capacity"):
+        assert f'"q", "{tag}"' in q
+
+
+def vec(pod: str, q: str, value: str, ts: float = 100.0) -> dict[str, Any]:
+    return {"metric": {"pod": pod, "q": q, "namespace": "llm"}, "value": [ts, value]}
+
+
+def test_parse_prometheus_vector() -> None:
+    doc = {
+        "status": "success",
+        "data": {
+            "resultType": "vector",
+            "result": [
+                vec("a", "occupancy", "0.5"), vec("a", "eta", "+Inf"), vec("a", "up", "1"),
+                vec("a", "time", "95.5"), vec("a", "hit", "NaN"), vec("a", "waiting", "3"),
+                vec("a", "preempt", "0.25"), vec("a", "capacity", "2000"),
+                vec("b", "occupancy", "0.9"), vec("b", "eta", "40"), vec("b", "up", "0"),
+                vec("c", "eta", "10"),  # no occupancy: not a usable sample
+            ],
+        },
+    }  # fmt: skip
+    out = parse_prometheus(doc)
+    assert set(out) == {"a", "b"}
+    a, b = out["a"], out["b"]
+    assert a.eta_seconds is None and a.hit_ratio is None and a.engine_up
+    assert (a.waiting, a.preemption_rate, a.capacity_blocks, a.sampled_at) == (3, 0.25, 2000, 95.5)
+    assert b.eta_seconds == 40 and not b.engine_up and b.sampled_at == 100.0
+    with pytest.raises(MetricsError, match="bad_data"):
+        parse_prometheus({"status": "error", "error": "bad_data: parse error"})
+
+
+def test_pod_info_from_a_pod_object() -> None:
+    pod = {
+        "metadata": {"name": "p", "creationTimestamp": "2023-11-14T22:13:20Z"},
+        "status": {"phase": "Running", "podIP": "10.1.2.3",
+                   "conditions": [{"type": "Ready", "status": "True"}]},
+    }  # fmt: skip
+    info = pod_info(pod, parse_time)
+    assert info == PodInfo("p", "10.1.2.3", True, 1_700_000_000.0, False)
+    pod["metadata"]["deletionTimestamp"] = "2023-11-14T22:14:00Z"
+    assert pod_info(pod, parse_time).terminating
+
+
+async def test_sidecar_source_skips_silent_and_broken_pods() -> None:
+    async def good(_: web.Request) -> web.Response:
+        return web.Response(body=report().model_dump_json(), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/saturation", good)
+    broken = web.Application()
+    async def garbage(_: web.Request) -> web.Response:
+        return web.Response(text="{not json")
+
+    broken.router.add_get("/saturation", garbage)
+    async with TestServer(app, host="127.0.0.1") as ok, TestServer(broken, host="127.0.0.1") as bad:
+        async with aiohttp.ClientSession() as http:
+            src = SidecarSource(http, port=ok.port)
+            pods = [
+                PodInfo("ready", "127.0.0.1", True, 0.0),
+                PodInfo("loading", "127.0.0.1", False, 0.0),
+                PodInfo("no-ip", None, True, 0.0),
+            ]
+            got = await src.sample(TARGET, pods)
+            assert list(got) == ["ready"] and got["ready"].occupancy == 0.42
+            assert await SidecarSource(http, port=bad.port).sample(TARGET, pods) == {}
+
+
+async def test_prometheus_source_without_url_or_server() -> None:
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(MetricsError, match="prometheusURL"):
+            await PrometheusSource(http).sample(TARGET, [])
+        port = free_port()
+        with pytest.raises(MetricsError, match="unreachable"):
+            await PrometheusSource(http, f"http://127.0.0.1:{port}", timeout=2).sample(TARGET, [])
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def eventually(what: str, probe: Any, within: float = 60.0) -> Any:
+    deadline = time.monotonic() + within
+    last = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, aiohttp.ClientError, MetricsError):
+            last = await probe()
+            if last:
+                return last
+        await asyncio.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+@contextlib.asynccontextmanager
+async def stack(tmp_path: Path, engine_url: str) -> AsyncIterator[tuple[int, str]]:
+    """The real sidecar in front of `engine_url`, and a Prometheus scraping it."""
+    sc_port, prom_port = free_port(), free_port()
+    sc_log = (tmp_path / "sidecar.log").open("w")
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "headroom.sidecar", "--engine-url", engine_url,
+         "--host", "127.0.0.1", "--port", str(sc_port), "--interval", "0.25", "--timeout", "0.2",
+         "--window", "10", "--forecast-window", "5", "--namespace=llm",
+         "--inferencedeployment=chat", "--pod=chat-0"],
+        stdout=sc_log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\n"
+        "scrape_configs:\n  - job_name: sidecar\n    honor_labels: true\n"
+        f"    static_configs:\n      - targets: ['127.0.0.1:{sc_port}']\n"
+    )
+    prom_log = (tmp_path / "prometheus.log").open("w")
+    assert PROMETHEUS is not None
+    prom = subprocess.Popen(
+        [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],
+        stdout=prom_log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        yield sc_port, f"http://127.0.0.1:{prom_port}"
+    finally:
+        for proc in (prom, sidecar):
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        sc_log.close()
+        prom_log.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed: make tools")
+async def test_real_sidecar_and_prometheus_agree(tmp_path: Path) -> None:
+    eng = SyntheticEngine(capacity=2000, model="synthetic")
+    eng.set_used(500)
+    eng.running, eng.waiting = 6, 3
+
+    async def drive() -> None:
+        while True:  # ~40 blocks/s towards the wall, a preemption every second
+            eng.set_used(eng.used + 10)
+            eng.preemptions_total += 1 if int(time.time() * 4) % 4 == 0 else 0
+            await asyncio.sleep(0.25)
+
+    async with TestServer(eng.app(), host="127.0.0.1") as engine:
+        driver = asyncio.create_task(drive())
+        try:
+            async with stack(tmp_path, str(engine.make_url("/"))) as (sc_port, prom_url):
+                pods = [PodInfo("chat-0", "127.0.0.1", True, 0.0)]
+                async with aiohttp.ClientSession() as http:
+                    direct = SidecarSource(http, port=sc_port)
+
+                    async def direct_ok() -> Any:
+                        got = await direct.sample(TARGET, pods)
+                        s = got.get("chat-0")
+                        return s if s and s.eta_seconds is not None else None
+
+                    d = await eventually("the sidecar's /saturation with a forecast", direct_ok)
+                    assert d.engine_up and d.capacity_blocks == 2000
+                    assert d.eta_seconds is not None and 0 < d.eta_seconds < 120
+                    prom = PrometheusSource(http, prom_url)
+
+                    async def prom_ok() -> Any:
+                        got = await prom.sample(TARGET, pods)
+                        s = got.get("chat-0")
+                        return s if s and s.preemption_rate > 0 and s.eta_seconds else None
+
+                    p = await eventually("Prometheus to have rate() and eta", prom_ok, 90)
+                    assert p.engine_up and p.capacity_blocks == 2000 and p.waiting == 3
+                    assert p.running == 6 and 0.25 < p.occupancy < 1.0
+                    assert abs(time.time() - p.sampled_at) < 30
+                    assert p.eta_seconds is not None and math.isfinite(p.eta_seconds)
+                    # Other deployments' pods are not mixed in.
+                    assert await prom.sample(Target("llm", "other"), pods) == {}
+        finally:
+            driver.cancel()

@@ -1,0 +1,117 @@
+"""Spec models: defaults, camelCase wire form, and every cross-field rule with its message."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from headroom.operator.models import InferenceDeploymentSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+VALID: dict[str, Any] = {
+    "model": {"preset": "llama-3.1-8b"},
+    "gpu": {"type": "h100-80gb"},
+    "traffic": {"peakConcurrency": 200, "contextTokens": 4096},
+}
+CUSTOM_ARCH = {
+    "numLayers": 2,
+    "numAttentionHeads": 4,
+    "numKVHeads": 2,
+    "headDim": 16,
+    "hiddenSize": 64,
+    "vocabSize": 256,
+    "parameterCount": 100_000,
+}
+
+
+def with_(path: str, value: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    spec = copy.deepcopy(base or VALID)
+    *parents, leaf = path.split(".")
+    node = spec
+    for p in parents:
+        node = node.setdefault(p, {})
+    if value is None:
+        node.pop(leaf, None)
+    else:
+        node[leaf] = value
+    return spec
+
+
+INVALID = [
+    ("neither-preset-nor-arch", with_("model.preset", None), "either a preset or all of"),
+    ("preset-and-arch", with_("model.numLayers", 32), "preset already fixes the architecture"),
+    ("heads-not-multiple", {**VALID, "model": {**CUSTOM_ARCH, "numKVHeads": 3}},
+     "multiple of model.numKVHeads"),
+    ("mla-half", {**VALID, "model": {**CUSTOM_ARCH, "kvLoraRank": 64}}, "both model.kvLoraRank"),
+    ("sliding-without-window", {**VALID, "model": {**CUSTOM_ARCH, "numSlidingWindowLayers": 1}},
+     "needs model.slidingWindow"),
+    ("gpu-without-type-or-memory", with_("gpu.type", None), "type preset"),
+    ("tp-does-not-divide", with_("gpu", {"type": "h100", "countPerPod": 4, "tensorParallel": 3}),
+     "must divide gpu.countPerPod"),
+    ("min-above-max", with_("scaling", {"minReplicas": 5, "maxReplicas": 3}),
+     "minReplicas must not exceed"),
+    ("target-not-below-scale-out", with_("scaling", {"targetOccupancy": 0.9}),
+     "must be below scaling.scaleOutOccupancy"),
+    ("scale-out-above-one", with_("scaling", {"scaleOutOccupancy": 1.2}), "less than or equal"),
+    ("hysteresis-too-big", with_("scaling", {"targetOccupancy": 0.3, "scaleInHysteresis": 0.4}),
+     "smaller than scaling.targetOccupancy"),
+    ("max-model-len-below-context", with_("engine", {"maxModelLen": 1024}),
+     "at least traffic.contextTokens"),
+    ("unknown-preset", with_("model.preset", "llama-9"), "unknown model"),
+    ("unknown-field", with_("engine.blokSize", 16), "Extra inputs"),
+    ("bad-kv-dtype", with_("engine.kvCacheDtype", "fp4"), "auto"),
+    ("zero-concurrency", with_("traffic.peakConcurrency", 0), "greater than or equal to 1"),
+]  # fmt: skip
+
+
+def test_minimal_spec_gets_defaults() -> None:
+    spec = InferenceDeploymentSpec.model_validate(VALID)
+    assert spec.engine.block_size == 16 and spec.engine.kv_cache_dtype == "auto"
+    assert spec.scaling.mode == "auto" and spec.scaling.min_replicas == 1
+    assert spec.gpu.count_per_pod == 1 and spec.replicas is None
+
+
+def test_wire_form_is_camel_case_and_round_trips() -> None:
+    spec = InferenceDeploymentSpec.model_validate(
+        with_("gpu", {"type": "h100", "memoryGiB": 79.6, "countPerPod": 2, "tensorParallel": 2})
+    )
+    wire = spec.wire()
+    assert wire["gpu"]["memoryGiB"] == 79.6 and wire["gpu"]["tensorParallel"] == 2
+    assert "scaleOutOccupancy" in wire["scaling"] and "preset" in wire["model"]
+    assert "numKVHeads" not in wire["model"]  # unset optionals are left out
+    assert InferenceDeploymentSpec.model_validate(wire) == spec
+
+
+def test_custom_architecture_is_valid() -> None:
+    spec = InferenceDeploymentSpec.model_validate({**VALID, "model": CUSTOM_ARCH})
+    assert spec.model.num_kv_heads == 2
+
+
+@pytest.mark.parametrize(("raw", "message"), [c[1:] for c in INVALID], ids=[c[0] for c in INVALID])
+def test_invalid_spec_is_refused_with_a_message(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        InferenceDeploymentSpec.model_validate(raw)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_examples_are_valid_and_feasible(path: Path) -> None:
+    from headroom.operator.sizing import size
+
+    doc = yaml.safe_load(path.read_text())
+    assert doc["apiVersion"] == "headroom.dev/v1alpha1" and doc["kind"] == "InferenceDeployment"
+    spec = InferenceDeploymentSpec.model_validate(doc["spec"])
+    sizing = size(spec)
+    assert sizing.feasible, sizing.reason
+    assert spec.model.preset is not None
+
+
+def test_the_three_examples_exist() -> None:
+    names = {p.name for p in EXAMPLES}
+    assert {"llama-3.1-8b-h100.yaml", "llama-3.1-70b-tp4.yaml", "llama-3.1-8b-fp8kv.yaml"} <= names

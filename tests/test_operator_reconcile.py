@@ -1,0 +1,326 @@
+"""reconcile() and the scaling tick against an in-memory API (the real one: test_operator_cluster_*)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from headroom.operator.apply import KubeError
+from headroom.operator.children import FIELD_MANAGER, SELECTOR_LABEL
+from headroom.operator.conditions import get_condition
+from headroom.operator.decide import PodSample
+from headroom.operator.metrics_sources import MetricsError, PodInfo, Target
+from headroom.operator.reconcile import HANDOFF_MANAGER, reconcile
+from headroom.operator.scaling import last_changes, tick
+
+NOW = 1_700_000_000.0
+
+
+class FakeKube:
+    """Enough of the API server: apply merges and tracks who owns spec.replicas."""
+
+    def __init__(self, monitoring: frozenset[str] = frozenset()) -> None:
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.applies: list[tuple[str, str, dict[str, Any]]] = []
+        self.fail: list[KubeError] = []
+        self.fail_kinds: dict[str, KubeError] = {}
+        self.monitoring = monitoring
+        self.pods: list[dict[str, Any]] = []
+        self.ready = 0
+
+    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> Any:
+        obj = self.objects.get((kind, namespace or "", name))
+        if obj is not None and kind == "Deployment":
+            obj = copy.deepcopy(obj)
+            obj["status"] = {"readyReplicas": self.ready}
+        return obj
+
+    def list(self, api_version: str, kind: str, namespace: str | None, label_selector: str = ""):
+        assert kind == "Pod"
+        return self.pods
+
+    def served_kinds(self, group_version: str, ttl: float = 60.0) -> frozenset[str]:
+        return self.monitoring
+
+    def apply(
+        self, obj: dict[str, Any], *, field_manager: str = FIELD_MANAGER, force: bool = True
+    ) -> dict[str, Any]:
+        if self.fail:
+            raise self.fail.pop(0)
+        if obj["kind"] in self.fail_kinds:
+            raise self.fail_kinds[obj["kind"]]
+        self.applies.append((obj["kind"], field_manager, copy.deepcopy(obj)))
+        key = (obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
+        live = self.objects.setdefault(key, {"metadata": {"managedFields": []}})
+        owners = {
+            e["manager"] for e in live["metadata"]["managedFields"] if e.get("replicas")
+        } - {field_manager}
+        spec = obj.get("spec", {})
+        live_spec = copy.deepcopy(live.get("spec", {}))
+        if "template" in spec:
+            live_spec = {**spec, **({"replicas": live_spec["replicas"]} if "replicas" in
+                                    live_spec and "replicas" not in spec else {})}  # fmt: skip
+        else:
+            live_spec.update(spec)
+        if obj["kind"] == "Deployment" and "replicas" not in spec and not owners:
+            live_spec["replicas"] = 1  # a dropped field goes back to its default
+        live.update({k: v for k, v in obj.items() if k not in ("spec", "metadata")})
+        live["spec"] = live_spec
+        meta = {**live["metadata"], **copy.deepcopy(obj["metadata"])}
+        fields = [e for e in live["metadata"]["managedFields"] if e["manager"] != field_manager]
+        fields.append({"manager": field_manager, "operation": "Apply",
+                       "replicas": "replicas" in spec,
+                       "fieldsV1": {"f:spec": {"f:replicas": {}}} if "replicas" in spec else {}})  # fmt: skip
+        meta["managedFields"] = fields
+        live["metadata"] = meta
+        return self.get("", obj["kind"], key[1], key[2])
+
+    def kinds_applied(self) -> list[str]:
+        return [k for k, _, _ in self.applies]
+
+
+def body(spec: dict[str, Any], status: dict[str, Any] | None = None, gen: int = 1) -> dict:
+    return {
+        "apiVersion": "headroom.dev/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": "chat", "namespace": "ns", "uid": "u-1", "generation": gen},
+        "spec": spec,
+        "status": status or {},
+    }
+
+
+SPEC: dict[str, Any] = {
+    "model": {"preset": "llama-3.1-8b"},
+    "gpu": {"type": "h100-80gb"},
+    "traffic": {"peakConcurrency": 400, "contextTokens": 4096},
+}
+INFEASIBLE = {**SPEC, "model": {"preset": "llama-3.1-70b"}}
+
+
+def cond(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    c = get_condition(status["conditions"], type_)
+    assert c is not None, f"no {type_} condition"
+    return c
+
+
+def test_create_applies_owned_children_and_reports_the_budget() -> None:
+    kube = FakeKube()
+    out = reconcile(kube, body(SPEC), NOW)
+    assert kube.kinds_applied() == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert {m for _, m, _ in kube.applies} == {FIELD_MANAGER}
+    dep = kube.applies[0][2]
+    assert dep["spec"]["replicas"] == 4  # 400 sequences / 109 per pod
+    st = out.status
+    assert st["budget"]["kvBlocksPerPod"] == 27955 and st["budget"]["sizedReplicas"] == 4
+    assert st["selector"] == f"{SELECTOR_LABEL}=chat" and st["observedGeneration"] == 1
+    assert st["desiredReplicas"] == 4 and st["replicas"] == 4
+    assert cond(st, "Feasible")["status"] == "True"
+    assert cond(st, "Ready")["reason"] == "ReplicasNotReady"
+    assert [e.reason for e in out.events] == ["Sized", "Created"]
+
+
+def test_monitoring_children_only_when_their_crds_exist() -> None:
+    kube = FakeKube(monitoring=frozenset({"ServiceMonitor", "PrometheusRule"}))
+    reconcile(kube, body(SPEC), NOW)
+    assert kube.kinds_applied()[-2:] == ["ServiceMonitor", "PrometheusRule"]
+
+
+def test_forbidden_monitoring_is_skipped_with_a_warning() -> None:
+    kube = FakeKube(monitoring=frozenset({"ServiceMonitor", "PrometheusRule"}))
+    kube.fail_kinds["ServiceMonitor"] = KubeError(403, "Forbidden", "no RBAC")
+    out = reconcile(kube, body(SPEC), NOW)
+    assert "Deployment" in kube.kinds_applied() and "PrometheusRule" in kube.kinds_applied()
+    assert any(e.reason == "MonitoringSkipped" for e in out.events)
+
+
+def test_infeasible_spec_has_no_deployment_and_a_fix_recovers() -> None:
+    kube = FakeKube()
+    out = reconcile(kube, body(INFEASIBLE), NOW)
+    assert kube.applies == []
+    feasible = cond(out.status, "Feasible")
+    assert (feasible["status"], feasible["reason"]) == ("False", "Infeasible")
+    assert "weights 131.4 GiB/GPU" in feasible["message"]
+    assert cond(out.status, "Ready")["reason"] == "Infeasible"
+    assert out.status["budget"]["feasible"] is False
+    assert [e.type for e in out.events] == ["Warning"]
+
+    fixed = {**INFEASIBLE, "gpu": {"type": "h100-80gb", "countPerPod": 4}}
+    out2 = reconcile(kube, body(fixed, status=out.status, gen=2), NOW + 60)
+    assert kube.kinds_applied()[0] == "Deployment"
+    feasible2 = cond(out2.status, "Feasible")
+    assert feasible2["status"] == "True" and feasible2["observedGeneration"] == 2
+    assert feasible2["lastTransitionTime"] != feasible["lastTransitionTime"]
+
+
+def test_malformed_spec_gets_a_condition_not_an_exception() -> None:
+    kube = FakeKube()
+    out = reconcile(kube, body({"model": {"preset": "llama-3.1-8b"}, "gpu": "h100"}), NOW)
+    assert kube.applies == []
+    feasible = cond(out.status, "Feasible")
+    assert feasible["reason"] == "InvalidSpec" and feasible["message"].startswith("spec.")
+    out = reconcile(kube, body({**SPEC, "scaling": {"minReplicas": 9, "maxReplicas": 2}}), NOW)
+    assert "minReplicas must not exceed" in cond(out.status, "Feasible")["message"]
+
+
+def test_transient_errors_are_retried_and_hard_errors_raise() -> None:
+    kube = FakeKube()
+    kube.fail = [KubeError(503, "ServiceUnavailable", "etcd"), KubeError(409, "Conflict", "x")]
+    reconcile(kube, body(SPEC), NOW)
+    assert kube.kinds_applied() == ["Deployment", "Service", "PodDisruptionBudget"]
+    kube.fail = [KubeError(422, "Invalid", "spec.template: bad")]
+    with pytest.raises(KubeError, match="422"):
+        reconcile(kube, body(SPEC), NOW)
+
+
+def test_reconcile_is_idempotent_and_keeps_the_scaled_replicas() -> None:
+    kube = FakeKube()
+    reconcile(kube, body(SPEC), NOW)
+    kube.objects[("Deployment", "ns", "chat")]["spec"]["replicas"] = 7  # the loop scaled it
+    first = copy.deepcopy(kube.applies)
+    kube.applies.clear()
+    out = reconcile(kube, body(SPEC), NOW)  # an operator restart resumes
+    assert kube.applies[0][2]["spec"]["replicas"] == 7
+    assert [o for _, _, o in kube.applies][1:] == [o for _, _, o in first][1:]
+    assert out.status["desiredReplicas"] == 7
+    assert "Created" not in [e.reason for e in out.events]
+
+
+def test_never_writes_spec() -> None:
+    kube = FakeKube()
+    for b in (body(SPEC), body(INFEASIBLE), body({"nonsense": 1})):
+        out = reconcile(kube, b, NOW)
+        assert "spec" not in out.status
+    assert "InferenceDeployment" not in kube.kinds_applied()
+
+
+def test_advisory_hands_replicas_over_instead_of_resetting_them() -> None:
+    kube = FakeKube()
+    reconcile(kube, body(SPEC), NOW)
+    kube.objects[("Deployment", "ns", "chat")]["spec"]["replicas"] = 6
+    advisory = {**SPEC, "scaling": {"mode": "advisory"}}
+    kube.applies.clear()
+    reconcile(kube, body(advisory), NOW)
+    assert kube.applies[0][:2] == ("Deployment", HANDOFF_MANAGER)
+    assert "replicas" not in kube.applies[1][2]["spec"]
+    assert kube.objects[("Deployment", "ns", "chat")]["spec"]["replicas"] == 6
+    # An external autoscaler writing /scale (spec.replicas) is followed, within bounds.
+    reconcile(kube, body({**advisory, "replicas": 40}), NOW)
+    assert kube.objects[("Deployment", "ns", "chat")]["spec"]["replicas"] == 10
+
+
+# ----------------------------------------------------------------------------- scaling tick
+
+
+def pods(n_ready: int, n_starting: int = 0) -> list[dict[str, Any]]:
+    def one(name: str, ready: bool) -> dict[str, Any]:
+        return {
+            "metadata": {"name": name, "creationTimestamp": "2023-11-14T22:00:00Z"},
+            "status": {
+                "phase": "Running" if ready else "Pending",
+                "podIP": "10.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            },
+        }
+
+    return [one(f"chat-{i}", True) for i in range(n_ready)] + [
+        one(f"chat-new-{i}", False) for i in range(n_starting)
+    ]
+
+
+class FakeSource:
+    def __init__(self, occupancy: float | None, eta: float | None = None, fail: bool = False):
+        self.occupancy, self.eta, self.fail = occupancy, eta, fail
+        self.seen: list[Target] = []
+
+    async def sample(self, target: Target, pods: list[PodInfo]) -> dict[str, PodSample]:
+        self.seen.append(target)
+        if self.fail:
+            raise MetricsError("Prometheus at http://prom:9090 unreachable: refused")
+        if self.occupancy is None:
+            return {}
+        return {
+            p.name: PodSample(occupancy=self.occupancy, sampled_at=NOW - 1, eta_seconds=self.eta,
+                              used_blocks=round(self.occupancy * 27955), capacity_blocks=27955,
+                              hit_ratio=0.4)
+            for p in pods if p.ready
+        }  # fmt: skip
+
+
+async def created(spec: dict[str, Any], replicas: int = 4) -> tuple[FakeKube, dict[str, Any]]:
+    kube = FakeKube()
+    out = reconcile(kube, body(spec), NOW - 600)
+    kube.objects[("Deployment", "ns", "chat")]["spec"]["replicas"] = replicas
+    kube.pods = pods(replicas)
+    kube.ready = replicas
+    kube.applies.clear()
+    return kube, body(spec, status=out.status)
+
+
+async def test_tick_scales_out_before_saturation() -> None:
+    kube, b = await created(SPEC)
+    res = await tick(kube, FakeSource(0.8, eta=60), b, NOW)
+    assert res.decision is not None and res.decision.reason == "SaturationSoon"
+    (kind, manager, dep), *_ = kube.applies
+    assert (kind, manager) == ("Deployment", FIELD_MANAGER)
+    assert dep["spec"]["replicas"] == res.decision.replicas > 4
+    st = res.outcome.status
+    assert st["desiredReplicas"] == st["replicas"] == dep["spec"]["replicas"]
+    (rec,) = st["lastDecisions"]
+    assert rec["from"] == 4 and rec["applied"] and rec["inputs"]["readyReplicas"] == 4
+    assert st["kv"]["occupancyPercent"] == 80 and st["kv"]["hitPercent"] == 40
+    assert st["kv"]["eta"] == "60s"
+    assert "ScaledOut" in [e.reason for e in res.outcome.events]
+    assert cond(st, "KVSaturated")["status"] == "False"
+
+
+async def test_tick_in_advisory_mode_publishes_without_touching_replicas() -> None:
+    kube, b = await created({**SPEC, "scaling": {"mode": "advisory"}})
+    res = await tick(kube, FakeSource(0.95, eta=30), b, NOW)
+    assert kube.applies == []
+    st = res.outcome.status
+    assert st["desiredReplicas"] > 4 and st["replicas"] == 4
+    assert st["lastDecisions"][-1]["applied"] is False
+    assert cond(st, "ScalingLimited")["reason"] == "Advisory"
+
+
+async def test_tick_holds_when_metrics_are_missing_and_says_why() -> None:
+    kube, b = await created({**SPEC, "scaling": {"metricsSource": "prometheus"}})
+    res = await tick(kube, FakeSource(None, fail=True), b, NOW)
+    assert kube.applies == [] and res.outcome.status["desiredReplicas"] == 4
+    limited = cond(res.outcome.status, "ScalingLimited")
+    assert (limited["status"], limited["reason"]) == ("True", "MetricsUnavailable")
+    assert "unreachable" in limited["message"]
+    assert cond(res.outcome.status, "KVSaturated")["status"] == "Unknown"
+    assert any(e.reason == "MetricsUnavailable" for e in res.outcome.events)
+
+
+async def test_tick_reports_saturation_at_max() -> None:
+    kube, b = await created({**SPEC, "scaling": {"maxReplicas": 4}})
+    res = await tick(kube, FakeSource(1.0, eta=1), b, NOW)
+    assert kube.applies == []
+    assert cond(res.outcome.status, "ScalingLimited")["reason"] == "AtMaxReplicas"
+    assert cond(res.outcome.status, "KVSaturated")["status"] == "True"
+
+
+async def test_tick_recreates_a_deleted_deployment_and_skips_infeasible() -> None:
+    kube, b = await created(SPEC)
+    del kube.objects[("Deployment", "ns", "chat")]
+    await tick(kube, FakeSource(0.5), b, NOW)
+    assert kube.kinds_applied()[0] == "Deployment"
+    kube.applies.clear()
+    res = await tick(kube, FakeSource(0.99, eta=1), body(INFEASIBLE), NOW)
+    assert kube.applies == [] and res.outcome.status == {}
+
+
+def test_last_changes_reads_the_decision_history() -> None:
+    status = {
+        "lastDecisions": [
+            {"time": "2023-11-14T22:13:20Z", "from": 2, "to": 4},
+            {"time": "2023-11-14T22:20:00Z", "from": 4, "to": 3},
+            {"time": "garbage", "from": 3, "to": 9},
+        ]
+    }
+    up, down = last_changes(status)
+    assert up == 1_700_000_000.0 and down == 1_700_000_400.0
