@@ -72,6 +72,14 @@ def headroom_plan(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def headroom_plans(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`headroom plan --json` for several specs, run side by side (each is a fresh CLI)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, len(specs))) as pool:
+        return list(pool.map(headroom_plan, specs))
+
+
 def container_arg(deployment: dict[str, Any], container: str, flag: str) -> str | None:
     """The value after `flag` in a container's args of a Deployment's pod template."""
     for c in deployment["spec"]["template"]["spec"]["containers"]:

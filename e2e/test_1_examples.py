@@ -17,7 +17,7 @@ from e2e.kube import (
     condition,
     container_arg,
     get_obj,
-    headroom_plan,
+    headroom_plans,
     printer_table,
 )
 
@@ -71,11 +71,11 @@ def test_each_example_owns_a_deployment_service_and_pdb(
 
 
 def test_budget_matches_headroom_plan(cluster: Cluster, examples: Applied) -> None:
-    for m in examples.manifests:
+    plans = headroom_plans([m["spec"] for m in examples.manifests])
+    for m, plan in zip(examples.manifests, plans, strict=True):
         name, ns = _name_ns(m)
         cr = get_obj(cluster, "inferencedeployment", name, namespace=ns)
         budget = cr["status"]["budget"]
-        plan = headroom_plan(m["spec"])
         for ours, theirs in BUDGET_VS_PLAN.items():
             assert budget.get(ours) == plan[theirs], (
                 f"{ns}/{name}: status.budget.{ours} = {budget.get(ours)!r} but headroom plan "

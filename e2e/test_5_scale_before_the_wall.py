@@ -41,12 +41,13 @@ from e2e.kube import CRDS, SELECTOR_LABEL, get_obj
 
 NAME = "wall"
 NEEDED = ("serve", "sidecar", "load")
-# The stand-in pod's KV pool: 96 blocks of 16 tokens holds six 256-token sequences, so a ramp to
-# 24 concurrent requests reaches the wall in well under a minute on two cores.
-NUM_BLOCKS = int(os.environ.get("HEADROOM_E2E_WALL_BLOCKS", "96"))
+# The stand-in pod's KV pool: 256 blocks of 16 tokens hold eight 512-token sequences, so a ramp
+# to 24 concurrent requests reaches the wall in well under a minute on two cores, with KV use
+# growing steadily enough for the sidecar's forecast to see it coming.
+NUM_BLOCKS = int(os.environ.get("HEADROOM_E2E_WALL_BLOCKS", "256"))
 RAMP_SECONDS = float(os.environ.get("HEADROOM_E2E_WALL_RAMP", "60"))
 RAMP_TO = 24
-PROMPT_LEN, OUTPUT_LEN = 64, 192
+PROMPT_LEN, OUTPUT_LEN = 64, 448
 
 
 def _pieces_or_skip() -> None:
@@ -91,7 +92,8 @@ class Trace:
     preemptions_at_scale: int | None = None
     occupancy_at_scale: float | None = None
     first_preemption_at: float | None = None
-    samples: list[tuple[float, int, float, int, int]] = field(default_factory=list)
+    # (t, used blocks, occupancy, preemptions, replicas, sidecar's eta in seconds or None)
+    samples: list[tuple[float, int, float, int, int, float | None]] = field(default_factory=list)
 
     def rel(self, t: float | None) -> str:
         return "-" if t is None else f"{t - self.t0:6.1f} s"
@@ -155,8 +157,10 @@ def _start_stand_in(group: Processes, pod: str, ns: str) -> tuple[str, int]:
             str(sidecar_port),
             "--interval",
             "0.5",
+            "--timeout",
+            "0.4",
             "--forecast-window",
-            "6",
+            "10",
             "--window",
             "10",
             "--pod",
@@ -277,7 +281,8 @@ def _run(
         occ = kv["used"] / kv["capacity"]
         preempted = int(stats["preemptions_total"])
         replicas = _replicas(cluster, ns)
-        trace.samples.append((now - trace.t0, kv["used"], occ, preempted, replicas))
+        eta = http_json(f"http://127.0.0.1:{sidecar_port}/saturation").get("eta_seconds")
+        trace.samples.append((now - trace.t0, kv["used"], occ, preempted, replicas, eta))
         if trace.first_preemption_at is None and preempted > 0:
             trace.first_preemption_at = now
         if trace.scaled_at is None and replicas > 1:
@@ -330,17 +335,18 @@ def _run(
     assert inputs["podsReporting"] >= 1 and inputs["readyReplicas"] >= 1, inputs
     assert inputs["meanOccupancy"] is not None and inputs["demandBlocks"] is not None, inputs
     assert not inputs.get("preemptionRatePerSecond"), inputs
-    assert events, "no ScaledOut Event on the InferenceDeployment"
-    message = events[0]["message"]
-    assert message.startswith(f"1 -> {trace.scaled_to}:"), message
-    assert "demand" in message and "blocks" in message, message
+    first_event = [e for e in events if e["message"].startswith(f"1 -> {trace.scaled_to}:")]
+    assert first_event, f"no ScaledOut Event for 1 -> {trace.scaled_to}: {events}"
+    message = first_event[0]["message"]
+    assert "demand" in message and "blocks" in message and "ready 1" in message, message
 
 
 def _print_report(trace: Trace, status: dict[str, Any], events: list[dict[str, Any]]) -> None:
-    print("\n[scenario 5] t (s)  used  occupancy  preemptions  replicas")
+    print("\n[scenario 5]  t (s)  used  occupancy  eta (s)  preemptions  replicas")
     step = max(1, len(trace.samples) // 40)
-    for t, used, occ, pre, reps in trace.samples[::step]:
-        print(f"[scenario 5] {t:6.1f}  {used:4d}  {occ:9.0%}  {pre:11d}  {reps:8d}")
+    for t, used, occ, pre, reps, eta in trace.samples[::step]:
+        eta_s = "-" if eta is None else f"{eta:7.1f}"
+        print(f"[scenario 5] {t:6.1f}  {used:4d}  {occ:9.0%}  {eta_s:>7}  {pre:11d}  {reps:8d}")
     print(
         f"[scenario 5] scale-out seen at    {trace.rel(trace.scaled_at)} "
         f"(to {trace.scaled_to}, occupancy {trace.occupancy_at_scale or 0:.0%}, "

@@ -10,6 +10,12 @@ HR_CACHE="${HEADROOM_CACHE:-$HOME/.cache/headroom}"
 NAME="${1:-${HEADROOM_CLUSTER_NAME:-default}}"
 DIR="$(realpath -m "${HEADROOM_CLUSTER_DIR:-$HR_CACHE/cluster/$NAME}")"
 log() { echo "[cluster-down $NAME] $*" >&2; }
+# proc_alive PID: the process exists and is not a zombie (exited, waiting to be reaped).
+proc_alive() {
+  local st
+  st="$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)" || return 1
+  [[ -n "$st" && "$st" != Z && "$st" != X ]]
+}
 
 if [[ ! -d "$DIR" ]]; then
   log "nothing to stop ($DIR does not exist)"
@@ -30,7 +36,7 @@ fi
 ours() {
   local name=$1 pid=$2 exe
   [[ "$pid" =~ ^[0-9]+$ ]] || return 1
-  kill -0 "$pid" 2>/dev/null || return 1
+  proc_alive "$pid" || return 1
   exe="$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | cut -d' ' -f1)"
   [[ "$(basename "$exe")" == "$name" || ( "$name" == etcd && "$exe" == *etcd* ) ]] || return 1
   # And it belongs to this cluster: its command line names the state directory.

@@ -19,6 +19,7 @@ nothing listens on them and tests must never send traffic to them.
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import re
 import shlex
@@ -125,7 +126,9 @@ def build(
     lines = [ln for ln in stdout.splitlines() if ln.strip()]
     if rc == 2:
         fatal = [ln for ln in log_lines if "FATAL" in ln]
-        piece = "go toolchain" if any(" Go " in ln or "(go)" in ln for ln in fatal) else "prereqs"
+        piece = (
+            "the Go toolchain" if any(" Go " in ln or "(go)" in ln for ln in fatal) else "prereqs"
+        )
         raise BuildError(
             f"cannot build the test control plane: {' '.join(fatal) or log[-2000:]}", [piece]
         )
@@ -186,7 +189,8 @@ class Cluster:
         self.up_log = ""
         self.build_result: BuildResult | None = None
         self._info: dict[str, str] = {}
-        self._owned = False
+        #: True while this object runs the cluster it started with up() (not after attach()).
+        self.owned = False
 
     # ---- lifecycle ------------------------------------------------------------------------
     @property
@@ -201,21 +205,31 @@ class Cluster:
         env["HEADROOM_KWOK_NODES"] = str(self.nodes)
         return env
 
-    def up(self, *, timeout: float = 600) -> Cluster:
-        """Start the cluster (building the binaries first if needed); returns ``self``.
+    def up(self, *, timeout: float = 300) -> Cluster:
+        """Start the cluster, building the binaries first if needed; returns ``self``.
 
-        If a ready cluster of this name already runs, it is reused (and not owned: ``down()``
-        still stops it).
+        ``timeout`` bounds the start, not the build (a cold build takes many minutes). If a
+        ready cluster of this name already runs, it is reused. Raises :class:`BuildError` when
+        the binaries cannot be built and :class:`ClusterError` when the cluster does not start.
         """
+        self.build_result = build()
         start = time.monotonic()
-        proc = subprocess.run(
-            ["bash", str(UP_SH), self.name],
-            env=self._script_env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
+        try:
+            proc = subprocess.run(
+                ["bash", str(UP_SH), self.name],
+                env=self._script_env(),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            with contextlib.suppress(ClusterError):
+                self.down(keep_state=True)
+            raise ClusterError(
+                f"up.sh {self.name} did not finish within {timeout}s; logs kept in "
+                f"{self.state_dir / 'logs'}"
+            ) from exc
         if proc.returncode != 0:
             raise ClusterError(
                 f"up.sh {self.name} failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}"
@@ -223,7 +237,7 @@ class Cluster:
         self.start_seconds = time.monotonic() - start
         self.up_log = proc.stderr
         self._info = _read_env_file(self.env_file)
-        self._owned = True
+        self.owned = True
         return self
 
     def attach(self, env_file: Path | str | None = None) -> Cluster:
@@ -231,7 +245,7 @@ class Cluster:
         path = Path(env_file) if env_file is not None else self.env_file
         self._info = _read_env_file(path)
         self.state_dir = Path(self._info["HEADROOM_CLUSTER_DIR"])
-        self._owned = False
+        self.owned = False
         return self
 
     def down(self, *, keep_state: bool = False) -> None:
@@ -249,7 +263,7 @@ class Cluster:
         )
         if proc.returncode != 0:
             raise ClusterError(f"down.sh {self.name} failed:\n{proc.stderr}")
-        self._owned = False
+        self.owned = False
 
     def __enter__(self) -> Cluster:
         return self.up()

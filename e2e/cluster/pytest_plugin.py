@@ -15,6 +15,7 @@ Register it with ``pytest_plugins = ["e2e.cluster.pytest_plugin"]``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from e2e.cluster.harness import BuildError, BuildResult, Cluster, build
+from e2e.cluster.harness import BuildError, BuildResult, Cluster, ClusterError, build, cache_dir
 
 
 @dataclass
@@ -77,7 +78,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     except BuildError as exc:
         _state.error = exc
         if tr is not None:
-            tr.write_line(_loud(f"cannot build {', '.join(exc.pieces)}"), red=True, bold=True)
+            tr.write_line(
+                _loud(f"build impossible here; failing piece(s): {', '.join(exc.pieces)}"),
+                red=True,
+                bold=True,
+            )
             tr.write_line(str(exc)[-3000:], red=True)
         return
     res = _state.result
@@ -100,11 +105,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     tr = terminalreporter
     tr.section("headroom test cluster")
     if _state.error is not None:
+        outcome = "FAILED (CI=true)" if in_ci() else "SKIPPED"
+        pieces = ", ".join(_state.error.pieces)
         tr.write_line(
-            _loud(
-                f"cannot build {', '.join(_state.error.pieces)}; cluster tests were "
-                + ("FAILED (CI=true)" if in_ci() else "SKIPPED")
-            ),
+            _loud(f"build impossible here; failing piece(s): {pieces}; cluster tests {outcome}"),
             red=True,
             bold=True,
         )
@@ -112,6 +116,24 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         tr.write_line(note)
     if _state.start_seconds is not None:
         tr.write_line(f"control plane start (warm binaries): {_state.start_seconds:.1f}s")
+
+
+def _reap_orphans() -> None:
+    """Stop clusters left by pytest runs that died (``pytest-<pid>`` with that pid gone)."""
+    root = cache_dir() / "cluster"
+    for d in sorted(root.glob("pytest-*")) if root.is_dir() else []:
+        suffix = d.name.removeprefix("pytest-")
+        if not d.is_dir() or not suffix.isdigit() or int(suffix) == os.getpid():
+            continue
+        try:
+            os.kill(int(suffix), 0)
+            continue  # that pytest still runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        with contextlib.suppress(ClusterError):
+            Cluster(d.name).down()
 
 
 @pytest.fixture(scope="session")
@@ -128,15 +150,18 @@ def cluster() -> Iterator[Cluster]:
         except BuildError as exc:
             _state.error = exc
     if _state.error is not None:
+        pieces = ", ".join(_state.error.pieces)
         skip_or_fail(
-            f"headroom test cluster UNAVAILABLE: cannot build {', '.join(_state.error.pieces)} "
-            f"on this machine: {str(_state.error)[:1500]}"
+            f"headroom test cluster UNAVAILABLE: build impossible; failing piece(s): {pieces}: "
+            f"{str(_state.error)[:1500]}"
         )
+    _reap_orphans()
     c = Cluster(f"pytest-{os.getpid()}")
     t0 = time.monotonic()
     c.up()
-    _state.start_seconds = time.monotonic() - t0
-    c.build_result = _state.result
+    _state.start_seconds = c.start_seconds or time.monotonic() - t0
+    if _state.result is not None:
+        c.build_result = _state.result  # the collection-time build, with its timing
     try:
         yield c
     finally:

@@ -19,7 +19,7 @@
 #   HEADROOM_ETCD           etcd binary (default: the etcd build.sh builds; Debian's 3.4 is too old
 #                           for the watch-list streams of 1.36 clients, see versions.sh)
 #   HEADROOM_UP_TIMEOUT     seconds to wait for readiness (default 120)
-set -euo pipefail
+set -Eeuo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=versions.sh
@@ -34,6 +34,12 @@ TIMEOUT="${HEADROOM_UP_TIMEOUT:-120}"
 ENVF="$DIR/cluster.env"
 
 log() { echo "[cluster-up $NAME] $*" >&2; }
+# proc_alive PID: the process exists and is not a zombie (exited, waiting to be reaped).
+proc_alive() {
+  local st
+  st="$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)" || return 1
+  [[ -n "$st" && "$st" != Z && "$st" != X ]]
+}
 t_start=$(date +%s%N)
 elapsed() { local ms=$(( ($(date +%s%N) - t_start) / 1000000 )); printf '%d.%d' $(( ms / 1000 )) $(( ms % 1000 / 100 )); }
 
@@ -45,7 +51,7 @@ if [[ -f "$ENVF" ]]; then
   state="$(sed -n 's/^HEADROOM_CLUSTER_STATE=//p' "$ENVF")"
   pids="$(sed -n 's/^HEADROOM_CLUSTER_PIDS="\(.*\)"$/\1/p' "$ENVF")"
   all_alive=1
-  for p in $pids; do kill -0 "${p#*:}" 2>/dev/null || all_alive=0; done
+  for p in $pids; do proc_alive "${p#*:}" || all_alive=0; done
   if [[ "$state" == ready && $all_alive == 1 ]]; then
     log "already running (state in $DIR); run down.sh $NAME first to restart it"
     echo "$ENVF"
@@ -200,18 +206,21 @@ EOF
 start() {
   local name=$1
   shift
-  setsid "$@" >"$DIR/logs/$name.log" 2>&1 </dev/null &
+  # 8>&-: the daemons must not inherit (and so hold) this script's lock.
+  setsid "$@" >"$DIR/logs/$name.log" 2>&1 </dev/null 8>&- &
   local pid=$!
   echo "$pid" >"$DIR/pids/$name.pid"
   PIDS="$PIDS $name:$pid"
   write_env
 }
-alive() { kill -0 "$(cat "$DIR/pids/$1.pid")" 2>/dev/null || { log "$1 exited; see $DIR/logs/$1.log"; return 1; }; }
-# wait_for WHAT CMD... : poll CMD until it succeeds or TIMEOUT passes.
+alive() { proc_alive "$(cat "$DIR/pids/$1.pid")" || { log "$1 exited; see $DIR/logs/$1.log"; return 1; }; }
+# wait_for WHAT COMPONENT CMD... : poll CMD until it succeeds or TIMEOUT passes; fail at once
+# if COMPONENT ("-" for none) has exited.
 wait_for() {
-  local what=$1 deadline=$(( $(date +%s) + TIMEOUT ))
-  shift
+  local what=$1 comp=$2 deadline=$(( $(date +%s) + TIMEOUT ))
+  shift 2
   until "$@" >/dev/null 2>&1; do
+    if [[ "$comp" != - ]] && ! alive "$comp"; then return 1; fi
     if (( $(date +%s) > deadline )); then log "timed out after ${TIMEOUT}s waiting for $what"; return 1; fi
     sleep 0.2
   done
@@ -225,7 +234,7 @@ start etcd "$ETCD" --name headroom --data-dir "$DIR/etcd" \
   --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
   --initial-cluster "headroom=http://127.0.0.1:$ETCD_PEER_PORT" --initial-cluster-state new \
   --logger zap --log-outputs stderr --quota-backend-bytes 2147483648 "${etcd_extra[@]}"
-wait_for etcd bash -c "kill -0 $(cat "$DIR/pids/etcd.pid") && curl -sf http://127.0.0.1:$ETCD_PORT/health"
+wait_for etcd etcd curl -sf "http://127.0.0.1:$ETCD_PORT/health"
 
 start kube-apiserver "$BIN/kube-apiserver" \
   --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
@@ -247,7 +256,7 @@ start kube-apiserver "$BIN/kube-apiserver" \
   --allow-privileged=true \
   --profiling=false \
   --v=1
-wait_for kube-apiserver bash -c "kill -0 $(cat "$DIR/pids/kube-apiserver.pid") && ${KC[*]} get --raw=/readyz"
+wait_for kube-apiserver kube-apiserver "${KC[@]}" get --raw=/readyz
 
 start kube-controller-manager "$BIN/kube-controller-manager" \
   --kubeconfig "$DIR/kcm.kubeconfig" \
@@ -279,10 +288,10 @@ start kwok "$BIN/kwok" \
   --cidr "$POD_CIDR" --node-ip 10.255.0.1 \
   --server-address "127.0.0.1:$KWOK_PORT"
 
-wait_for kube-controller-manager bash -c \
-  "kill -0 $(cat "$DIR/pids/kube-controller-manager.pid") && curl -skf https://127.0.0.1:$KCM_PORT/healthz"
-wait_for kube-scheduler bash -c \
-  "kill -0 $(cat "$DIR/pids/kube-scheduler.pid") && curl -skf https://127.0.0.1:$SCHED_PORT/healthz"
+wait_for kube-controller-manager kube-controller-manager \
+  curl -sf --cacert "$PKI/ca.crt" "https://127.0.0.1:$KCM_PORT/healthz"
+wait_for kube-scheduler kube-scheduler \
+  curl -sf --cacert "$PKI/ca.crt" "https://127.0.0.1:$SCHED_PORT/healthz"
 alive kwok
 
 # ---- fake GPU nodes ------------------------------------------------------------------------------
@@ -333,9 +342,10 @@ for (( i = 0; i < NODES; i++ )); do
       >/dev/null
   fi
 done
-wait_for "$NODES kwok GPU node(s)" bash -c \
-  "${KC[*]} wait --for=condition=Ready node -l type=kwok --timeout=2s"
-wait_for "default ServiceAccount" "${KC[@]}" -n default get serviceaccount default
+wait_for "$NODES kwok GPU node(s)" kwok \
+  "${KC[@]}" wait --for=condition=Ready node -l type=kwok --timeout=2s
+wait_for "default ServiceAccount" kube-controller-manager \
+  "${KC[@]}" -n default get serviceaccount default
 alive kwok
 
 write_env ready

@@ -91,17 +91,20 @@ class BlockPool:
 
     def free(self, block_id: int) -> None:
         """Drop one reference; at zero the block becomes cached (if hashed) or free."""
-        rc = self.ref_counts[block_id] - 1
+        ref_counts = self.ref_counts
+        rc = ref_counts[block_id] - 1
+        if rc > 0:
+            ref_counts[block_id] = rc
+            return
         if rc < 0:
             raise ValueError(f"block {block_id} freed more times than it was referenced")
-        self.ref_counts[block_id] = rc
-        if rc == 0:
-            self._num_used -= 1
-            cache = self.prefix_cache
-            if cache is not None and cache.is_cached(block_id):
-                cache.park(block_id)
-            else:
-                self._free.append(block_id)
+        ref_counts[block_id] = 0
+        self._num_used -= 1
+        cache = self.prefix_cache
+        if cache is not None and cache.block_hashes[block_id] is not None:
+            cache.park(block_id)
+        else:
+            self._free.append(block_id)
 
     def free_many(self, block_ids: Iterable[int]) -> None:
         """Free blocks in eviction priority order: the first one parked is evicted first.

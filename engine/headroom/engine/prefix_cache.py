@@ -57,11 +57,11 @@ class PrefixCache:
         "_by_hash",
         "_extra",
         "_gen",
-        "_hash",
         "_num_blocks",
         "_parent",
         "_parked",
         "_tokens",
+        "block_hashes",
         "evictions_total",
         "hash_fn",
         "hits_tokens_total",
@@ -72,7 +72,8 @@ class PrefixCache:
         self.hash_fn = hash_fn
         self._by_hash: dict[int, int] = {}
         self._num_blocks = num_blocks
-        self._hash: list[int | None] = [None] * num_blocks
+        # Public for the pool's hot free path; only this class writes it.
+        self.block_hashes: list[int | None] = [None] * num_blocks
         self._gen: list[int] = [0] * num_blocks
         self._parent: list[int] = [ROOT_REF] * num_blocks
         self._tokens: list[list[int] | None] = [None] * num_blocks
@@ -88,13 +89,13 @@ class PrefixCache:
         return len(self._parked)
 
     def is_cached(self, block_id: int) -> bool:
-        return self._hash[block_id] is not None
+        return self.block_hashes[block_id] is not None
 
     def is_parked(self, block_id: int) -> bool:
         return block_id in self._parked
 
     def hash_of(self, block_id: int) -> int | None:
-        return self._hash[block_id]
+        return self.block_hashes[block_id]
 
     def token_ids_of(self, block_id: int) -> list[int] | None:
         """The token ids stored with a cached block (None when it holds no hash)."""
@@ -122,7 +123,7 @@ class PrefixCache:
         An identical block already cached is not merged: block tables stay append-only, its
         ref is returned, and this copy simply goes back to the free list when released.
         """
-        if self._hash[block_id] is not None:  # shared with a fork or a prefix hit
+        if self.block_hashes[block_id] is not None:  # shared with a fork or a prefix hit
             return self.ref(block_id)
         other = self._by_hash.get(block_hash)
         if other is not None:
@@ -134,7 +135,7 @@ class PrefixCache:
                 return self.ref(other)
             return None
         self._by_hash[block_hash] = block_id
-        self._hash[block_id] = block_hash
+        self.block_hashes[block_id] = block_hash
         self._parent[block_id] = parent_ref
         self._tokens[block_id] = token_ids
         self._extra[block_id] = extra_key
@@ -185,11 +186,11 @@ class PrefixCache:
         return block_id
 
     def _forget(self, block_id: int) -> None:
-        h = self._hash[block_id]
+        h = self.block_hashes[block_id]
         if h is not None and self._by_hash.get(h) == block_id:
             del self._by_hash[h]
         self._gen[block_id] += 1  # refs to the old content now match nothing
-        self._hash[block_id] = None
+        self.block_hashes[block_id] = None
         self._parent[block_id] = ROOT_REF
         self._tokens[block_id] = None
         self._extra[block_id] = None

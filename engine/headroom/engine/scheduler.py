@@ -115,21 +115,31 @@ class RequestRejected(ValueError):
         self.reason = reason
 
 
-@dataclass(slots=True, eq=False)
 class ScheduledSeq:
     """Compute `seq.all_token_ids[start:start + num_new_tokens]` at those positions.
 
-    `sample` is fixed at construction: the chunk ends at the last known token, so the engine
-    samples the next token from its logits.
+    `sample` is fixed at construction (computed unless given): the chunk ends at the last known
+    token, so the engine samples the next token from its logits. A plain slotted class rather
+    than a dataclass because the scheduler builds one per sequence per step.
     """
 
-    seq: Sequence
-    start: int
-    num_new_tokens: int
-    sample: bool = field(init=False)
+    __slots__ = ("num_new_tokens", "sample", "seq", "start")
 
-    def __post_init__(self) -> None:
-        self.sample = self.start + self.num_new_tokens == self.seq.num_tokens
+    def __init__(
+        self, seq: Sequence, start: int, num_new_tokens: int, sample: bool | None = None
+    ) -> None:
+        self.seq = seq
+        self.start = start
+        self.num_new_tokens = num_new_tokens
+        if sample is None:
+            sample = start + num_new_tokens == len(seq.all_token_ids)
+        self.sample = sample
+
+    def __repr__(self) -> str:
+        return (
+            f"ScheduledSeq(seq_id={self.seq.seq_id}, start={self.start}, "
+            f"num_new_tokens={self.num_new_tokens}, sample={self.sample})"
+        )
 
     @property
     def end(self) -> int:
@@ -371,29 +381,43 @@ class Scheduler:
         pending = 0
         for k in range(window):
             s = running[k]
-            if s.num_tokens - s.num_computed_tokens == 1:
+            if len(s.all_token_ids) - s.num_computed_tokens == 1:
                 pending += 1
 
+        available = pool.num_available
         i = 0
         while i < len(running) and i < max_seqs and budget > 0:
             seq = running[i]
             computed = seq.num_computed_tokens
-            remaining = seq.num_tokens - computed
+            remaining = len(seq.all_token_ids) - computed
+            table = seq.block_table
             decoding = remaining == 1
             if decoding:
                 pending -= 1
+                # Fast path, nearly every decode: room in an unshared last block, or a block free.
+                if computed % bs:
+                    if ref_counts[table[-1]] == 1:
+                        decodes.append(ScheduledSeq(seq, computed, 1, True))
+                        budget -= 1
+                        i += 1
+                        continue
+                elif available:
+                    table.append(allocate())
+                    available -= 1
+                    decodes.append(ScheduledSeq(seq, computed, 1, True))
+                    budget -= 1
+                    i += 1
+                    continue
                 n = 1
             else:
                 n = min(remaining, budget - pending)
                 if n <= 0:
                     i += 1
                     continue
-            table = seq.block_table
             fits = True
             while True:
                 cow = computed % bs != 0 and ref_counts[table[-1]] > 1
                 need = (computed + n + bs - 1) // bs - len(table) + cow
-                available = pool.num_available
                 if need <= available:
                     break
                 if not decoding:
@@ -404,10 +428,11 @@ class Scheduler:
                 victim = running.pop()
                 if victim is not seq and len(running) < window:
                     window -= 1
-                    if victim.num_tokens - victim.num_computed_tokens == 1:
+                    if len(victim.all_token_ids) - victim.num_computed_tokens == 1:
                         pending -= 1
                 self._preempt(victim)
                 preempted.append(victim)
+                available = pool.num_available
                 if victim is seq:
                     fits = False
                     break
@@ -420,8 +445,10 @@ class Scheduler:
                 need -= 1
             for _ in range(need):
                 table.append(allocate())
-            entry = ScheduledSeq(seq, computed, n)
-            (decodes if entry.is_decode else prefills).append(entry)
+            available = pool.num_available
+            sample = n == remaining
+            entry = ScheduledSeq(seq, computed, n, sample)
+            (decodes if n == 1 and sample else prefills).append(entry)
             budget -= n
             i += 1
 
@@ -497,19 +524,27 @@ class Scheduler:
 
         Sequences that reach `max_tokens` are finished here (calling `finish` again is a
         no-op), so KV stays bounded even if the engine misses a stop; they are returned.
+        If the model step failed, abort its sequences and call `update(output, {})`: the step
+        is released and the next `schedule()` may run.
         """
         if output is not self._inflight:
             if not output.scheduled:
                 return []
             raise RuntimeError("update() got a SchedulerOutput that is not the step in flight")
         entries = output.scheduled + output.forked if output.forked else output.scheduled
-        sampling = {e.seq.seq_id for e in entries if e.sample}
-        missing = [e.seq.seq_id for e in entries if e.sample and e.seq.status is _RUNNING]
-        missing = [sid for sid in missing if sid not in sampled]
+        num_sampled = 0
+        missing: list[int] = []
+        for e in entries:
+            if e.sample:
+                if e.seq.seq_id in sampled:
+                    num_sampled += 1
+                elif e.seq.status is _RUNNING:
+                    missing.append(e.seq.seq_id)
         if missing:
             raise ValueError(f"no sampled token for sequences {sorted(missing)}")
-        unexpected = [sid for sid in sampled if sid not in sampling]
-        if unexpected:
+        if num_sampled != len(sampled):
+            sampling = {e.seq.seq_id for e in entries if e.sample}
+            unexpected = sorted(sid for sid in sampled if sid not in sampling)
             raise ValueError(f"sampled tokens for sequences that were not sampling: {unexpected}")
         self._inflight = None
         cache = self.pool.prefix_cache
@@ -519,12 +554,17 @@ class Scheduler:
             seq = e.seq
             if seq.status is not _RUNNING:  # aborted while the step ran
                 continue
-            seq.num_computed_tokens = e.start + e.num_new_tokens
-            if cache is not None and seq.num_computed_tokens // bs > seq.num_registered_blocks:
+            computed = e.start + e.num_new_tokens
+            seq.num_computed_tokens = computed
+            if cache is not None and computed // bs > seq.num_registered_blocks:
                 self._register_full_blocks(seq)
             if e.sample:
-                seq.append_token(sampled[seq.seq_id])
-                if len(seq.output_token_ids) >= seq.max_tokens:
+                # Sequence.append_token, inlined: this loop runs once per sequence per step.
+                token = sampled[seq.seq_id]
+                out_ids = seq.output_token_ids
+                out_ids.append(token)
+                seq.all_token_ids.append(token)
+                if len(out_ids) >= seq.max_tokens:
                     self._release(seq)
                     finished.append(seq)
         return finished

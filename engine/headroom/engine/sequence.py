@@ -47,11 +47,12 @@ class Sequence:
     # prefix-cache ref standing for the last of them (None: a hash collision broke the chain).
     num_registered_blocks: int = 0
     cache_parent_ref: int | None = ROOT_REF
-    _token_ids: list[int] = field(default_factory=list, init=False, repr=False)
+    # Prompt then output tokens, kept in step by `append_token` (read it, do not mutate it).
+    all_token_ids: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
-        self._token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+        self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
 
     @classmethod
     def new(
@@ -71,13 +72,8 @@ class Sequence:
         )
 
     @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt then output tokens (a live list kept by the sequence: do not mutate)."""
-        return self._token_ids
-
-    @property
     def num_tokens(self) -> int:
-        return len(self._token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -89,7 +85,7 @@ class Sequence:
 
     @property
     def last_token_id(self) -> int:
-        return self._token_ids[-1]
+        return self.all_token_ids[-1]
 
     @property
     def is_finished(self) -> bool:
@@ -98,7 +94,7 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         """Record one sampled token."""
         self.output_token_ids.append(token_id)
-        self._token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     def clone(self) -> Sequence:
         """A copy with a fresh `seq_id` and `parent_seq_id` set; the caller shares the blocks."""

@@ -86,7 +86,7 @@ class Policy:
     metrics_max_age_seconds: float = 60.0
     startup_grace_seconds: float = 900.0
     warmup_seconds: float = 90.0
-    growth_window_seconds: float = 60.0
+    growth_window_seconds: float = 90.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:

@@ -1,0 +1,194 @@
+"""Block pool, prefix cache and scheduler overhead, in CPython, without a model.
+
+Every figure is the best of several repeats (the least disturbed by other processes on a
+shared machine). The scheduler figure is one `schedule()` plus one `update()` with 256 running
+decodes whose sampled tokens come back at once, i.e. the engine's per-step bookkeeping.
+
+Run: .venv/bin/python bench/kv_pool.py [--repeats R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable
+
+from headroom.engine.block_pool import BlockPool
+from headroom.engine.prefix_cache import ROOT_REF, extend_block_hashes
+from headroom.engine.scheduler import Scheduler, SchedulerConfig
+from headroom.engine.sequence import Sequence
+
+BLOCK_SIZE = 16
+TARGET_PAIRS_PER_S = 1_000_000
+TARGET_STEP_MS = 1.0
+RUNNING = 256
+
+
+def best_rate(fn: Callable[[], int], repeats: int) -> float:
+    """Operations per second of the fastest of `repeats` runs (`fn` returns its op count)."""
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        ops = fn()
+        best = max(best, ops / (time.perf_counter() - t0))
+    return best
+
+
+def alloc_free_pairs(n: int = 500_000) -> Callable[[], int]:
+    pool = BlockPool(4096, BLOCK_SIZE)
+    allocate, free = pool.allocate, pool.free
+
+    def run() -> int:
+        for _ in range(n):
+            free(allocate())
+        return n
+
+    return run
+
+
+def alloc_free_batched(n: int = 20_000, batch: int = 16) -> Callable[[], int]:
+    """A whole prompt's worth of blocks at a time, freed tail first as the scheduler does."""
+    pool = BlockPool(4096, BLOCK_SIZE)
+
+    def run() -> int:
+        for _ in range(n):
+            blocks = pool.allocate_many(batch)
+            pool.free_many(reversed(blocks))
+        return n * batch
+
+    return run
+
+
+def cached_revive_pairs(n: int = 200_000) -> Callable[[], int]:
+    """A prefix hit on a parked block and its release: the LRU list's remove-from-the-middle."""
+    pool = BlockPool(4096, BLOCK_SIZE)
+    cache = pool.prefix_cache
+    assert cache is not None
+    blocks = pool.allocate_many(1024)
+    for i, b in enumerate(blocks):
+        cache.insert(b, i, ROOT_REF, [i] * BLOCK_SIZE, None)
+    pool.free_many(blocks)
+    rng = random.Random(0)
+    order = [rng.choice(blocks) for _ in range(n)]
+    share, free = pool.share, pool.free
+
+    def run() -> int:
+        for b in order:
+            share(b)
+            free(b)
+        return n
+
+    return run
+
+
+def prefix_setup(prompt_blocks: int) -> tuple[BlockPool, list[int], list[int]]:
+    pool = BlockPool(4096, BLOCK_SIZE)
+    cache = pool.prefix_cache
+    assert cache is not None
+    rng = random.Random(1)
+    tokens = [rng.randrange(32000) for _ in range(prompt_blocks * BLOCK_SIZE + 1)]
+    hashes: list[int] = []
+    extend_block_hashes(hashes, tokens, BLOCK_SIZE, prompt_blocks, None)
+    ref = ROOT_REF
+    for i, h in enumerate(hashes):
+        b = pool.allocate()
+        got = cache.insert(b, h, ref, tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE], None)
+        assert got is not None
+        ref = got
+    return pool, tokens, hashes
+
+
+def prefix_lookups(prompt_blocks: int, hashing: bool, n: int) -> Callable[[], int]:
+    """Full-hit lookups of a cached prompt; with `hashing`, chain-hash the prompt first (what a
+    new request pays once)."""
+    pool, tokens, hashes = prefix_setup(prompt_blocks)
+    cache = pool.prefix_cache
+    assert cache is not None
+    match = cache.match
+
+    def run() -> int:
+        for _ in range(n):
+            h = hashes
+            if hashing:
+                h = []
+                extend_block_hashes(h, tokens, BLOCK_SIZE, prompt_blocks, None)
+            hits = match(h, tokens, BLOCK_SIZE, None)
+            assert len(hits) == prompt_blocks
+        return n
+
+    return run
+
+
+def scheduler_steps(steps: int = 400) -> tuple[Callable[[], int], Scheduler]:
+    cfg = SchedulerConfig(
+        num_blocks=RUNNING * 192,  # room for every sequence to grow: no preemption
+        block_size=BLOCK_SIZE,
+        max_model_len=4096,
+        max_num_seqs=RUNNING,
+        max_num_batched_tokens=8192,
+    )
+    sched = Scheduler(cfg)
+    rng = random.Random(2)
+    for i in range(RUNNING):
+        prompt = [rng.randrange(32000) for _ in range(rng.randrange(64, 512))]
+        sched.add(Sequence.new(f"r{i}", prompt, max_tokens=3000))
+    while sched.waiting or any(not s.output_token_ids for s in sched.running):
+        out = sched.schedule()
+        sched.update(out, {e.seq.seq_id: 1 for e in out.scheduled if e.sample})
+
+    def run() -> int:
+        for _ in range(steps):
+            out = sched.schedule()
+            sched.update(out, {e.seq.seq_id: 7 for e in out.scheduled})
+        return steps
+
+    return run, sched
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    r = args.repeats
+
+    pairs = best_rate(alloc_free_pairs(), r)
+    batched = best_rate(alloc_free_batched(), r)
+    revive = best_rate(cached_revive_pairs(), r)
+    look64 = best_rate(prefix_lookups(64, hashing=False, n=5_000), r)
+    look64h = best_rate(prefix_lookups(64, hashing=True, n=2_000), r)
+    look4 = best_rate(prefix_lookups(4, hashing=False, n=100_000), r)
+    step_run, sched = scheduler_steps()
+    steps_per_s = best_rate(step_run, r)
+    step_ms = 1e3 / steps_per_s
+    assert len(sched.running) == RUNNING
+
+    rows = [
+        ("allocate + free, one block", f"{pairs:,.0f} pairs/s",
+         f">= {TARGET_PAIRS_PER_S:,} pairs/s: {verdict(pairs >= TARGET_PAIRS_PER_S)}"),
+        ("allocate_many(16) + free_many", f"{batched:,.0f} pairs/s", ""),
+        ("prefix hit revive + release", f"{revive:,.0f} pairs/s", "parked LRU, O(1) unlink"),
+        ("prefix lookup, 4-block prompt", f"{look4:,.0f} lookups/s", f"{look4 * 4:,.0f} blocks/s"),
+        ("prefix lookup, 64-block prompt", f"{look64:,.0f} lookups/s",
+         f"{look64 * 64:,.0f} blocks/s"),
+        ("  same, hashing the prompt too", f"{look64h:,.0f} lookups/s",
+         f"{look64h * 64:,.0f} blocks/s"),
+        (f"scheduler step, {RUNNING} decodes", f"{step_ms:.3f} ms/step",
+         f"<= {TARGET_STEP_MS:g} ms: {verdict(step_ms <= TARGET_STEP_MS)}"),
+    ]  # fmt: skip
+    print(f"block size {BLOCK_SIZE}; best of {r} runs; CPython, no model")
+    print()
+    header = f"{'operation':<34}{'rate':>22}   target / note"
+    print(header)
+    print("-" * (len(header) + 20))
+    for name, value, note in rows:
+        print(f"{name:<34}{value:>22}   {note}".rstrip())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
