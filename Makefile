@@ -32,7 +32,8 @@ tools:
 unit: venv tools
 	$(PY) -m pytest -q
 
-test: lint unit
+# CI runs everything: unit and integration tests (tests/), then the e2e scenarios (e2e/).
+test: lint unit e2e
 
 bench: venv
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
@@ -41,3 +42,4 @@ crd: venv
 	$(VENV)/bin/headroom crd > crds/inferencedeployment.yaml
 
 -include e2e/cluster/cluster.mk
+-include e2e/e2e.mk

@@ -128,7 +128,7 @@ def demand_blocks(w: Workload, steps: int) -> np.ndarray:
     """KV blocks in use per step if every request were admitted on arrival (the oracle's view)."""
     out = np.zeros(steps + 1)
     for a, p, o in zip(w.arrivals, w.prompt, w.output, strict=True):
-        dur = int(math.ceil(o / DECODE_TPS / DT))
+        dur = math.ceil(o / DECODE_TPS / DT)
         k = np.arange(dur)
         tokens = p + np.minimum(o, k * DT * DECODE_TPS)
         end = min(steps, a + dur)

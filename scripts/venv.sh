@@ -26,13 +26,17 @@ PY
 stamp="$venv/.headroom-stamp"
 want="$deps_hash $root"
 have=$(cat "$stamp" 2>/dev/null || true)
+# pip's setuptools chatter is noise on success; show the log only when it fails.
+pip_quiet() {
+  "$venv/bin/pip" "$@" >"$cache/pip.log" 2>&1 || { cat "$cache/pip.log" >&2; return 1; }
+}
 if [ "$have" != "$want" ]; then
   if [ "${have%% *}" = "$deps_hash" ]; then
     # Same dependencies, different checkout: only re-point the editable install.
-    "$venv/bin/pip" install -q --no-deps --cache-dir "$cache/pip" -e "$root"
+    pip_quiet install -q --no-deps --cache-dir "$cache/pip" -e "$root"
   else
     echo "headroom: installing pinned dependencies (first run downloads torch, a few minutes)" >&2
-    "$venv/bin/pip" install -q --cache-dir "$cache/pip" -e "$root[dev]"
+    pip_quiet install -q --cache-dir "$cache/pip" -e "$root[dev]"
   fi
   echo "$want" >"$stamp"
 fi

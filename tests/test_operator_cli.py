@@ -50,7 +50,9 @@ def test_conditions_keep_transition_time_until_status_flips() -> None:
     ready = get_condition(again, "Ready")
     assert ready is not None and ready["lastTransitionTime"] == rfc3339(100)
     assert ready["message"] == "1/2" and ready["observedGeneration"] == 2
-    flipped = set_condition(again, "Ready", "True", "AllReplicasReady", "2/2", generation=2, now=300)
+    flipped = set_condition(
+        again, "Ready", "True", "AllReplicasReady", "2/2", generation=2, now=300
+    )
     ready = get_condition(flipped, "Ready")
     assert ready is not None and ready["lastTransitionTime"] == rfc3339(300)
     assert len(flipped) == 2

@@ -66,9 +66,7 @@ def test_schema_is_structural(schema: dict[str, Any]) -> None:
 
 
 def _defaults(schema: dict[str, Any]) -> dict[str, Any]:
-    return {
-        name: sub["default"] for name, sub in schema["properties"].items() if "default" in sub
-    }
+    return {name: sub["default"] for name, sub in schema["properties"].items() if "default" in sub}
 
 
 @pytest.mark.parametrize("section", ["engine", "scaling", "gpu", "traffic", "model"])
@@ -88,7 +86,9 @@ def test_schema_defaults_equal_pydantic_defaults(section: str) -> None:
 
 def test_omitted_sections_get_defaults_from_the_api_server() -> None:
     props = spec_schema()["properties"]
-    assert props["engine"]["default"] == {} and props["scaling"]["default"] == {}
+    assert props["engine"]["default"] == EngineSpec().wire()
+    assert props["scaling"]["default"] == ScalingSpec().wire()
+    assert props["scaling"]["default"]["minReplicas"] == 1
     assert set(spec_schema()["required"]) == {"model", "gpu", "traffic"}
 
 

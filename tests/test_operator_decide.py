@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -85,9 +86,13 @@ CASES = [
     # Preemptions: 1600 used + 4 waiting x 100 blocks = 2000 -> 3 pods.
     ("preempting", 2, [pod("a", 0.8, preempt=0.5, waiting=2), pod("b", 0.8, waiting=2)], 3,
      "Preempting"),
-    # One hot pod: KV math says 2 suffice in total, but scale-out adds at least one.
-    ("one-hot-pod-at-least-plus-one", 2, [pod("a", 0.7, eta=30), pod("b", 0.1)], 3,
+    # One hot pod: its ETA fires, and the deployment's projection (800 + 10 blocks/s x 120 s =
+    # 2,000 blocks) crosses 85 % of 2 pods, so the KV math sizes 3.
+    ("hot-pod-and-the-total-agree", 2, [pod("a", 0.7, eta=30), pod("b", 0.1)], 3,
      "SaturationSoon"),
+    # A hot pod the total does not confirm (700 + 480 blocks < 1,700): more pods would not help.
+    ("hot-pod-alone-is-imbalance", 2, [pod("a", 0.6, eta=100), pod("b", 0.1)], 2,
+     "LoadImbalance"),
     # Model load: 2 of 4 ready and saturating, 2 loading; the 4 cover the projected demand.
     ("capacity-on-the-way", 4,
      [pod("a", 0.95, eta=30), pod("b", 0.95, eta=30), pod("c", None, ready=False, age=60),
@@ -126,7 +131,9 @@ def test_decide_table(current: int, pods: list[PodView], want: int, reason: str)
     policy = replace(POLICY, min_replicas=2) if reason == "SpecBounds" and current == 1 else POLICY
     d = run(current, pods, policy=policy)
     assert (d.replicas, d.reason) == (want, reason), d.message
-    assert d.action == ("hold" if want == current else "scale-out" if want > current else "scale-in")
+    assert d.action == (
+        "hold" if want == current else "scale-out" if want > current else "scale-in"
+    )
 
 
 def test_at_max_reports_limit_and_saturation() -> None:
@@ -147,7 +154,9 @@ def test_missing_metrics_say_so_and_hold() -> None:
 
 def test_step_is_rate_limited() -> None:
     policy = replace(POLICY, max_replicas=40, max_scale_up_pods=4)
-    d = run(2, [pod("a", 0.99, eta=5, waiting=30), pod("b", 0.99, eta=5, waiting=30)], policy=policy)
+    d = run(
+        2, [pod("a", 0.99, eta=5, waiting=30), pod("b", 0.99, eta=5, waiting=30)], policy=policy
+    )
     assert d.replicas == 6 and d.limited == "RateLimited"
 
 
@@ -163,7 +172,7 @@ def test_scale_up_stabilization_defers() -> None:
 def test_partial_metrics_scale_out_but_never_in() -> None:
     hot = run(3, [pod("a", 0.95, eta=20), pod("b", None), pod("c", None)])
     assert hot.action == "scale-out" and hot.metrics == "partial"
-    window = ScaleInWindow(since=NOW - 1000, replicas=1)
+    window = ScaleInWindow(since=NOW - 1000, history=((NOW - 1000, 1),))
     cold = run(4, [pod("a", 0.05), pod("b", None), pod("c", None), pod("d", 0.05)], scale_in=window)
     assert cold.replicas == 4 and cold.metrics == "partial"
 
@@ -191,6 +200,7 @@ def simulate(
     """Feed decide() a demand trace (blocks), with new pods ready `loading_ticks` after asked."""
     t = NOW
     window: ScaleInWindow | None = None
+    recent: tuple[tuple[float, float], ...] = ()
     last_up = last_down = None
     ready_at: list[float] = [t - 3600] * current
     history = []
@@ -209,9 +219,18 @@ def simulate(
             for k in range(len(ready))
         ] + [PodView(f"s{k}", False, t - 10) for k in range(starting)]  # fmt: skip
         d = decide(
-            Inputs(t, len(ready_at), tuple(pods), POLICY, last_up, last_down, window)
+            Inputs(
+                now=t,
+                current_replicas=len(ready_at),
+                pods=tuple(pods),
+                policy=POLICY,
+                last_scale_up_at=last_up,
+                last_scale_down_at=last_down,
+                scale_in=window,
+                recent=recent,
+            )
         )
-        window = d.scale_in
+        window, recent = d.scale_in, d.recent
         if d.replicas > len(ready_at):
             ready_at += [t + loading_ticks * tick] * (d.replicas - len(ready_at))
             last_up = t
@@ -244,7 +263,7 @@ def test_trap_scaling_up_during_model_load() -> None:
 def test_trap_flapping_at_threshold() -> None:
     # Occupancy wobbles +-2 % around the 85 % scale-out threshold: one scale-out, then quiet.
     hist = simulate([1700.0] * 60, current=2, noise=0.02)
-    changes = sum(1 for a, b in zip(hist, hist[1:], strict=False) if a != b)
+    changes = sum(1 for a, b in itertools.pairwise(hist) if a != b)
     assert hist[-1] == 3
     assert changes <= 1
 
@@ -269,14 +288,14 @@ def test_trap_saturation_during_scale_to_max() -> None:
 def test_scale_in_goes_to_highest_recommendation_in_window() -> None:
     # The window remembers the highest count recommended; a brief lull does not undercut it.
     pods = [pod(f"p{i}", 0.1) for i in range(6)]
-    window = ScaleInWindow(since=NOW - 400, replicas=4)
+    window = ScaleInWindow(since=NOW - 400, history=((NOW - 290, 4), (NOW - 100, 2)))
     d = run(6, pods, scale_in=window)
     assert d.replicas == 4 and d.action == "scale-in"
 
 
 def test_scale_in_waits_for_window_after_any_change() -> None:
     pods = [pod(f"p{i}", 0.1) for i in range(6)]
-    window = ScaleInWindow(since=NOW - 1000, replicas=1)
+    window = ScaleInWindow(since=NOW - 1000, history=((NOW - 1000, 1),))
     d = run(6, pods, scale_in=window, last_scale_up_at=NOW - 100)
     assert d.replicas == 6 and d.reason == "Stabilizing"
     d = run(6, pods, scale_in=window, last_scale_up_at=NOW - 301)
@@ -285,5 +304,43 @@ def test_scale_in_waits_for_window_after_any_change() -> None:
 
 def test_scale_in_blocked_while_pods_start() -> None:
     pods = [pod("a", 0.05), pod("b", 0.05), pod("c", None, ready=False)]
-    d = run(3, pods, scale_in=ScaleInWindow(since=NOW - 1000, replicas=1))
+    d = run(3, pods, scale_in=ScaleInWindow(since=NOW - 1000, history=((NOW - 1000, 1),)))
     assert d.replicas == 3 and d.action == "hold"
+
+
+def test_growth_is_projected_only_when_the_total_confirms_it() -> None:
+    pods = [pod("a", 0.6, eta=40), pod("b", 0.6, eta=40)]  # the sidecars' 30 s slope: +20/s
+    burst = run(2, pods)
+    assert burst.replicas > 2  # with no history the sidecars' slope is taken at its word
+    flat = tuple((NOW - dt, 1200.0) for dt in (75, 60, 45, 30, 15))
+    held = run(2, pods, recent=flat)
+    assert held.replicas == 2 and held.reason == "LoadImbalance"  # the total has not moved
+    rising = tuple((NOW - dt, 1200.0 - 20 * dt) for dt in (75, 60, 45, 30, 15))
+    confirmed = run(2, pods, recent=rising)
+    assert confirmed.replicas == burst.replicas
+    assert confirmed.recent[-1] == (NOW, 1200.0) and len(confirmed.recent) == 6
+
+
+def test_new_pods_filling_from_the_backlog_are_not_growth() -> None:
+    fresh = PodView("new", True, NOW - 200, sample=PodSample(
+        occupancy=0.5, sampled_at=NOW - 1, eta_seconds=20, used_blocks=500,
+        capacity_blocks=1000, growth_blocks_per_second=25.0), ready_since=NOW - 20)  # fmt: skip
+    d = run(2, [pod("old", 0.5), fresh])
+    assert d.action == "hold" and d.figures.min_eta_seconds is None
+    settled = replace(fresh, ready_since=NOW - 200)
+    assert run(2, [pod("old", 0.5), settled]).action == "scale-out"
+
+
+def test_after_a_scale_in_the_survivors_filling_up_is_not_growth() -> None:
+    pods = [pod("a", 0.6, eta=40), pod("b", 0.6, eta=40)]
+    d = run(2, pods, last_scale_down_at=NOW - 30)
+    assert d.action == "hold" and d.figures.min_eta_seconds is None
+    assert run(2, pods, last_scale_down_at=NOW - 200).action == "scale-out"
+
+
+def test_draining_pods_still_count_as_demand() -> None:
+    ready = [pod("a", 0.3), pod("b", 0.3), pod("c", 0.3)]
+    assert run(3, ready, scale_in=ScaleInWindow(NOW - 1000, ((NOW - 1000, 2),))).replicas == 2
+    draining = [pod("x", 0.5, terminating=True), pod("y", 0.5, terminating=True)]
+    d = run(3, ready + draining, scale_in=ScaleInWindow(NOW - 1000, ((NOW - 1000, 2),)))
+    assert d.replicas == 3 and d.figures.present_blocks == 1900

@@ -126,21 +126,26 @@ async def test_sidecar_source_skips_silent_and_broken_pods() -> None:
     app = web.Application()
     app.router.add_get("/saturation", good)
     broken = web.Application()
+
     async def garbage(_: web.Request) -> web.Response:
         return web.Response(text="{not json")
 
     broken.router.add_get("/saturation", garbage)
-    async with TestServer(app, host="127.0.0.1") as ok, TestServer(broken, host="127.0.0.1") as bad:
-        async with aiohttp.ClientSession() as http:
-            src = SidecarSource(http, port=ok.port)
-            pods = [
-                PodInfo("ready", "127.0.0.1", True, 0.0),
-                PodInfo("loading", "127.0.0.1", False, 0.0),
-                PodInfo("no-ip", None, True, 0.0),
-            ]
-            got = await src.sample(TARGET, pods)
-            assert list(got) == ["ready"] and got["ready"].occupancy == 0.42
-            assert await SidecarSource(http, port=bad.port).sample(TARGET, pods) == {}
+    async with (
+        TestServer(app, host="127.0.0.1") as ok,
+        TestServer(broken, host="127.0.0.1") as bad,
+        aiohttp.ClientSession() as http,
+    ):
+        src = SidecarSource(http, port=ok.port)
+        pods = [
+            PodInfo("ready", "127.0.0.1", True, 0.0),
+            PodInfo("loading", "127.0.0.1", False, 0.0),
+            PodInfo("no-ip", None, True, 0.0),
+            PodInfo("draining", "127.0.0.1", False, 0.0, terminating=True),
+        ]
+        got = await src.sample(TARGET, pods)
+        assert sorted(got) == ["draining", "ready"] and got["ready"].occupancy == 0.42
+        assert await SidecarSource(http, port=bad.port).sample(TARGET, pods) == {}
 
 
 async def test_prometheus_source_without_url_or_server() -> None:

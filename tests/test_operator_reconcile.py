@@ -1,4 +1,4 @@
-"""reconcile() and the scaling tick against an in-memory API (the real one: test_operator_cluster_*)."""
+"""reconcile() and the scaling tick against an in-memory API (the real API: *_cluster_*)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class FakeKube:
         assert kind == "Pod"
         return self.pods
 
-    def served_kinds(self, group_version: str, ttl: float = 60.0) -> frozenset[str]:
+    def served_kinds(self, group_version: str, ttl: float | None = None) -> frozenset[str]:
         return self.monitoring
 
     def apply(
@@ -54,9 +54,9 @@ class FakeKube:
         self.applies.append((obj["kind"], field_manager, copy.deepcopy(obj)))
         key = (obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
         live = self.objects.setdefault(key, {"metadata": {"managedFields": []}})
-        owners = {
-            e["manager"] for e in live["metadata"]["managedFields"] if e.get("replicas")
-        } - {field_manager}
+        owners = {e["manager"] for e in live["metadata"]["managedFields"] if e.get("replicas")} - {
+            field_manager
+        }
         spec = obj.get("spec", {})
         live_spec = copy.deepcopy(live.get("spec", {}))
         if "template" in spec:
@@ -70,9 +70,11 @@ class FakeKube:
         live["spec"] = live_spec
         meta = {**live["metadata"], **copy.deepcopy(obj["metadata"])}
         fields = [e for e in live["metadata"]["managedFields"] if e["manager"] != field_manager]
-        fields.append({"manager": field_manager, "operation": "Apply",
-                       "replicas": "replicas" in spec,
-                       "fieldsV1": {"f:spec": {"f:replicas": {}}} if "replicas" in spec else {}})  # fmt: skip
+        owned = {"f:spec": {"f:replicas": {}}} if "replicas" in spec else {}
+        fields.append(
+            {"manager": field_manager, "operation": "Apply", "replicas": bool(owned),
+             "fieldsV1": owned}
+        )  # fmt: skip
         meta["managedFields"] = fields
         live["metadata"] = meta
         return self.get("", obj["kind"], key[1], key[2])

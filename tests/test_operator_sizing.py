@@ -11,8 +11,8 @@ from headroom.engine import plan_cli
 from headroom.engine.budget import GIB, plan
 from headroom.operator.models import InferenceDeploymentSpec
 from headroom.operator.sizing import (
-    budget,
     blocks_per_sequence,
+    budget,
     plan_input,
     served_model_name,
     size,

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import kubernetes
 import urllib3
+
 from headroom.operator.children import FIELD_MANAGER
 from headroom.operator.models import GROUP, KIND, PLURAL, VERSION
 
@@ -83,10 +84,16 @@ def load_configuration(kubeconfig: str | None = None) -> kubernetes.client.Confi
 class Kube:
     """JSON over the API server, with server-side apply under headroom's field manager."""
 
-    def __init__(self, configuration: kubernetes.client.Configuration, timeout: float = 15.0):
+    def __init__(
+        self,
+        configuration: kubernetes.client.Configuration,
+        timeout: float = 15.0,
+        discovery_ttl: float = 60.0,
+    ) -> None:
         self.configuration = configuration
         self.api = kubernetes.client.ApiClient(configuration)
         self.timeout = timeout
+        self.discovery_ttl = discovery_ttl
         self._discovery: dict[str, tuple[float, frozenset[str]]] = {}
         self._lock = threading.Lock()
 
@@ -176,8 +183,9 @@ class Kube:
             raise
         return True
 
-    def served_kinds(self, group_version: str, ttl: float = 60.0) -> frozenset[str]:
+    def served_kinds(self, group_version: str, ttl: float | None = None) -> frozenset[str]:
         """Kinds the API server serves for a group/version (empty when absent); cached."""
+        ttl = self.discovery_ttl if ttl is None else ttl
         now = time.monotonic()
         with self._lock:
             hit = self._discovery.get(group_version)

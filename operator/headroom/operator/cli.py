@@ -69,6 +69,7 @@ def run_crd(args: argparse.Namespace) -> int:
 def run_operator(args: argparse.Namespace) -> int:
     """Run the operator in the foreground until SIGINT/SIGTERM."""
     import kopf
+
     from headroom.operator.exporter import OperatorMetrics
     from headroom.operator.handlers import Options, operate
 

@@ -224,7 +224,9 @@ def decide(inp: Inputs) -> Decision:
     draining = [
         pod.sample
         for pod in inp.pods
-        if pod.terminating and pod.sample is not None and _fresh(pod, now, p.metrics_max_age_seconds)
+        if pod.terminating
+        and pod.sample is not None
+        and _fresh(pod, now, p.metrics_max_age_seconds)
     ]
     redistributing = (
         inp.last_scale_down_at is not None and now - inp.last_scale_down_at < p.warmup_seconds

@@ -17,13 +17,14 @@ from typing import Any
 
 import aiohttp
 import kopf
+from pydantic import BaseModel, ConfigDict, Field
+
 from headroom.operator.apply import Kube, KubeError
 from headroom.operator.exporter import OperatorMetrics
 from headroom.operator.metrics_sources import MetricsSource, PrometheusSource, SidecarSource
 from headroom.operator.models import GROUP, PLURAL, VERSION
 from headroom.operator.reconcile import Outcome, parse, reconcile
 from headroom.operator.scaling import tick
-from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger("headroom.operator")
 FINALIZER = f"{GROUP}/finalizer"

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
+from pydantic import ValidationError
+
 from headroom.operator.decide import PodSample
 from headroom.sidecar.report import SaturationReport
-from pydantic import ValidationError
 
 SIDECAR_PORT = 9090
 
@@ -218,7 +219,7 @@ def pod_info(pod: dict[str, Any], parse_time: Any) -> PodInfo:
     """A Pod object as PodInfo (`parse_time` turns an RFC 3339 string into unix seconds)."""
     meta = pod.get("metadata", {})
     status = pod.get("status", {}) or {}
-    ready_cond = next(
+    ready_cond: dict[str, Any] = next(
         (c for c in status.get("conditions", []) or [] if c.get("type") == "Ready"), {}
     )
     ready = ready_cond.get("status") == "True"

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field, field_validator
+
 from headroom.engine.budget import GPU_PRESETS, MODEL_PRESETS
 from headroom.engine.budget.presets import GPU_ALIASES
 from headroom.operator.rules import CRDModel, Rule
-from pydantic import Field, field_validator
 
 GROUP = "headroom.dev"
 VERSION = "v1alpha1"

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal, Protocol
 
+from pydantic import ValidationError
+
 from headroom.operator.apply import KubeError, owns_field, with_retries
 from headroom.operator.children import (
     FIELD_MANAGER,
@@ -22,7 +24,6 @@ from headroom.operator.children import (
 from headroom.operator.conditions import get_condition, set_condition
 from headroom.operator.models import InferenceDeploymentSpec
 from headroom.operator.sizing import Sizing, SpecError, budget, size, summary
-from pydantic import ValidationError
 
 log = logging.getLogger("headroom.operator.reconcile")
 HANDOFF_MANAGER = "headroom-operator-handoff"
@@ -47,7 +48,7 @@ class KubeAPI(Protocol):
         self, obj: dict[str, Any], *, field_manager: str = FIELD_MANAGER, force: bool = True
     ) -> dict[str, Any]: ...
 
-    def served_kinds(self, group_version: str, ttl: float = 60.0) -> frozenset[str]: ...
+    def served_kinds(self, group_version: str, ttl: float | None = None) -> frozenset[str]: ...
 
 
 @dataclass(frozen=True, slots=True)

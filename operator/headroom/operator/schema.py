@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
+
 from headroom.operator.models import (
     CATEGORIES,
     GROUP,
@@ -23,6 +24,7 @@ from headroom.operator.models import (
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
 )
+from headroom.operator.rules import CRDModel
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
 _DROP = {"title", "$defs"}
@@ -78,19 +80,6 @@ def structural(node: dict[str, Any], defs: dict[str, Any] | None = None) -> dict
         out[key] = value
     if "type" not in out:
         raise SchemaError(f"schema node without a type: {node}")
-    if out["type"] == "object" and "properties" in out:
-        required = set(out.get("required", ()))
-        for name, sub in out["properties"].items():
-            # An optional sub-object whose fields all have defaults gets `{}`, so the API
-            # server fills in those defaults even when the user leaves the whole block out.
-            if (
-                name not in required
-                and sub.get("type") == "object"
-                and "properties" in sub
-                and not sub.get("required")
-                and "default" not in sub
-            ):
-                sub["default"] = {}
     return out
 
 
@@ -107,9 +96,21 @@ def _reorder(node: dict[str, Any]) -> dict[str, Any]:
     return {**first, **rest}
 
 
+def _section_defaults(schema: dict[str, Any], model: type[CRDModel]) -> None:
+    """An optional section whose fields all have defaults defaults to those values, so the API
+    server fills them in when the block is left out. (A bare `{}` would not do: the API server
+    checks a default against the section's CEL rules before nested defaults apply.)"""
+    for name, field in model.model_fields.items():
+        factory = field.default_factory
+        if isinstance(factory, type) and issubclass(factory, CRDModel):
+            schema["properties"][field.alias or name]["default"] = factory().wire()
+
+
 def spec_schema() -> dict[str, Any]:
     """The structural schema of `.spec`."""
-    return _reorder(structural(InferenceDeploymentSpec.model_json_schema(by_alias=True)))
+    schema = structural(InferenceDeploymentSpec.model_json_schema(by_alias=True))
+    _section_defaults(schema, InferenceDeploymentSpec)
+    return _reorder(schema)
 
 
 def status_schema() -> dict[str, Any]:

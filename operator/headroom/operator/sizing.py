@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
 from headroom.engine.budget import (
     GIB,
     ModelArch,
@@ -21,7 +23,6 @@ from headroom.engine.budget import (
     plan,
 )
 from headroom.operator.models import Budget, InferenceDeploymentSpec, ModelSpec
-from pydantic import ValidationError
 
 
 class SpecError(ValueError):
