@@ -24,7 +24,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from e2e.cluster.harness import Cluster  # noqa: E402
-from e2e.helpers import Operator, Processes, Timings, wait_until  # noqa: E402
+from e2e.helpers import Operator, Processes, Timings, table_of, wait_until  # noqa: E402
 from e2e.kube import CRDS, EXAMPLES, Applied, Release, example_manifests, get_obj  # noqa: E402, get_obj
 
 pytest_plugins = ["e2e.cluster.pytest_plugin"]
@@ -50,7 +50,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     t0 = time.monotonic()
     yield
-    _timings.phases.append((item.nodeid.split("/")[-1], time.monotonic() - t0))
+    _timings.phases.append((item.nodeid.removeprefix("e2e/"), time.monotonic() - t0))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -58,6 +58,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if table:
         terminalreporter.section("headroom e2e timings")
         terminalreporter.write_line(table)
+        terminalreporter.section("headroom e2e timings per scenario")
+        terminalreporter.write_line(_timings.by_prefix())
+    if _timings.figures:
+        terminalreporter.section("headroom e2e measured inside the scenarios")
+        terminalreporter.write_line(table_of(_timings.figures))
 
 
 @pytest.fixture(scope="session")

@@ -48,23 +48,16 @@ def headroom_argv() -> list[str]:
     return [sys.executable, "-m", "headroom.cli"]
 
 
-def headroom_subcommands() -> set[str]:
-    """The subcommands the `headroom` CLI offers in this build (modules land one by one)."""
-    code = (
-        "from headroom.cli import build_parser\n"
-        "p = build_parser()\n"
-        "a = [x for x in p._actions if x.dest == 'command']\n"
-        "print(' '.join(sorted(a[0].choices)) if a else '')\n"
-    )
-    py = VENV_BIN / "python"
+def headroom_has(command: str) -> bool:
+    """Whether this build's `headroom` CLI runs `command` (modules land one by one)."""
     out = subprocess.run(
-        [str(py) if py.exists() else sys.executable, "-c", code],
+        [*headroom_argv(), command, "--help"],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
-    return set(out.stdout.split()) if out.returncode == 0 else set()
+    return out.returncode == 0
 
 
 def wait_until(
@@ -296,6 +289,12 @@ class Timings:
     """Wall-clock seconds of named phases, printed as a table at the end of the session."""
 
     phases: list[tuple[str, float]] = field(default_factory=list)
+    # Figures measured inside a test (lead times, convergence): printed, not added up.
+    figures: list[tuple[str, float]] = field(default_factory=list)
+
+    def figure(self, name: str, seconds: float) -> None:
+        """Record a duration measured inside a test."""
+        self.figures.append((name, seconds))
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -306,12 +305,25 @@ class Timings:
             self.phases.append((name, time.monotonic() - t0))
 
     def table(self) -> str:
-        if not self.phases:
-            return ""
-        width = max(len(n) for n, _ in self.phases)
-        total = sum(s for _, s in self.phases)
-        rows = [f"{n:<{width}}  {s:8.1f} s" for n, s in self.phases]
-        return "\n".join([*rows, f"{'total':<{width}}  {total:8.1f} s"])
+        """Every phase, in order, with the total."""
+        return table_of(self.phases)
+
+    def by_prefix(self) -> str:
+        """Phases summed by what precedes `::` or `:` (the test file, or `setup`)."""
+        sums: dict[str, float] = {}
+        for name, secs in self.phases:
+            key = name.split("::")[0] if "::" in name else name.split(":")[0]
+            sums[key] = sums.get(key, 0.0) + secs
+        return table_of(list(sums.items()))
+
+
+def table_of(rows: list[tuple[str, float]]) -> str:
+    if not rows:
+        return ""
+    width = max(len(n) for n, _ in rows)
+    total = sum(s for _, s in rows)
+    lines = [f"{n:<{width}}  {s:8.1f} s" for n, s in rows]
+    return "\n".join([*lines, f"{'total':<{width}}  {total:8.1f} s"])
 
 
 class Operator:

@@ -103,7 +103,7 @@ def test_restart_mid_reconcile_converges_without_duplicates(
         what=f"all {COUNT} to converge after the restart",
         alive=operator.check_alive,
     )
-    timings.phases.append(("scenario 4: restart -> converged", time.monotonic() - t1))
+    timings.figure("scenario 4: restart -> converged", time.monotonic() - t1)
 
     for name, s in sorted(final.items()):
         kids = s["children"]

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import yaml
-from headroom.operator.rbac import cluster_role_rules
 
 from e2e.cluster.harness import BuildError, Cluster, build
 from e2e.cluster.pytest_plugin import skip_or_fail
+from headroom.operator.rbac import cluster_role_rules
 
 pytest_plugins = ["e2e.cluster.pytest_plugin"]
 
@@ -79,6 +79,17 @@ def _canon(rules: list[dict[str, Any]]) -> list[str]:
     """Rules as comparable strings (order of rules and of list entries does not matter)."""
     return sorted(
         json.dumps({k: sorted(v) for k, v in r.items() if v}, sort_keys=True) for r in rules
+    )
+
+
+def assert_same_rules(chart: list[dict[str, Any]], operator: list[dict[str, Any]]) -> None:
+    """The chart grants exactly what headroom.operator.rbac asks for, and says what differs."""
+    ours, theirs = _canon(chart), _canon(operator)
+    only_chart = [r for r in ours if r not in theirs]
+    only_operator = [r for r in theirs if r not in ours]
+    assert ours == theirs, (
+        "charts/headroom RBAC and headroom.operator.rbac differ:\n"
+        f"  only in the chart: {only_chart}\n  only in rbac.py:   {only_operator}"
     )
 
 
@@ -163,7 +174,7 @@ def test_the_operator_cli_accepts_the_rendered_flags(helm: Path) -> None:
 
     for sets in [(), ("operator.peering=p", "operator.replicas=2", "operator.verbose=true")]:
         (c,) = one(render(helm, *sets), "Deployment")["spec"]["template"]["spec"]["containers"]
-        args = build_parser().parse_args([*c["command"][1:], *c["args"]])
+        args = build_parser("operator").parse_args([*c["command"][1:], *c["args"]])
         assert args.command == "operator"
 
 
@@ -192,7 +203,7 @@ def test_own_service_account_needs_a_name(helm: Path) -> None:
 def test_cluster_role_equals_the_operators_rbac(helm: Path, peering: bool) -> None:
     sets = ("operator.peering=headroom",) if peering else ()
     role = one(render(helm, *sets), "ClusterRole")
-    assert _canon(role["rules"]) == _canon(cluster_role_rules(peering=peering))
+    assert_same_rules(role["rules"], cluster_role_rules(peering=peering))
 
 
 def test_named_namespaces_get_roles_and_the_cluster_role_keeps_only_cluster_scope(
@@ -217,13 +228,13 @@ def test_named_namespaces_get_roles_and_the_cluster_role_keeps_only_cluster_scop
             {"kind": "ServiceAccount", "name": "headroom", "namespace": NAMESPACE}
         ]
         # Together they grant exactly what the operator needs.
-        assert _canon(cluster_rules + role["rules"]) == _canon(cluster_role_rules())
+        assert_same_rules(cluster_rules + role["rules"], cluster_role_rules())
 
 
 def test_namespace_globs_keep_everything_cluster_wide(helm: Path) -> None:
     objs = render(helm, "operator.watchNamespaces={team-*}")
     assert "Role" not in kinds(objs)
-    assert _canon(one(objs, "ClusterRole")["rules"]) == _canon(cluster_role_rules())
+    assert_same_rules(one(objs, "ClusterRole")["rules"], cluster_role_rules())
 
 
 @pytest.mark.parametrize("sets", [(), ("operator.watchNamespaces={a}",), ("operator.peering=p",)])

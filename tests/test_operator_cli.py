@@ -66,7 +66,7 @@ def test_rbac_rules_are_least_privilege() -> None:
     rules = cluster_role_rules()
     verbs = {(g, r): set(rule["verbs"]) for rule in rules for g in rule["apiGroups"]
              for r in rule["resources"]}  # fmt: skip
-    assert verbs[("apps", "deployments")] == {"get", "patch"}
+    assert verbs[("apps", "deployments")] == {"get", "create", "patch"}
     assert verbs[("", "pods")] == {"list"}
     assert verbs[("", "events")] == {"create"}
     assert "delete" not in set().union(*verbs.values())

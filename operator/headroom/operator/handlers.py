@@ -20,6 +20,7 @@ import kopf
 from pydantic import BaseModel, ConfigDict, Field
 
 from headroom.operator.apply import Kube, KubeError
+from headroom.operator.conditions import set_condition
 from headroom.operator.exporter import OperatorMetrics
 from headroom.operator.metrics_sources import MetricsSource, PrometheusSource, SidecarSource
 from headroom.operator.models import GROUP, PLURAL, VERSION
@@ -140,6 +141,12 @@ def build_registry(options: Options) -> kopf.OperatorRegistry:
         except KubeError as exc:
             ctx.metrics.reconciles.labels("error").inc()
             kopf.event(body, type="Warning", reason="ApplyFailed", message=str(exc)[:1024])
+            # Say so in status too (kopf writes the patch before it retries the handler).
+            patch.status["conditions"] = set_condition(
+                (body.get("status") or {}).get("conditions"), "Ready", "False", "ApplyFailed",
+                f"applying the children failed, retrying: {exc}", generation=body.meta.get(
+                    "generation"), now=ctx.clock(),
+            )  # fmt: skip
             raise _retry(exc) from None
         ctx.metrics.reconciles.labels("ok").inc()
         _write(outcome, patch, body)

@@ -376,8 +376,9 @@ class InferenceDeploymentSpec(CRDModel):
         ge=0,
         le=10_000,
         description=(
-            "written through /scale by an external autoscaler in advisory mode; the operator "
-            "follows it there and ignores it in auto mode"
+            "the /scale channel of an external autoscaler (HPA, KEDA) in advisory mode: when set "
+            "the operator follows it (within min/max); unset, it leaves the Deployment's replicas "
+            "to whoever scales the Deployment. Ignored in auto mode"
         ),
     )
 

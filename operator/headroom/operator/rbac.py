@@ -26,22 +26,26 @@ RULES: tuple[tuple[Rule, str], ...] = (
         "ownerReferences with blockOwnerDeletion (OwnerReferencesPermissionEnforcement)",
     ),
     (
-        {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "patch"]},
-        "server-side apply of the owned Deployment (apply creates through PATCH)",
+        {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "create", "patch"]},
+        "server-side apply of the owned Deployment (an apply that creates also needs create)",
     ),
     (
-        {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create", "patch"]},
         "server-side apply of the owned Service",
     ),
     (
-        {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["get", "patch"]},
+        {
+            "apiGroups": ["policy"],
+            "resources": ["poddisruptionbudgets"],
+            "verbs": ["get", "create", "patch"],
+        },
         "server-side apply of the owned PodDisruptionBudget",
     ),
     (
         {
             "apiGroups": ["monitoring.coreos.com"],
             "resources": ["servicemonitors", "prometheusrules"],
-            "verbs": ["get", "patch"],
+            "verbs": ["get", "create", "patch"],
         },
         "ServiceMonitor and PrometheusRule, only used when the Prometheus operator is installed",
     ),

@@ -1,0 +1,492 @@
+"""The real operator against a real control plane (kube-apiserver, controller-manager, kwok).
+
+It runs in this process (kopf in a thread, so the scaling tests can feed it KV metrics: kwok pods
+run nothing and their IPs are fake) under a ServiceAccount bound to exactly the ClusterRole of
+`headroom.operator.rbac`, so a missing verb fails here. One test runs `python -m
+headroom.operator operator` as a subprocess, the way the chart runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import generate_latest
+
+from e2e.cluster.harness import Cluster
+from headroom.operator.apply import Kube, load_configuration
+from headroom.operator.children import FIELD_MANAGER
+from headroom.operator.decide import PodSample
+from headroom.operator.exporter import OperatorMetrics
+from headroom.operator.handlers import FINALIZER, Context, Options, operate
+from headroom.operator.metrics_sources import PodInfo, Target
+from headroom.operator.models import InferenceDeploymentSpec
+from headroom.operator.rbac import cluster_role
+from headroom.operator.schema import CRD_NAME, crd_yaml
+from headroom.operator.sizing import budget, size
+
+pytest_plugins = ["e2e.cluster.pytest_plugin"]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[1]
+SA_NAMESPACE = "headroom-operator-test"
+SPEC: dict[str, Any] = {
+    "model": {"preset": "llama-3.1-8b"},
+    "gpu": {"type": "h100-80gb"},
+    "traffic": {"peakConcurrency": 50, "contextTokens": 4096},
+    "scaling": {"minReplicas": 1, "maxReplicas": 3, "intervalSeconds": 1},
+}
+
+
+def eventually(what: str, probe: Callable[[], Any], timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+def get(cluster: Cluster, kind: str, name: str, ns: str) -> dict[str, Any] | None:
+    proc = cluster.kubectl(
+        "get", kind, name, "-n", ns, "-o", "json", "--show-managed-fields", check=False
+    )
+    return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+
+def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == type_:
+            return dict(c)
+    return {}
+
+
+def apply_cr(cluster: Cluster, ns: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    cluster.apply(
+        [{"apiVersion": "headroom.dev/v1alpha1", "kind": "InferenceDeployment",
+          "metadata": {"name": name, "namespace": ns}, "spec": spec}]
+    )  # fmt: skip
+    obj = get(cluster, "infd", name, ns)
+    assert obj is not None
+    return obj
+
+
+class Levels:
+    """KV figures the test sets per InferenceDeployment; what its 'sidecars' report."""
+
+    def __init__(self) -> None:
+        self.by_target: dict[tuple[str, str], tuple[float, float | None] | None] = {}
+
+    async def sample(self, target: Target, pods: list[PodInfo]) -> dict[str, PodSample]:
+        level = self.by_target.get((target.namespace, target.name))
+        if level is None:
+            return {}
+        occ, eta = level
+        return {
+            p.name: PodSample(occupancy=occ, sampled_at=time.time(), eta_seconds=eta,
+                              hit_ratio=0.5)
+            for p in pods if p.ready
+        }  # fmt: skip
+
+
+class InProcessOperator:
+    """`operate()` in a thread with its own event loop; stop() ends it cleanly."""
+
+    def __init__(self, kubeconfig: Path, levels: Levels) -> None:
+        self.kubeconfig = kubeconfig
+        self.levels = levels
+        self.metrics = OperatorMetrics()
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self.stop_flag, self.ready_flag = threading.Event(), threading.Event()
+        options = Options(namespaces=["t-*"], tick_seconds=0.5, metrics_port=0)
+        kube = Kube(load_configuration(str(self.kubeconfig)), discovery_ttl=1.0)
+
+        def source(kind: str, ctx: Context) -> Levels:
+            return self.levels
+
+        def run() -> None:
+            try:
+                asyncio.run(
+                    operate(options, kube=kube, metrics=self.metrics, source_factory=source,
+                            stop_flag=self.stop_flag, ready_flag=self.ready_flag)
+                )  # fmt: skip
+            except BaseException as exc:  # surfaced by check()
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, name="headroom-operator", daemon=True)
+        self.thread.start()
+        assert self.ready_flag.wait(60), f"operator did not start: {self.error!r}"
+
+    def check(self) -> None:
+        assert self.error is None, f"operator crashed: {self.error!r}"
+        assert self.thread is not None and self.thread.is_alive(), "operator thread exited"
+
+    def stop(self) -> None:
+        self.stop_flag.set()
+        assert self.thread is not None
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "operator did not stop within 60 s"
+
+
+@pytest.fixture(scope="module")
+def operator_kubeconfig(cluster: Cluster) -> Path:
+    """The CRD installed, and a ServiceAccount bound to exactly the operator's ClusterRole."""
+    cluster.apply(crd_yaml())
+    cluster.wait("--for=condition=Established", f"crd/{CRD_NAME}", timeout=60)
+    if cluster.kubectl("get", "namespace", SA_NAMESPACE, check=False).returncode != 0:
+        cluster.create_namespace(SA_NAMESPACE)
+    role = cluster_role("headroom-operator-test")
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": "headroom-operator-test"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": "headroom-operator-test"},
+        "subjects": [{"kind": "ServiceAccount", "name": "operator", "namespace": SA_NAMESPACE}],
+    }  # fmt: skip
+    kc = cluster.sa_kubeconfig(SA_NAMESPACE, "operator")
+    cluster.apply([role, binding])
+    return kc
+
+
+@pytest.fixture(scope="module")
+def levels() -> Levels:
+    return Levels()
+
+
+@pytest.fixture(scope="module")
+def operator(operator_kubeconfig: Path, levels: Levels) -> Iterator[InProcessOperator]:
+    op = InProcessOperator(operator_kubeconfig, levels)
+    op.start()
+    yield op
+    op.stop()
+
+
+def reconciled(cluster: Cluster, ns: str, name: str, want: str = "True") -> dict[str, Any]:
+    def probe() -> dict[str, Any] | None:
+        obj = get(cluster, "infd", name, ns)
+        return obj if condition(obj, "Feasible").get("status") == want else None
+
+    return dict(eventually(f"{ns}/{name} Feasible={want}", probe))
+
+
+def test_children_owner_references_budget_and_readiness(
+    cluster: Cluster, operator: InProcessOperator, cluster_namespace: str
+) -> None:
+    ns = cluster_namespace
+    created = apply_cr(cluster, ns, "chat", SPEC)
+    obj = reconciled(cluster, ns, "chat")
+    uid = created["metadata"]["uid"]
+    for kind in ("deployment", "service", "poddisruptionbudget"):
+        child = eventually(f"the {kind}", lambda kind=kind: get(cluster, kind, "chat", ns))
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert (ref["uid"], ref["kind"], ref["controller"]) == (uid, "InferenceDeployment", True)
+        managers = {e["manager"] for e in child["metadata"]["managedFields"]}
+        assert FIELD_MANAGER in managers
+    dep = get(cluster, "deployment", "chat", ns)
+    assert dep is not None
+    engine = dep["spec"]["template"]["spec"]["containers"][0]
+    args = engine["args"]
+    planned = budget(size(InferenceDeploymentSpec.model_validate(obj["spec"]))).wire()
+    assert obj["status"]["budget"] == planned  # what `headroom plan` computes for this spec
+    assert args[args.index("--num-blocks") + 1] == str(planned["kvBlocksPerPod"])
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert dep["spec"]["replicas"] == planned["sizedReplicas"] == 1
+    assert obj["status"]["selector"] == "headroom.dev/inferencedeployment=chat"
+    ready = eventually(
+        "Ready=True (kwok runs the pod)",
+        lambda: condition(get(cluster, "infd", "chat", ns), "Ready").get("status") == "True",
+    )
+    assert ready
+    events = cluster.kubectl(
+        "get", "events", "-n", ns, "--field-selector", "involvedObject.name=chat", "-o", "json"
+    ).stdout
+    reasons = {e["reason"] for e in json.loads(events)["items"]}
+    assert {"Sized", "Created"} <= reasons
+    table = cluster.kubectl("get", "infd", "chat", "-n", ns).stdout
+    assert "True" in table.splitlines()[1]
+    operator.check()
+
+
+def test_never_writes_spec(
+    cluster: Cluster, operator: InProcessOperator, cluster_namespace: str
+) -> None:
+    ns = cluster_namespace
+    apply_cr(cluster, ns, "gitops", SPEC)
+    reconciled(cluster, ns, "gitops")
+    time.sleep(5)  # several scaling ticks and status writes
+    obj = get(cluster, "infd", "gitops", ns)
+    assert obj is not None
+    assert obj["metadata"]["generation"] == 1, "spec changed after creation"
+    assert obj["metadata"].get("finalizers") == [FINALIZER]
+    for entry in obj["metadata"]["managedFields"]:
+        fields = entry.get("fieldsV1", {})
+        if "f:spec" in fields:
+            assert entry["manager"].startswith("kubectl"), entry
+        if entry["manager"].startswith("kubectl"):
+            continue
+        # The operator's own writes: status, and the finalizer in metadata, nothing else.
+        assert set(fields) <= {"f:status", "f:metadata"}, entry
+        assert set(fields.get("f:metadata", {})) <= {"f:finalizers"}, entry
+    applied = cluster.kubectl(
+        "diff", "-f", "-", input=yaml.safe_dump(
+            {"apiVersion": "headroom.dev/v1alpha1", "kind": "InferenceDeployment",
+             "metadata": {"name": "gitops", "namespace": ns}, "spec": SPEC}
+        ), check=False,
+    )  # fmt: skip
+    assert applied.returncode == 0, f"kubectl diff sees drift:\n{applied.stdout}"
+
+
+def test_infeasible_spec_then_the_fix(
+    cluster: Cluster, operator: InProcessOperator, cluster_namespace: str
+) -> None:
+    ns = cluster_namespace
+    spec = {**SPEC, "model": {"preset": "llama-3.1-70b"}}
+    apply_cr(cluster, ns, "big", spec)
+    obj = reconciled(cluster, ns, "big", want="False")
+    feasible = condition(obj, "Feasible")
+    assert feasible["reason"] == "Infeasible"
+    assert "weights 131.4 GiB/GPU" in feasible["message"] and "tp" in feasible["message"]
+    assert condition(obj, "Ready")["reason"] == "Infeasible"
+    time.sleep(2)
+    assert get(cluster, "deployment", "big", ns) is None
+    cluster.kubectl(
+        "patch", "infd", "big", "-n", ns, "--type", "merge",
+        "-p", json.dumps({"spec": {"gpu": {"type": "h100-80gb", "countPerPod": 4}}}),
+    )  # fmt: skip
+    obj = reconciled(cluster, ns, "big")
+    assert condition(obj, "Feasible")["observedGeneration"] == 2
+    dep = eventually("the Deployment after the fix", lambda: get(cluster, "deployment", "big", ns))
+    limits = dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == "4"
+    operator.check()
+
+
+def test_scales_out_before_the_wall_and_holds_without_metrics(
+    cluster: Cluster, operator: InProcessOperator, levels: Levels, cluster_namespace: str
+) -> None:
+    ns = cluster_namespace
+    apply_cr(cluster, ns, "hot", SPEC)
+    reconciled(cluster, ns, "hot")
+    eventually("the pod to be ready", lambda: condition(get(cluster, "infd", "hot", ns),
+                                                        "Ready").get("status") == "True")  # fmt: skip
+    levels.by_target[(ns, "hot")] = (0.8, 60.0)  # saturates in a minute, lookahead 180 s
+
+    def scaled() -> bool:
+        dep = get(cluster, "deployment", "hot", ns)
+        return bool(dep and dep["spec"]["replicas"] >= 2)
+
+    eventually("the operator to scale the Deployment out", scaled)
+    obj = get(cluster, "infd", "hot", ns)
+    assert obj is not None
+    st = obj["status"]
+    rec = st["lastDecisions"][0]
+    assert rec["from"] == 1 and rec["to"] >= 2 and rec["applied"] is True
+    assert rec["reason"] == "SaturationSoon" and rec["inputs"]["readyReplicas"] == 1
+    assert st["kv"]["occupancyPercent"] == 80 and st["kv"]["hitPercent"] == 50
+    events = json.loads(cluster.kubectl(
+        "get", "events", "-n", ns, "--field-selector", "involvedObject.name=hot", "-o", "json"
+    ).stdout)["items"]  # fmt: skip
+    assert any(e["reason"] == "ScaledOut" for e in events)
+
+    levels.by_target[(ns, "hot")] = None  # the sidecars go silent
+    before = get(cluster, "deployment", "hot", ns)
+    assert before is not None
+
+    def limited() -> dict[str, Any]:
+        c = condition(get(cluster, "infd", "hot", ns), "ScalingLimited")
+        return c if c.get("reason") == "MetricsUnavailable" else {}
+
+    c = eventually("ScalingLimited=MetricsUnavailable", limited)
+    assert c["status"] == "True"
+    time.sleep(3)
+    after = get(cluster, "deployment", "hot", ns)
+    assert after is not None and after["spec"]["replicas"] == before["spec"]["replicas"]
+    operator.check()
+
+
+def test_advisory_publishes_and_leaves_replicas_alone(
+    cluster: Cluster, operator: InProcessOperator, levels: Levels, cluster_namespace: str
+) -> None:
+    ns = cluster_namespace
+    spec = {**SPEC, "scaling": {**SPEC["scaling"], "mode": "advisory"}}
+    apply_cr(cluster, ns, "adv", spec)
+    reconciled(cluster, ns, "adv")
+    dep = eventually("the Deployment", lambda: get(cluster, "deployment", "adv", ns))
+    assert "replicas" not in {k for e in dep["metadata"]["managedFields"]
+                              if e["manager"] == FIELD_MANAGER
+                              for k in e.get("fieldsV1", {}).get("f:spec", {})}  # fmt: skip
+    levels.by_target[(ns, "adv")] = (0.95, 20.0)
+
+    def advised() -> dict[str, Any] | None:
+        obj = get(cluster, "infd", "adv", ns)
+        st = (obj or {}).get("status") or {}
+        return obj if st.get("desiredReplicas", 0) > st.get("replicas", 0) else None
+
+    obj = eventually("an advisory decision", advised)
+    time.sleep(2)
+    dep = get(cluster, "deployment", "adv", ns)
+    assert dep is not None and dep["spec"]["replicas"] == 1
+    assert condition(obj, "ScalingLimited")["reason"] == "Advisory"
+    assert obj["status"]["lastDecisions"][-1]["applied"] is False
+    text = generate_latest(operator.metrics.registry).decode()
+    want = (
+        f'headroom_desired_replicas{{inferencedeployment="adv",mode="advisory",namespace="{ns}"}} '
+        f"{float(obj['status']['desiredReplicas'])}"
+    )
+    assert want in text
+    operator.check()
+
+
+def test_restart_is_idempotent(
+    cluster: Cluster, operator: InProcessOperator, cluster_namespace: str
+) -> None:
+    ns = cluster_namespace
+    apply_cr(cluster, ns, "steady", SPEC)
+    reconciled(cluster, ns, "steady")
+    before = {
+        kind: eventually(kind, lambda kind=kind: get(cluster, kind, "steady", ns))
+        for kind in ("deployment", "service", "poddisruptionbudget")
+    }
+    operator.stop()
+    operator.start()
+    time.sleep(6)  # resume handlers and a few ticks
+    for kind, old in before.items():
+        new = get(cluster, kind, "steady", ns)
+        assert new is not None
+        # A server-side apply that changes nothing neither bumps generation nor the spec.
+        assert new["metadata"].get("generation") == old["metadata"].get("generation"), kind
+        assert new["spec"] == old["spec"], kind
+    obj = get(cluster, "infd", "steady", ns)
+    assert obj is not None and obj["metadata"]["generation"] == 1
+    operator.check()
+
+
+def test_garbage_collected_on_delete(
+    cluster: Cluster, operator: InProcessOperator, cluster_namespace: str
+) -> None:
+    ns = cluster_namespace
+    apply_cr(cluster, ns, "gone", SPEC)
+    reconciled(cluster, ns, "gone")
+    eventually("the Deployment", lambda: get(cluster, "deployment", "gone", ns))
+    cluster.kubectl("delete", "infd", "gone", "-n", ns, "--wait=false")
+
+    def collected() -> bool:
+        return all(
+            get(cluster, kind, "gone", ns) is None
+            for kind in ("infd", "deployment", "service", "poddisruptionbudget")
+        )
+
+    assert eventually("the CR (finalizer released) and its children to go", collected, 90)
+    operator.check()
+
+
+STUB_CRDS = [
+    {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.monitoring.coreos.com"},
+        "spec": {
+            "group": "monitoring.coreos.com",
+            "scope": "Namespaced",
+            "names": {"kind": kind, "plural": plural, "singular": plural[:-1],
+                      "listKind": f"{kind}List"},
+            "versions": [{"name": "v1", "served": True, "storage": True, "schema": {
+                "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+            }}],
+        },
+    }  # fmt: skip
+    for kind, plural in (("ServiceMonitor", "servicemonitors"), ("PrometheusRule", "prometheusrules"))
+]
+
+
+def test_monitoring_children_when_the_prometheus_operator_crds_exist(
+    cluster: Cluster, operator: InProcessOperator, cluster_namespace: str
+) -> None:
+    ns = cluster_namespace
+    cluster.apply(STUB_CRDS)
+    try:
+        for crd in STUB_CRDS:
+            cluster.wait("--for=condition=Established", f"crd/{crd['metadata']['name']}")
+        apply_cr(cluster, ns, "watched", SPEC)
+        reconciled(cluster, ns, "watched")
+        for kind in ("servicemonitor", "prometheusrule"):
+            child = eventually(kind, lambda kind=kind: get(cluster, kind, "watched", ns), 60)
+            assert child["metadata"]["ownerReferences"][0]["name"] == "watched"
+        rule = get(cluster, "prometheusrule", "watched", ns)
+        assert rule is not None
+        alerts = [r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]]
+        assert "HeadroomKVSaturationSoon" in alerts
+    finally:
+        for crd in STUB_CRDS:
+            cluster.kubectl("delete", "crd", crd["metadata"]["name"], "--wait=false", check=False)
+    operator.check()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return str(resp.read().decode())
+    except OSError:
+        return None
+
+
+def test_headroom_operator_command(cluster: Cluster, operator_kubeconfig: Path, tmp_path: Path) -> None:
+    ns = f"cli-{os.getpid() % 100000}"
+    cluster.create_namespace(ns)
+    metrics, health = free_port(), free_port()
+    log = (tmp_path / "operator.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "headroom.operator", "operator", "--namespace", ns,
+         "--kubeconfig", str(operator_kubeconfig), "--metrics-port", str(metrics),
+         "--liveness-port", str(health), "--tick-seconds", "1", "--log-format", "json"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "KUBECONFIG": "/nonexistent"},
+    )  # fmt: skip
+    try:
+        eventually("/healthz", lambda: http_get(f"http://127.0.0.1:{health}/healthz"), 90)
+        apply_cr(cluster, ns, "cli", SPEC)
+        reconciled(cluster, ns, "cli")
+        eventually("the Deployment", lambda: get(cluster, "deployment", "cli", ns))
+        text = eventually(
+            "operator metrics",
+            lambda: (t := http_get(f"http://127.0.0.1:{metrics}/metrics")) and
+            "headroom_desired_replicas{" in t and t,
+        )  # fmt: skip
+        assert 'headroom_reconciles_total{result="ok"}' in text
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+            cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    logs = (tmp_path / "operator.log").read_text()
+    assert rc == 0, logs[-3000:]
+    assert "Traceback" not in logs, logs[-3000:]
