@@ -38,8 +38,10 @@ test: lint unit e2e
 bench: venv
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
+# The chart ships its own copy (Helm installs charts/<name>/crds/); a test keeps them identical.
 crd: venv
 	$(VENV)/bin/headroom crd > crds/inferencedeployment.yaml
+	cp crds/inferencedeployment.yaml charts/headroom/crds/inferencedeployment.yaml
 
 -include e2e/cluster/cluster.mk
 -include e2e/e2e.mk

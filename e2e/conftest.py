@@ -62,7 +62,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(_timings.by_prefix())
     if _timings.figures:
         terminalreporter.section("headroom e2e measured inside the scenarios")
-        terminalreporter.write_line(table_of(_timings.figures))
+        terminalreporter.write_line(table_of(_timings.figures, total=False))
 
 
 @pytest.fixture(scope="session")

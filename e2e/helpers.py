@@ -317,13 +317,15 @@ class Timings:
         return table_of(list(sums.items()))
 
 
-def table_of(rows: list[tuple[str, float]]) -> str:
+def table_of(rows: list[tuple[str, float]], *, total: bool = True) -> str:
+    """Aligned `name  seconds` lines, with a total line when the rows add up."""
     if not rows:
         return ""
     width = max(len(n) for n, _ in rows)
-    total = sum(s for _, s in rows)
     lines = [f"{n:<{width}}  {s:8.1f} s" for n, s in rows]
-    return "\n".join([*lines, f"{'total':<{width}}  {total:8.1f} s"])
+    if total:
+        lines.append(f"{'total':<{width}}  {sum(s for _, s in rows):8.1f} s")
+    return "\n".join(lines)
 
 
 class Operator:

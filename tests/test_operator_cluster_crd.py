@@ -102,7 +102,9 @@ def test_valid_object_is_accepted_and_defaulted(crd: Cluster, cluster_namespace:
     assert custom.returncode == 0, custom.stderr
 
 
-@pytest.mark.parametrize(("spec", "rule"), [c[1:] for c in CEL_CASES], ids=[c[0] for c in CEL_CASES])
+@pytest.mark.parametrize(
+    ("spec", "rule"), [c[1:] for c in CEL_CASES], ids=[c[0] for c in CEL_CASES]
+)
 def test_each_cel_rule_refuses_with_its_message(
     crd: Cluster, cluster_namespace: str, spec: dict[str, Any], rule: Any
 ) -> None:

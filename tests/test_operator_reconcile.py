@@ -326,3 +326,19 @@ def test_last_changes_reads_the_decision_history() -> None:
     }
     up, down = last_changes(status)
     assert up == 1_700_000_000.0 and down == 1_700_000_400.0
+
+
+async def test_tick_leaves_a_resource_being_deleted_alone() -> None:
+    kube, b = await created(SPEC)
+    del kube.objects[("Deployment", "ns", "chat")]
+    b["metadata"]["deletionTimestamp"] = "2023-11-14T22:13:20Z"
+    res = await tick(kube, FakeSource(0.99, eta=1), b, NOW)
+    assert kube.applies == [] and res.outcome.status == {}
+
+
+async def test_tick_carries_the_demand_history() -> None:
+    kube, b = await created(SPEC)
+    first = await tick(kube, FakeSource(0.5), b, NOW)
+    assert first.recent and first.recent[-1][0] == NOW
+    second = await tick(kube, FakeSource(0.5), b, NOW + 15, recent=first.recent)
+    assert [t for t, _ in second.recent] == [NOW, NOW + 15]

@@ -8,9 +8,12 @@ It acts on time-to-saturation rather than a fixed percentage. The rules, in orde
 3. Scale out when a ready pod's saturation ETA is inside the lookahead, the mean occupancy is
    above `scale_out_occupancy`, or pods are preempting. The step comes from the KV math: the
    replicas that bring the projected demand (used blocks + waiting requests + growth over the
-   lookahead) to `target_occupancy`. The step is taken only when that projection, over the
-   whole deployment, crosses `scale_out_occupancy`; otherwise the trigger came from one
-   unevenly loaded pod or a short burst, which more pods would not fix: hold and say so.
+   lookahead) to `target_occupancy`. The growth projected is the sidecars' 30 s slope only as
+   far as the deployment's total demand over the last `growth_window_seconds` of decisions
+   confirms it: arrivals are bursty, and a burst extrapolated over minutes is not a trend.
+   The step is taken only when that projection, over the whole deployment, crosses
+   `scale_out_occupancy`; otherwise the trigger came from one unevenly loaded pod or a short
+   burst, which more pods would not fix: hold and say so.
 4. Pods that exist but are not ready yet (loading weights) count as capacity on the way, so
    a scale-out already in flight is not repeated while they load. A pod that became ready
    less than `warmup_seconds` ago fills from the backlog, and after a scale-in the remaining

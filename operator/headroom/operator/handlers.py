@@ -166,11 +166,14 @@ def build_registry(options: Options) -> kopf.OperatorRegistry:
             return
         source = ctx.source(parsed.spec.scaling.metrics_source)
         try:
-            result = await tick(ctx.kube, source, dict(body), now, memo.get("scale_in"))
+            result = await tick(
+                ctx.kube, source, dict(body), now, memo.get("scale_in"), memo.get("recent", ())
+            )
         except KubeError as exc:
             logger.warning("scaling tick failed: %s", exc)
             raise _retry(exc) from None
-        memo["scale_in"] = result.scale_in
+        # Windows live in memory: after a restart they refill, which only delays a scale-in.
+        memo["scale_in"], memo["recent"] = result.scale_in, result.recent
         if result.decision is not None and result.current is not None:
             meta = body["metadata"]
             ctx.metrics.publish(

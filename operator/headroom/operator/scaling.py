@@ -153,6 +153,7 @@ class TickResult:
     outcome: Outcome
     decision: Decision | None = None
     scale_in: ScaleInWindow | None = None
+    recent: tuple[tuple[float, float], ...] = ()
     current: int | None = None
     mode: str = "auto"
 
@@ -163,8 +164,11 @@ async def tick(
     body: dict[str, Any],
     now: float,
     scale_in: ScaleInWindow | None = None,
+    recent: tuple[tuple[float, float], ...] = (),
 ) -> TickResult:
     """One scaling decision for one InferenceDeployment."""
+    if body.get("metadata", {}).get("deletionTimestamp"):
+        return TickResult(Outcome())  # going away: its children are being collected
     parsed = parse(body.get("spec"))
     if parsed.spec is None or parsed.sizing is None or not parsed.sizing.feasible:
         return TickResult(Outcome())  # reconcile() reports why; nothing to scale
@@ -198,6 +202,7 @@ async def tick(
             last_scale_up_at=last_up,
             last_scale_down_at=last_down,
             scale_in=scale_in,
+            recent=recent,
         )
     )
     if metrics_error and d.reason == "MetricsUnavailable":
@@ -243,7 +248,9 @@ async def tick(
     _conditions(body, st, d, auto, current, now, out)
     ready = ready_condition(live)
     set_status_condition(body, st, "Ready", *ready, now)
-    return TickResult(out, d, d.scale_in, applied_replicas, spec.scaling.mode)
+    return TickResult(
+        out, d, d.scale_in, d.recent, current=applied_replicas, mode=spec.scaling.mode
+    )
 
 
 def _with_message(d: Decision, message: str) -> Decision:
