@@ -1,6 +1,6 @@
 """Autoscaling policies side by side in a discrete-time simulation of KV-bound inference pods.
 
-    .venv/bin/python bench/autoscale_sim.py [--plot out/autoscale_sim.png] [--seed N]
+    .venv/bin/python bench/autoscale_sim.py [--plot [out/autoscale_sim.png]] [--seeds 3] [--seed 1]
 
 The pods are what the operator deploys for `llama-3.1-8b` on one H100 each: the KV pool comes
 from the budget model (`size(spec)`, 27,955 blocks of 16 tokens), and the headroom policy is the
@@ -9,8 +9,15 @@ scheduler's behaviour: requests are admitted while free blocks cover their promp
 watermark and the batch is under `max_num_seqs`; every running sequence grows one block per 16
 generated tokens (20 tokens/s); when growth finds no free block the newest sequences are
 preempted by recompute and go back to the front of the queue. Requests arrive as a Poisson
-process (prompt 1,000-5,000 tokens, output 200-1,800). A new pod serves 120 s after it is asked
-for (scheduling + weight load); a removed pod stops admitting and drains.
+process whose rate follows the trace times a bursty factor (log-normal, 8 %, one-minute memory),
+with prompts of 1,000-5,000 tokens and outputs of 200-1,800. A new pod serves 120 s after it is
+asked for (scheduling + weight load); a removed pod stops admitting and drains. Each run starts
+after 10 minutes of the trace's opening traffic (policies watching but off), and each trace runs
+under `--seeds` seeds; every policy sees the same requests.
+
+Traces (2 h): spike (a launch: 4x over 6 minutes, 20 minutes held), diurnal (a day compressed
+12x: night 0.5x, morning ramp to 3.5x in 8 minutes, lunch dip, evening decline), flash-crowd
+(6x within a minute, decaying over 10 minutes: faster than any pod can start).
 
 Policies, each deciding every 15 s:
 - headroom: `decide()` on per-pod occupancy, a 30 s least-squares growth slope and its ETA to
@@ -24,7 +31,9 @@ Policies, each deciding every 15 s:
   for the pods that keep the coming demand at the same target occupancy headroom uses, and
   releases them as soon as the future allows. `oracle-95` (informational) runs at 95 %.
 
-Saturation seconds: time during which any serving pod's KV cache is full or preempts.
+Saturation seconds: time during which any serving pod's KV cache is full or preempts. Queued
+seconds (informational): time during which requests waited at the door because no pod had the
+free blocks to admit them; a cache kept just under full by admission control shows up here.
 """
 
 from __future__ import annotations
@@ -39,7 +48,14 @@ from pathlib import Path
 
 import numpy as np
 
-from headroom.operator.decide import Inputs, PodSample, PodView, ScaleInWindow, decide
+from headroom.operator.decide import (
+    Decision,
+    Inputs,
+    PodSample,
+    PodView,
+    ScaleInWindow,
+    decide,
+)
 from headroom.operator.models import InferenceDeploymentSpec
 from headroom.operator.scaling import policy_for
 from headroom.operator.sizing import Sizing, size
@@ -194,6 +210,7 @@ class World:
     queue: deque[tuple[int, int]] = field(default_factory=deque)
     next_id: int = 0
     saturated_seconds: float = 0.0
+    queued_seconds: float = 0.0
     preemptions: int = 0
     gpu_seconds: float = 0.0
     actions: int = 0
@@ -257,7 +274,22 @@ class Headroom:
         self.last_down: float | None = None
         self.recent: tuple[tuple[float, float], ...] = ()
 
+    def observe(self, world: World, now: float) -> None:
+        """Warm-up: watch (build the demand history a running operator has), decide nothing."""
+        self.recent = self.decision(world, now).recent
+
     def __call__(self, world: World, now: float, step: int) -> int:
+        d = self.decision(world, now)
+        current = world.replicas()
+        self.window = d.scale_in
+        self.recent = d.recent
+        if d.replicas > current:
+            self.last_up = now
+        elif d.replicas < current:
+            self.last_down = now
+        return d.replicas
+
+    def decision(self, world: World, now: float) -> Decision:
         views = []
         for p in world.pods:
             sample = None
@@ -275,18 +307,10 @@ class Headroom:
                 PodView(p.name, p.ready(now), p.ready_at - LOAD_DELAY, terminating=p.draining,
                         sample=sample, ready_since=p.ready_at if p.ready_at > 0 else None)
             )  # fmt: skip
-        current = world.replicas()
-        d = decide(
-            Inputs(now, current, tuple(views), self.policy, self.last_up, self.last_down,
-                   self.window, self.recent)
+        return decide(
+            Inputs(now, world.replicas(), tuple(views), self.policy, self.last_up,
+                   self.last_down, self.window, self.recent)
         )  # fmt: skip
-        self.window = d.scale_in
-        self.recent = d.recent
-        if d.replicas > current:
-            self.last_up = now
-        elif d.replicas < current:
-            self.last_down = now
-        return d.replicas
 
 
 class HPA:
@@ -342,6 +366,7 @@ class Oracle:
 class Result:
     policy: str
     saturated_seconds: float
+    queued_seconds: float
     preemptions: int
     gpu_hours: float
     actions: int
@@ -385,10 +410,15 @@ def simulate(name: str, policy: Policy, w: Workload, steps: int) -> Result:
                 p.preemptions.popleft()
         world.pods = [p for p in world.pods if not (p.draining and not len(p.tokens))]
         if not counting:
-            continue  # warm-up: fill the pods to steady state with the policy off
+            # Warm-up: fill the pods to steady state with the policy watching but off.
+            if step % int(TICK / DT) == 0 and isinstance(policy, Headroom):
+                policy.observe(world, now)
+            continue
         world.gpu_seconds += len(world.pods) * SIZING.plan.gpus_per_pod * DT
         if saturated:
             world.saturated_seconds += DT
+        if world.queue:
+            world.queued_seconds += DT
         if step % int(TICK / DT) == 0:
             world.scale_to(policy(world, now, step), now)
             peak = max(peak, world.replicas())
@@ -398,6 +428,7 @@ def simulate(name: str, policy: Policy, w: Workload, steps: int) -> Result:
     return Result(
         policy="",
         saturated_seconds=world.saturated_seconds,
+        queued_seconds=world.queued_seconds,
         preemptions=world.preemptions,
         gpu_hours=world.gpu_seconds / 3600,
         actions=world.actions,
@@ -439,6 +470,7 @@ def run_all(seeds: list[int]) -> dict[str, list[Result]]:
             Result(
                 policy=label,
                 saturated_seconds=sum(r.saturated_seconds for r in runs),
+                queued_seconds=sum(r.queued_seconds for r in runs),
                 preemptions=sum(r.preemptions for r in runs),
                 gpu_hours=sum(r.gpu_hours for r in runs),
                 actions=sum(r.actions for r in runs),
@@ -466,7 +498,7 @@ def report(results: dict[str, list[Result]], runs: int) -> tuple[str, bool]:
         f"{SPEC.scaling.scale_in_hysteresis:.0%}, down-stabilization "
         f"{SPEC.scaling.scale_down_stabilization_seconds} s",
         "",
-        f"{'trace':<12} {'policy':<16} {'saturated s':>11} {'preemptions':>11} "
+        f"{'trace':<12} {'policy':<16} {'saturated s':>11} {'queued s':>8} {'preemptions':>11} "
         f"{'GPU-hours':>9} {'vs oracle':>9} {'actions':>7} {'peak pods':>9}",
     ]
     ok_all = True
@@ -476,7 +508,8 @@ def report(results: dict[str, list[Result]], runs: int) -> tuple[str, bool]:
         for r in rows:
             rel = f"{(r.gpu_hours / oracle.gpu_hours - 1) * 100:+.1f}%"
             lines.append(
-                f"{name:<12} {r.policy:<16} {r.saturated_seconds:>11.0f} {r.preemptions:>11} "
+                f"{name:<12} {r.policy:<16} {r.saturated_seconds:>11.0f} "
+                f"{r.queued_seconds:>8.0f} {r.preemptions:>11} "
                 f"{r.gpu_hours:>9.2f} {rel:>9} {r.actions:>7} {r.peak_replicas:>9}"
             )
         head = next(r for r in rows if r.policy == "headroom")

@@ -274,6 +274,8 @@ def test_infeasible_spec_then_the_fix(
     )  # fmt: skip
     obj = reconciled(cluster, ns, "big")
     assert condition(obj, "Feasible")["observedGeneration"] == 2
+    assert obj["status"]["budget"]["feasible"] is True
+    assert "reason" not in obj["status"]["budget"]  # the infeasible verdict does not linger
     dep = eventually("the Deployment after the fix", lambda: get(cluster, "deployment", "big", ns))
     limits = dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == "4"

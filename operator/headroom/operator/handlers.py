@@ -86,8 +86,21 @@ def _ctx(memo: kopf.Memo) -> Context:
 def _write(outcome: Outcome, patch: kopf.Patch, body: kopf.Body) -> None:
     for key, value in outcome.status.items():
         patch.status[key] = value
+    meta = body.get("metadata", {})
     for ev in outcome.events:
         kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message[:1024])
+        # Each Event is also one structured log line (JSON with --log-format json).
+        log.log(
+            logging.WARNING if ev.type == "Warning" else logging.INFO,
+            "%s: %s",
+            ev.reason,
+            ev.message,
+            extra={
+                "namespace": meta.get("namespace"),
+                "inferencedeployment": meta.get("name"),
+                "reason": ev.reason,
+            },
+        )
 
 
 def _retry(exc: KubeError) -> kopf.TemporaryError:

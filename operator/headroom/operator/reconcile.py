@@ -232,7 +232,7 @@ def reconcile(kube: KubeAPI, body: dict[str, Any], now: float) -> Outcome:
         return out
     spec, sizing = parsed.spec, parsed.sizing
     owner = owner_of(body)
-    st["budget"] = budget(sizing).wire()
+    st["budget"] = budget(sizing).merge_patch()
     live = kube.get("apps/v1", "Deployment", owner.namespace, owner.name)
 
     if not sizing.feasible:

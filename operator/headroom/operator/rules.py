@@ -57,3 +57,8 @@ class CRDModel(BaseModel):
     def wire(self) -> dict[str, Any]:
         """The object as the API server stores it (camelCase, unset optionals left out)."""
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+    def merge_patch(self) -> dict[str, Any]:
+        """The object as a JSON merge patch: unset optionals are null, which deletes a value a
+        previous write left (a stale `reason` once a spec is fixed)."""
+        return self.model_dump(by_alias=True, mode="json")

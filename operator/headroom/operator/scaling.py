@@ -113,7 +113,7 @@ def kv_status(d: Decision, now: float) -> dict[str, Any]:
         pods_reporting=f.reporting,
         observed_at=rfc3339(now),
     )
-    return kv.wire()
+    return kv.merge_patch()
 
 
 def decision_record(d: Decision, current: int, now: float, applied: bool) -> dict[str, Any]:
