@@ -19,6 +19,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+
 from headroom.engine.attention import TorchBackend, allocate_layer_cache
 from headroom.engine.config import EngineConfig
 from headroom.engine.engine import Engine

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+
 from headroom.engine.attention import cuda_backend as cb
 from headroom.engine.attention.base import KVDtype, LayerKVCache, allocate_layer_cache
 from headroom.engine.kernels import compile as kc

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from headroom.engine.attention import TorchBackend, allocate_layer_cache
 from headroom.engine.attention.base import LayerKVCache
 from headroom.engine.model import ModelConfig, build_forward_batch, build_tiny, tiny_config

@@ -33,13 +33,14 @@ from importlib.metadata import version
 from pathlib import Path
 
 from aiohttp import ClientSession, web
+from prometheus_client import generate_latest
+
 from headroom.sidecar.collector import SidecarCollector, make_registry
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.forecast import forecast_saturation
 from headroom.sidecar.sources import parse_headroom_stats, parse_vllm_metrics
 from headroom.sidecar.state import PollState, figures
 from headroom.sidecar.synthetic import SyntheticEngine
-from prometheus_client import generate_latest
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_TEXT = (ROOT / "tests" / "prometheus" / "vllm_metrics_dp2.txt").read_text()

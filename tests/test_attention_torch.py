@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from headroom.engine.attention import (
     BackendUnavailable,
     TorchBackend,

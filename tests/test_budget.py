@@ -7,6 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from headroom.engine.budget import (
     GIB,
     GPU_PRESETS,
@@ -26,8 +29,6 @@ from headroom.engine.budget import (
     weights_bytes,
     weights_bytes_per_gpu,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 L70 = model_preset("llama-3.1-70b")
 

@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+
 from headroom.engine.async_engine import AsyncEngine, EngineClosed
 from headroom.engine.config import EngineConfig
 from headroom.engine.engine import Engine

@@ -4,6 +4,7 @@ no warnings, and, where ptxas is installed, assembles with zero bytes of registe
 from __future__ import annotations
 
 import pytest
+
 from headroom.engine.kernels import compile as kc
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
 from headroom.engine.attention import cuda_backend as cb
 from headroom.engine.attention.base import LayerKVCache, allocate_layer_cache
 from headroom.engine.kernels import compile as kc

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from headroom.engine.attention import cuda_backend as cb
 from headroom.engine.attention.base import LayerKVCache, allocate_layer_cache
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from headroom.engine.block_pool import BlockPool, NoFreeBlocks
 from headroom.engine.prefix_cache import ROOT_REF
 

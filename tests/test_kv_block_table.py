@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from headroom.engine.block_table import (
     batch_positions,
     batch_slot_mapping,

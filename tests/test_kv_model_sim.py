@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from headroom.engine.block_table import slot_mapping
 from headroom.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from headroom.engine.sequence import Sequence

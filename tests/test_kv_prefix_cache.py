@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+from test_kv_model_sim import VOCAB, KVSimulator, drive, random_prompts, sample
+
 from headroom.engine.prefix_cache import (
     ROOT_REF,
     PrefixCache,
@@ -12,7 +14,6 @@ from headroom.engine.prefix_cache import (
 )
 from headroom.engine.scheduler import Scheduler, SchedulerConfig
 from headroom.engine.sequence import Sequence
-from test_kv_model_sim import VOCAB, KVSimulator, drive, random_prompts, sample
 
 
 def chain(tokens: list[int], block_size: int, extra: str | None = None) -> list[int]:

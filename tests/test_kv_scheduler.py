@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_kv_model_sim import VOCAB, KVSimulator, drive, random_prompts, sample
+
 from headroom.engine.budget import PlanInput, gpu_preset, model_preset, plan
 from headroom.engine.scheduler import (
     RequestRejected,
@@ -13,7 +15,6 @@ from headroom.engine.scheduler import (
     SchedulerOutput,
 )
 from headroom.engine.sequence import Sequence, SequenceStatus
-from test_kv_model_sim import VOCAB, KVSimulator, drive, random_prompts, sample
 
 
 def make(**kw: object) -> tuple[Scheduler, KVSimulator]:

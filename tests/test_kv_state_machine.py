@@ -8,10 +8,6 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
-from headroom.engine.block_pool import BlockPool
-from headroom.engine.prefix_cache import PrefixCache, hash_block_tokens
-from headroom.engine.scheduler import RequestRejected, Scheduler, SchedulerConfig
-from headroom.engine.sequence import Sequence
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -22,6 +18,11 @@ from hypothesis.stateful import (
     rule,
 )
 from test_kv_model_sim import VOCAB, KVSimulator, sample
+
+from headroom.engine.block_pool import BlockPool
+from headroom.engine.prefix_cache import PrefixCache, hash_block_tokens
+from headroom.engine.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from headroom.engine.sequence import Sequence
 
 
 def two_bit_hash(parent: int | None, tokens: tuple[int, ...], extra: str | None) -> int:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from headroom.engine.loadgen.cli import add_arguments, run
 from headroom.engine.server.testing import ServerProcess, free_port
 

@@ -8,6 +8,10 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
 from headroom.engine.loadgen.client import LoadResult, RequestRecord, RunState, StatsSample
 from headroom.engine.loadgen.progress import ProgressBar, render_line
 from headroom.engine.loadgen.stats import (
@@ -18,9 +22,6 @@ from headroom.engine.loadgen.stats import (
     summarize_engine,
 )
 from headroom.engine.loadgen.workload import LengthDist, PromptFactory, WorkloadSpec
-from hypothesis import given
-from hypothesis import strategies as st
-from pydantic import ValidationError
 
 
 @given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), st.floats(0, 100))

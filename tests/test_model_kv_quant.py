@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from headroom.engine.attention import TorchBackend, allocate_layer_cache
 from headroom.engine.model import build_forward_batch, build_tiny
 

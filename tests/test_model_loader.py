@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from headroom.engine.model import (
     ByteTokenizer,
     IncrementalDetokenizer,

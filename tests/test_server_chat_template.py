@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from headroom.engine.server.chat_template import (
     ChatTemplateError,
     default_template,

@@ -14,6 +14,7 @@ from typing import Any
 
 import openai
 import pytest
+
 from headroom.engine.server.cli import main as server_main
 from headroom.engine.server.cli import parse_bytes
 from headroom.engine.server.testing import ServerProcess, free_port

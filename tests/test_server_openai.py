@@ -11,6 +11,7 @@ from typing import Any
 
 import openai
 import pytest
+
 from headroom.engine.server.chat_template import default_template
 from headroom.engine.server.testing import ServerProcess
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pydantic import BaseModel, ValidationError
+
 from headroom.engine.server.auth import bearer_token, key_matches
 from headroom.engine.server.errors import from_validation_error
 from headroom.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from headroom.engine.server.sse import encode_event
-from pydantic import BaseModel, ValidationError
 
 
 def _error(model: type[BaseModel], body: dict[str, Any]) -> tuple[str, str | None]:

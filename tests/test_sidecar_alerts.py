@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
 from headroom.sidecar.collector import SidecarCollector, make_registry
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.sources import parse_headroom_stats
 from headroom.sidecar.state import PollState
 from headroom.sidecar.synthetic import SyntheticEngine
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "charts" / "headroom" / "files" / "headroom-alerts.yaml"

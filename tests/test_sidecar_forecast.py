@@ -6,6 +6,9 @@ import math
 import random
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from headroom.sidecar.forecast import (
     counter_increase,
     counter_rate,
@@ -14,8 +17,6 @@ from headroom.sidecar.forecast import (
     saturation_eta,
     windowed_ratio,
 )
-from hypothesis import given
-from hypothesis import strategies as st
 
 
 @given(

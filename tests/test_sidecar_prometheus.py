@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 from aiohttp import ClientSession, ClientTimeout, web
 from aiohttp.test_utils import TestServer
+
 from headroom.sidecar.synthetic import SyntheticEngine
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 import pytest
 from aiohttp import ClientSession
 from aiohttp.test_utils import BaseTestServer, TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
 from headroom.sidecar.__main__ import main as sidecar_main
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.report import SaturationReport
 from headroom.sidecar.server import build_app
 from headroom.sidecar.synthetic import SyntheticEngine
-from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from headroom.engine.stats import STATS_SCHEMA_VERSION, TTFT_BUCKETS_S
 from headroom.sidecar.sources import GarbageError, parse_headroom_stats
 from headroom.sidecar.synthetic import SyntheticEngine

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.sources import parse_headroom_stats
 from headroom.sidecar.state import PollState, figures

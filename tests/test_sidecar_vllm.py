@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.server import build_app
 from headroom.sidecar.sources import GarbageError, parse_vllm_metrics
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 FIXTURES = Path(__file__).parent / "prometheus"
 # vLLM v1's own bucket choices for these two histograms.

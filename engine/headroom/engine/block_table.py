@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 import torch
+
 from headroom.engine.scheduler import ScheduledSeq
 from headroom.engine.sequence import Sequence
 

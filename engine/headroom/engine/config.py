@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from headroom.engine.attention.base import KVDtype
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from headroom.engine.attention.base import KVDtype
 
 # The CPU pool size when neither num_blocks nor kv_cache_memory_bytes is given.
 DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024

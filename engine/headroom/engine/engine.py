@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import torch
+
 from headroom.engine.attention import select_backend
 from headroom.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from headroom.engine.model.loader import LoadedModel, load_model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from headroom.engine.attention.base import (
     AttentionBackend,
     KVDtype,

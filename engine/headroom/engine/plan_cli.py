@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from headroom.engine.budget import (
     GIB,
     GPU_PRESETS,
@@ -18,7 +20,6 @@ from headroom.engine.budget import (
     model_preset,
     plan,
 )
-from pydantic import ValidationError
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from headroom.engine.block_pool import BlockPool
 from headroom.engine.budget import KVCacheDtype, ModelArch, Plan, kv_bytes_per_block
 from headroom.engine.prefix_cache import (
@@ -35,7 +37,6 @@ from headroom.engine.prefix_cache import (
 )
 from headroom.engine.sequence import Sequence, SequenceStatus
 from headroom.engine.stats import KVBlockStats, PrefixCacheStats, RequestStats, SchedulerStats
-from pydantic import BaseModel, ConfigDict, Field
 
 _WAITING = SequenceStatus.WAITING
 _RUNNING = SequenceStatus.RUNNING

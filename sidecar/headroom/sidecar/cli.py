@@ -10,8 +10,9 @@ import os
 import signal
 import sys
 
-from headroom.sidecar.config import IdentityLabels, SidecarConfig
 from pydantic import ValidationError
+
+from headroom.sidecar.config import IdentityLabels, SidecarConfig
 
 log = logging.getLogger("headroom.sidecar")
 

@@ -21,9 +21,6 @@ import math
 import time
 from collections.abc import Callable, Iterator
 
-from headroom.sidecar.config import SidecarConfig
-from headroom.sidecar.sources import HistogramReading
-from headroom.sidecar.state import Figures, PollState, figures
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -31,6 +28,10 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 from prometheus_client.registry import CollectorRegistry
+
+from headroom.sidecar.config import SidecarConfig
+from headroom.sidecar.sources import HistogramReading
+from headroom.sidecar.state import Figures, PollState, figures
 
 LABEL_NAMES = ("model", "namespace", "inferencedeployment", "pod")
 

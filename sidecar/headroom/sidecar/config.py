@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Self
 from urllib.parse import urlsplit, urlunsplit
 
-from headroom.sidecar.sources import SourceKind
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from headroom.sidecar.sources import SourceKind
 
 DEFAULT_PATHS: dict[str, str] = {"headroom": "/stats", "vllm": "/metrics"}
 

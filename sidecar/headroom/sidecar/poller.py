@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 import aiohttp
+
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.sources import (
     EngineReading,

@@ -9,9 +9,10 @@ from __future__ import annotations
 import time
 from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.state import Figures, finite_or_none
-from pydantic import BaseModel, ConfigDict, Field
 
 SATURATION_REPORT_VERSION: Literal[1] = 1
 

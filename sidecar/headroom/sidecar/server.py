@@ -14,12 +14,13 @@ from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 from aiohttp import web
+from prometheus_client.exposition import generate_latest
+
 from headroom.sidecar.collector import SidecarCollector, make_registry
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.poller import Poller
 from headroom.sidecar.report import build_report
 from headroom.sidecar.state import PollState, figures
-from prometheus_client.exposition import generate_latest
 
 log = logging.getLogger("headroom.sidecar")
 

@@ -14,10 +14,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from headroom.engine.stats import STATS_SCHEMA_VERSION, Histogram, StatsSnapshot
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
+
+from headroom.engine.stats import STATS_SCHEMA_VERSION, Histogram, StatsSnapshot
 
 SourceKind = Literal["headroom", "vllm"]
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from aiohttp import web
+
 from headroom.engine.stats import (
     TPOT_BUCKETS_S,
     TTFT_BUCKETS_S,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+
 from headroom.engine.attention.base import (
     AttentionBackend,
     KVDtype,

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+
 from headroom.engine.attention.base import KVDtype, LayerKVCache
 from headroom.engine.kernels import compile as kc
 

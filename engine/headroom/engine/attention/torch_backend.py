@@ -20,6 +20,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+
 from headroom.engine import quant
 from headroom.engine.attention.base import LayerKVCache
 

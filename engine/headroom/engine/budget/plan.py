@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from headroom.engine.budget.arch import ModelArch
 from headroom.engine.budget.memory import (
     GIB,
@@ -18,7 +20,6 @@ from headroom.engine.budget.memory import (
     weights_bytes,
     weights_bytes_per_gpu,
 )
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Binding = Literal["kv-cache", "max-num-seqs", "weights", "context"]
 

@@ -9,11 +9,12 @@ import os
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from headroom.engine.loadgen.client import LoadResult, RunState, Target, run_load
 from headroom.engine.loadgen.progress import ProgressBar
 from headroom.engine.loadgen.stats import records_csv, render_summary, summarize
 from headroom.engine.loadgen.workload import LengthDist, WorkloadSpec
-from pydantic import ValidationError
 
 DISTS = ["fixed", "uniform", "normal", "exponential"]
 

@@ -11,8 +11,9 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import aiohttp
-from headroom.engine.loadgen.workload import PromptFactory, RequestSpec, WorkloadSpec
 from pydantic import BaseModel, ConfigDict
+
+from headroom.engine.loadgen.workload import PromptFactory, RequestSpec, WorkloadSpec
 
 Endpoint = Literal["completions", "chat"]
 

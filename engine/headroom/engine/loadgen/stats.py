@@ -10,8 +10,9 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-from headroom.engine.loadgen.client import LoadResult, RequestRecord, StatsSample
 from pydantic import BaseModel
+
+from headroom.engine.loadgen.client import LoadResult, RequestRecord, StatsSample
 
 PERCENTILES = (50, 95, 99)
 

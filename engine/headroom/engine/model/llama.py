@@ -11,11 +11,12 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from headroom.engine.attention.base import AttentionBackend, LayerKVCache
 from headroom.engine.model.batch import ForwardBatch
 from headroom.engine.model.config import ModelConfig
 from headroom.engine.model.rope import apply_rope, cos_sin, inverse_frequencies
-from torch import nn
 
 # Parameters some checkpoints carry that this implementation recomputes instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from headroom.engine.model.config import ModelConfig, from_hf_dict
 from headroom.engine.model.llama import LlamaForCausalLM
 from headroom.engine.model.tiny import TINY_NAME, build_tiny

@@ -4,6 +4,7 @@ byte-level vocabulary, so the demo and tests run with no files and no downloads.
 from __future__ import annotations
 
 import torch
+
 from headroom.engine.model.config import ModelConfig, RopeConfig
 from headroom.engine.model.llama import LlamaForCausalLM
 from headroom.engine.model.tokenizer import ByteTokenizer

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from headroom.engine.server.auth import auth_middleware
 from headroom.engine.server.chat_template import ChatTemplate, ChatTemplateError
 from headroom.engine.server.errors import APIError, from_validation_error
@@ -46,7 +48,6 @@ from headroom.engine.server.protocol import (
     now,
 )
 from headroom.engine.server.sse import SSEWriter
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 log = logging.getLogger("headroom.server")
 

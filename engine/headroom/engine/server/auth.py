@@ -6,6 +6,7 @@ import hmac
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+
 from headroom.engine.server.errors import error_response
 
 API_KEY_ENV = "HEADROOM_API_KEY"

@@ -10,11 +10,12 @@ import os
 import re
 import sys
 
+from pydantic import ValidationError
+
 from headroom.engine.config import EngineConfig
 from headroom.engine.server.app import DEFAULT_MAX_BODY_BYTES, ServerSettings
 from headroom.engine.server.auth import API_KEY_ENV
 from headroom.engine.server.runner import ListenConfig, serve
-from pydantic import ValidationError
 
 _UNITS = {
     "": 1,

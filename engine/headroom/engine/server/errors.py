@@ -6,8 +6,9 @@ import re
 from typing import Any
 
 from aiohttp import web
-from headroom.engine.server.protocol import ErrorInfo, ErrorResponse
 from pydantic import ValidationError
+
+from headroom.engine.server.protocol import ErrorInfo, ErrorResponse
 
 # OpenAI's `type` for each status; the official client picks its exception class from the status.
 _TYPES = {

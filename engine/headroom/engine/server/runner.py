@@ -16,6 +16,8 @@ import sys
 from typing import Any, TextIO
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from headroom.engine.async_engine import AsyncEngine, EngineClosed
 from headroom.engine.budget import ModelArch
 from headroom.engine.config import EngineConfig
@@ -24,7 +26,6 @@ from headroom.engine.scheduler import RequestRejected
 from headroom.engine.server.app import ServerSettings, ServerState, create_app
 from headroom.engine.server.budget_report import BudgetReport, budget_kv_dtype
 from headroom.engine.server.chat_template import load_chat_template
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 log = logging.getLogger("headroom.server")
 
