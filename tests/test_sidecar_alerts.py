@@ -25,7 +25,7 @@ from headroom.sidecar.synthetic import SyntheticEngine
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "charts" / "headroom" / "files" / "headroom-alerts.yaml"
 RULE_TESTS = ROOT / "tests" / "prometheus" / "alerts_test.yaml"
-RUNBOOK = ROOT / "docs" / "alerts.md"
+RUNBOOK = ROOT / "README.md"
 ALERTS = {
     "HeadroomKVSaturationImminent",
     "HeadroomKVSaturated",
@@ -80,7 +80,7 @@ def test_every_alert_is_documented_and_unit_tested() -> None:
         assert {"summary", "description", "runbook"} <= set(annotations), rule["alert"]
         anchor = str(annotations["runbook"]).split("#", 1)[1]
         assert anchor == str(rule["alert"]).lower()
-        assert re.search(rf"^## {rule['alert']}$", runbook, re.M), f"{rule['alert']} runbook"
+        assert re.search(rf"^### {rule['alert']}$", runbook, re.M), f"{rule['alert']} runbook"
         assert rule["labels"]["severity"] in {"critical", "warning", "info"}  # type: ignore[index]
 
 

@@ -30,7 +30,7 @@ CONTRACT = {
     "headroom_time_to_first_token_seconds": "histogram",
     "headroom_time_per_output_token_seconds": "histogram",
 }
-# Beyond the contract, each justified in collector.py / docs/alerts.md.
+# Beyond the contract, each justified in collector.py / README.md, "Alerts and runbook".
 EXTRA = {
     "headroom_sidecar_poll_errors": "counter",
     "headroom_sidecar_engine_restarts": "counter",
