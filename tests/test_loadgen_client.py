@@ -34,7 +34,7 @@ def test_ramped_shared_prefix_run_reports_latency_and_kv(
 ) -> None:
     out_json, out_csv = tmp_path / "run.json", tmp_path / "run.csv"
     code = _load(
-        "--url", server.url, "-n", "16", "-c", "1", "--ramp-to", "4", "--ramp-duration", "1.5",
+        "--url", server.url, "-n", "16", "-c", "1", "--ramp-to", "4", "--ramp-duration", "0.3",
         "--prompt-len", "48", "--output-len", "8", "--shared-prefix-fraction", "0.5",
         "--prefix-len", "64", "--seed", "5", "--json", str(out_json), "--csv", str(out_csv),
     )  # fmt: skip
