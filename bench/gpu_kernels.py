@@ -80,17 +80,6 @@ def compile_table() -> None:
 # ---------------------------------------------------------------- fp32 reference
 
 
-def dequantized(cache: LayerKVCache) -> tuple[torch.Tensor, torch.Tensor]:
-    k, v = cache.key.float(), cache.value.float()
-    if cache.kv_dtype == "fp8":
-        assert cache.k_scale is not None and cache.v_scale is not None
-        return k * cache.k_scale[None, None, :, None], v * cache.v_scale[None, None, :, None]
-    if cache.kv_dtype == "int8":
-        assert cache.k_scale is not None and cache.v_scale is not None
-        return k * cache.k_scale[..., None], v * cache.v_scale[..., None]
-    return k, v
-
-
 def reference_decode(
     query: torch.Tensor,
     k_all: torch.Tensor,
@@ -254,9 +243,9 @@ def correctness(
         p = make_paged(lens, bs, hkv, g, d, kv, gen, backend, dev)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
         scale = 1 / math.sqrt(d)
-        kq, vq = dequantized(p.cache)
+        kq, vq = p.cache.dequantized()
         ref_q = reference_decode(p.query, kq, vq, lens, p.table, bs, scale)
-        kp, vp = dequantized(p.plain)
+        kp, vp = p.plain.dequantized()
         ref_plain = reference_decode(p.query, kp, vp, lens, p.table, bs, scale)
         quant_err = rel_err(ref_q, ref_plain)
         worst = 0.0
@@ -306,7 +295,7 @@ def correctness(
     query = torch.randn(sum(chunk), 32, 128, generator=gen, device=dev).bfloat16()
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
     out = backend.prefill(query, p.cache, qsl, seq_lens, p.table, 0.088)
-    k_all, v_all = dequantized(p.cache)
+    k_all, v_all = p.cache.dequantized()
     row_lens = [prefix + k + 1 for k in range(c0)] + [k + 1 for k in range(c1)]
     rows_seq = [0] * c0 + [1] * c1
     table_rows = p.table[torch.tensor(rows_seq, device=dev)]

@@ -257,18 +257,6 @@ def runner(request: pytest.FixtureRequest) -> Runner:
 # ---------------------------------------------------------------- fp32 reference
 
 
-def dequantized(cache: LayerKVCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 K and V as the kernels must see them (stored value * scale)."""
-    k, v = cache.key.float(), cache.value.float()
-    if cache.kv_dtype == "fp8":
-        assert cache.k_scale is not None and cache.v_scale is not None
-        return k * cache.k_scale[None, None, :, None], v * cache.v_scale[None, None, :, None]
-    if cache.kv_dtype == "int8":
-        assert cache.k_scale is not None and cache.v_scale is not None
-        return k * cache.k_scale[..., None], v * cache.v_scale[..., None]
-    return k, v
-
-
 def reference_rows(
     query: torch.Tensor,
     cache: LayerKVCache,
@@ -278,7 +266,7 @@ def reference_rows(
     scale: float,
 ) -> torch.Tensor:
     """Attention of each query row over the first row_lens[r] tokens of its sequence."""
-    k_all, v_all = dequantized(cache)
+    k_all, v_all = cache.dequantized()
     bs, hkv, d = cache.block_size, cache.num_kv_heads, cache.head_dim
     k_flat, v_flat = k_all.reshape(-1, hkv, d), v_all.reshape(-1, hkv, d)
     heads = query.shape[1]

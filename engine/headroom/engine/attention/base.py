@@ -24,6 +24,8 @@ from typing import Literal, Protocol
 
 import torch
 
+from headroom.engine import quant
+
 KVDtype = Literal["auto", "fp8", "int8"]
 
 
@@ -52,6 +54,13 @@ class LayerKVCache:
     @property
     def head_dim(self) -> int:
         return int(self.key.shape[3])
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cache as fp32 (K, V): stored value * scale, as every backend reads it."""
+        return (
+            quant.dequantize(self.key, self.kv_dtype, self.k_scale),
+            quant.dequantize(self.value, self.kv_dtype, self.v_scale),
+        )
 
 
 def storage_dtype(kv_dtype: KVDtype, model_dtype: torch.dtype) -> torch.dtype:

@@ -104,16 +104,20 @@ class Plan(BaseModel):
     alternatives: list[Alternative] = []
 
 
+def _reserve(inp: PlanInput) -> int:
+    """Per-GPU activation reserve: the input's override, else the model's estimate."""
+    if inp.activation_reserve_bytes is not None:
+        return inp.activation_reserve_bytes
+    return activation_reserve_bytes(inp.model, inp.tp, inp.max_num_batched_tokens)
+
+
 def _capacity(inp: PlanInput, kv_dtype: KVCacheDtype, prefix_hit: float) -> tuple[int, int, int]:
     """(usable KV bytes per GPU, blocks per pod, sequences per pod before the max_num_seqs cap)."""
     arch = inp.model
-    reserve = inp.activation_reserve_bytes
-    if reserve is None:
-        reserve = activation_reserve_bytes(arch, inp.tp, inp.max_num_batched_tokens)
     usable = usable_kv_bytes_per_gpu(
         inp.gpu_memory_bytes,
         weights_bytes_per_gpu(arch, inp.tp, inp.pp),
-        reserve,
+        _reserve(inp),
         inp.gpu_memory_utilization,
     )
     block = kv_bytes_per_block(arch, inp.block_size, kv_dtype, inp.tp, inp.pp)
@@ -125,9 +129,7 @@ def plan(inp: PlanInput) -> Plan:
     """Size a deployment; an infeasible input yields `feasible=False` with the reason."""
     arch = inp.model
     kv_dtype = inp.resolved_kv_dtype
-    reserve = inp.activation_reserve_bytes
-    if reserve is None:
-        reserve = activation_reserve_bytes(arch, inp.tp, inp.max_num_batched_tokens)
+    reserve = _reserve(inp)
     usable, blocks, seqs = _capacity(inp, kv_dtype, inp.prefix_hit)
     per_token = kv_bytes_per_token(arch, kv_dtype)
     per_token_gpu = kv_bytes_per_token(arch, kv_dtype, inp.tp, inp.pp)
