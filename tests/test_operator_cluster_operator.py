@@ -172,8 +172,25 @@ def levels() -> Levels:
     return Levels()
 
 
+def terminating_test_namespaces(cluster: Cluster) -> list[str]:
+    """Test namespaces (t-*) still being deleted, e.g. by an earlier test module."""
+    items = json.loads(cluster.kubectl("get", "namespaces", "-o", "json").stdout)["items"]
+    return [
+        ns["metadata"]["name"]
+        for ns in items
+        if ns["metadata"]["name"].startswith("t-") and ns["status"].get("phase") == "Terminating"
+    ]
+
+
 @pytest.fixture(scope="module")
-def operator(operator_kubeconfig: Path, levels: Levels) -> Iterator[InProcessOperator]:
+def operator(
+    cluster: Cluster, operator_kubeconfig: Path, levels: Levels
+) -> Iterator[InProcessOperator]:
+    # Earlier modules delete their namespaces without waiting. An operator started among their
+    # dying objects adopts them (finalizer, failing applies into a terminating namespace) and
+    # that interference has delayed this module's first reconcile past its timeout in CI.
+    eventually("earlier test namespaces to finish terminating",
+               lambda: not terminating_test_namespaces(cluster), timeout=120)  # fmt: skip
     op = InProcessOperator(operator_kubeconfig, levels)
     op.start()
     yield op
