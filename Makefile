@@ -1,4 +1,5 @@
-# headroom: every target installs what it needs (into the shared venv under ~/.cache/headroom).
+# headroom: every target installs what it needs: this checkout's .venv, exactly as uv.lock says
+# (packages hard-linked from the shared cache under ~/.cache/headroom).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 VENV := .venv
@@ -7,23 +8,28 @@ CACHE ?= $(HOME)/.cache/headroom
 export HEADROOM_CACHE := $(CACHE)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv demo test lint unit bench crd tools e2e
+.PHONY: help venv lock demo test lint unit bench crd tools e2e
 help:
 	@echo "make demo   run the planner, the CPU engine with the tiny model, the sidecar and the autoscaler"
 	@echo "make test   lint, type-check and run every test (builds the test control plane on first run)"
 	@echo "make bench  run the benchmarks under bench/ and print their tables"
 	@echo "make e2e    end-to-end scenarios on the real control plane"
+	@echo "make lock   re-resolve uv.lock after editing the ranges in pyproject.toml"
 
 venv:
 	@scripts/venv.sh
 
+# The only step that resolves versions; everything else installs the lock as it is.
+lock:
+	@UV_CACHE_DIR=$(CACHE)/uv UV_PYTHON_DOWNLOADS=never "$$(scripts/uv.sh)" lock --python python3.11
+
 demo: venv
-	@$(PY) -m headroom.demo
+	@$(PY) scripts/demo.py
 
 lint: venv
-	$(VENV)/bin/ruff check engine sidecar operator tests bench e2e
-	$(VENV)/bin/ruff format --check engine sidecar operator tests bench e2e
-	$(VENV)/bin/mypy engine/headroom sidecar/headroom operator/headroom
+	$(VENV)/bin/ruff check engine sidecar operator tests bench e2e scripts
+	$(VENV)/bin/ruff format --check engine sidecar operator tests bench e2e scripts
+	$(VENV)/bin/mypy engine/headroom sidecar/headroom operator/headroom scripts/demo.py
 
 # Debian packages the tests use (Prometheus and promtool, etcd); idempotent and quiet when present.
 tools:

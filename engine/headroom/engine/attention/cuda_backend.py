@@ -450,8 +450,7 @@ def cuda_available() -> bool:
     try:
         if cupy.cuda.runtime.getDeviceCount() < 1:
             return False
-        kc.load_nvrtc()
-        kc.cuda_include_dir()
+        kc.toolchain()
     except Exception:  # no driver, no device or no toolchain all mean "not available"
         return False
     return True

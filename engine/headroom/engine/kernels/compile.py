@@ -12,6 +12,10 @@ a later dlopen of the soname then returns the loaded copy) and retries. NVRTC ha
 include path, so the fp16/bf16/fp8 headers come from the `nvidia-cuda-runtime` wheel's
 include folder (found the same way) passed with `-I`. `ptxas`, only used to report registers
 and spills, comes from the optional `nvidia-cuda-nvcc` wheel.
+
+NVRTC, the headers and ptxas must be one CUDA release: NVRTC 12.8 reading the 13.5 headers
+fails deep inside `cuda_fp8.hpp`, so `toolchain()` compares the versions first and refuses with
+one line naming both (uv.lock holds all three, and torch's CUDA, to the same release).
 """
 
 from __future__ import annotations
@@ -199,6 +203,69 @@ def cuda_include_dir() -> Path:
     )
 
 
+_VERSION_DEFINES = (
+    ("cuda_runtime_api.h", re.compile(r"#define\s+CUDART_VERSION\s+(\d+)")),
+    ("cuda.h", re.compile(r"#define\s+CUDA_VERSION\s+(\d+)")),
+)
+
+
+def header_cuda_version(include_dir: Path) -> tuple[int, int]:
+    """The CUDA release of an include folder, from `CUDART_VERSION` (13020 is 13.2)."""
+    for header, pattern in _VERSION_DEFINES:
+        path = include_dir / header
+        if path.is_file() and (m := pattern.search(path.read_text(errors="replace"))):
+            number = int(m.group(1))
+            return number // 1000, number % 1000 // 10
+    raise KernelCompileError(
+        f"cannot tell the CUDA release of the headers in {include_dir}: "
+        "neither cuda_runtime_api.h nor cuda.h defines its version"
+    )
+
+
+def ptxas_version(exe: Path) -> tuple[int, int]:
+    """The CUDA release of a `ptxas` binary, from `ptxas --version`."""
+    proc = subprocess.run(
+        [str(exe), "--version"], capture_output=True, text=True, timeout=60, check=False
+    )
+    m = re.search(r"release (\d+)\.(\d+)", proc.stdout)
+    if proc.returncode != 0 or m is None:
+        raise KernelCompileError(f"cannot tell the version of {exe}: {proc.stderr.strip()}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _dotted(version: tuple[int, int]) -> str:
+    return f"{version[0]}.{version[1]}"
+
+
+def check_same_release(what: str, version: tuple[int, int], nvrtc: tuple[int, int]) -> None:
+    """Refuse a CUDA component of another release than NVRTC's, in one line naming both."""
+    if version != nvrtc:
+        raise KernelCompileError(
+            f"CUDA release mismatch: NVRTC is {_dotted(nvrtc)} but {what} is {_dotted(version)}; "
+            "install one CUDA release for both (uv.lock pins them together: run make venv)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Toolchain:
+    """The NVRTC and headers a compile uses, checked to be one CUDA release."""
+
+    nvrtc: tuple[int, int]
+    include_dir: Path
+
+    def describe(self) -> str:
+        return f"NVRTC {_dotted(self.nvrtc)}, CUDA {_dotted(self.nvrtc)} headers in {self.include_dir}"
+
+
+@cache
+def toolchain() -> Toolchain:
+    """NVRTC and the include folder, refused (`KernelCompileError`) unless one CUDA release."""
+    nvrtc = nvrtc_version()
+    include = cuda_include_dir()
+    check_same_release(f"the headers in {include}", header_cuda_version(include), nvrtc)
+    return Toolchain(nvrtc=nvrtc, include_dir=include)
+
+
 def nvrtc_options(arch: str) -> list[str]:
     """Compile flags for `arch` (`compute_90` for PTX, `sm_90` for a CUBIN)."""
     if not re.fullmatch(r"(compute|sm)_\d+a?", arch):
@@ -206,7 +273,7 @@ def nvrtc_options(arch: str) -> list[str]:
     return [
         f"--gpu-architecture={arch}",
         "--std=c++17",
-        f"-I{cuda_include_dir()}",
+        f"-I{toolchain().include_dir}",
         f"-I{KERNEL_DIR}",
     ]
 
@@ -268,6 +335,7 @@ def ptxas_usage(ptx: str, gpu_name: str, ptxas: Path | None = None) -> list[Regi
     exe = ptxas or find_ptxas()
     if exe is None:
         raise FileNotFoundError("ptxas not found (pip install nvidia-cuda-nvcc)")
+    check_same_release(f"ptxas ({exe})", ptxas_version(exe), toolchain().nvrtc)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernels.ptx"
         src.write_text(ptx)

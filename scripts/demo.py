@@ -1,9 +1,10 @@
-"""`make demo` (`python -m headroom.demo`): the whole loop on one CPU in about a minute.
+"""`make demo` (`python scripts/demo.py`): the whole loop on one CPU in about a minute.
 
 1. `headroom plan` for two worked examples (what KV arithmetic says about real deployments).
 2. `headroom serve` on the built-in tiny model with a deliberately small KV pool.
-3. The sidecar polling it, and the operator's scaling decision on the sidecar's report
-   (each skipped with a note when that part is not installed).
+3. The sidecar polling it, and the operator's scaling decision on the sidecar's report: the
+   operator's own `sample_from_report`, `policy_for` (the CRD's scaling defaults) and `decide`.
+   A part that fails stops the demo with its error; nothing is skipped.
 4. `headroom load` ramping concurrency past what the pool holds.
 5. The plan for this pod next to what was measured: peak occupancy, prefix hit ratio,
    preemptions, and the latency at each concurrency step.
@@ -24,12 +25,28 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-from headroom.engine.budget import Plan, PlanInput, gpu_preset, model_preset, plan
+from headroom.engine.budget import (
+    ModelArch,
+    Plan,
+    PlanInput,
+    gpu_preset,
+    kv_bytes_per_block,
+    model_preset,
+    plan,
+)
 from headroom.engine.loadgen.client import LoadResult, Target, run_load
 from headroom.engine.loadgen.progress import ProgressBar
 from headroom.engine.loadgen.stats import LoadSummary, render_summary, summarize
 from headroom.engine.loadgen.workload import LengthDist, WorkloadSpec
+from headroom.engine.model.tiny import build_tiny
+from headroom.engine.plan_cli import render_plan
 from headroom.engine.server.testing import ServerProcess, free_port
+from headroom.operator.decide import Inputs, PodView, decide
+from headroom.operator.metrics_sources import sample_from_report
+from headroom.operator.models import InferenceDeploymentSpec
+from headroom.operator.scaling import policy_for
+from headroom.operator.sizing import Sizing
+from headroom.sidecar.report import SaturationReport
 
 # The demo pod: a pool that holds about 7 of the ramp's sequences, so the ramp to 24 hits it.
 BLOCK_SIZE = 16
@@ -53,14 +70,6 @@ def _section(title: str) -> None:
     print(f"\n=== {title} ", "=" * max(0, 74 - len(title)), sep="", flush=True)
 
 
-def _render(p: Plan) -> str:
-    try:
-        from headroom.engine.plan_cli import render_plan
-    except ImportError:
-        return p.model_dump_json(indent=2)
-    return str(render_plan(p))
-
-
 def worked_examples() -> None:
     """Print the plan of each worked example."""
     for title, model, gpu_name, tp, conc, ctx in EXAMPLES:
@@ -75,7 +84,7 @@ def worked_examples() -> None:
         )
         print(f"\n$ headroom plan --model {model} --gpu {gpu_name} --tp {tp} "
               f"--concurrency {conc} --context {ctx}   # {title}")  # fmt: skip
-        print(_render(plan(inp)))
+        print(render_plan(plan(inp)))
 
 
 def _get_json(url: str, timeout: float = 2.0) -> Any:
@@ -123,18 +132,12 @@ def _process(args: list[str]) -> Iterator[subprocess.Popen[str]]:
                     proc.wait()
 
 
-def pod_plan(peak_concurrency: int) -> Plan | None:
-    """The plan for this demo pod: the tiny model, with exactly its KV pool as 'GPU memory'."""
-    try:
-        from headroom.engine.model.tiny import build_tiny
-    except ImportError:
-        return None
-    from headroom.engine.budget import ModelArch, kv_bytes_per_block
-
+def tiny_arch() -> ModelArch:
+    """The built-in tiny model's architecture, as the budget model sees it."""
     model, _ = build_tiny()
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
-    arch = ModelArch(
+    return ModelArch(
         name="tiny",
         num_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
@@ -147,6 +150,12 @@ def pod_plan(peak_concurrency: int) -> Plan | None:
         num_parameters=params,
         weight_dtype="fp32",
     )
+
+
+def pod_plan(peak_concurrency: int) -> Plan:
+    """The plan for this demo pod: the tiny model, with exactly its KV pool as 'GPU memory'."""
+    arch = tiny_arch()
+    params = arch.num_parameters
     pool = NUM_BLOCKS * kv_bytes_per_block(arch, BLOCK_SIZE, "fp32")
     inp = PlanInput(
         model=arch,
@@ -162,47 +171,46 @@ def pod_plan(peak_concurrency: int) -> Plan | None:
     return plan(inp)
 
 
-def autoscaling_decision(report: dict[str, Any], blocks_per_seq: float) -> str:
-    """Feed the sidecar's `/saturation` report into the operator's decide(); a note if absent."""
-    try:
-        from headroom.operator import decide as d
-    except ImportError as e:
-        return f"(skipped: headroom.operator.decide not available: {e})"
-    try:
-        sample = d.PodSample(
-            occupancy=float(report.get("occupancy") or 0.0),
-            sampled_at=float(report.get("time") or time.time()),
-            eta_seconds=report.get("eta_seconds"),
-            waiting=int(report.get("waiting") or 0),
-            running=int(report.get("running") or 0),
-            preemption_rate=float(report.get("preemption_rate_per_second") or 0.0),
-            hit_ratio=report.get("hit_ratio"),
-            used_blocks=report.get("used_blocks"),
-            capacity_blocks=report.get("capacity_blocks"),
-            growth_blocks_per_second=report.get("growth_blocks_per_second"),
-            engine_up=bool(report.get("engine_up", True)),
-        )
-        now = time.time()
-        pod = d.PodView(name="demo-0", ready=True, created_at=now - 600, sample=sample)
-        policy = d.Policy(
-            min_replicas=1, max_replicas=8, blocks_per_pod=NUM_BLOCKS,
-            blocks_per_sequence=blocks_per_seq, lookahead_seconds=60.0,
-        )  # fmt: skip
-        dec = d.decide(d.Inputs(now=now, current_replicas=1, pods=(pod,), policy=policy))
-    except (AttributeError, TypeError, ValueError) as e:
-        return f"(skipped: headroom.operator.decide has a different API: {e})"
+def demo_spec(peak_concurrency: int) -> InferenceDeploymentSpec:
+    """The InferenceDeployment a user would write for this pod (scaling left at the defaults)."""
+    arch = tiny_arch()
+    return InferenceDeploymentSpec.model_validate(
+        {
+            "model": {
+                "numLayers": arch.num_layers,
+                "numAttentionHeads": arch.num_attention_heads,
+                "numKVHeads": arch.num_kv_heads,
+                "headDim": arch.head_dim,
+                "hiddenSize": arch.hidden_size,
+                "vocabSize": arch.vocab_size,
+                "parameterCount": arch.num_parameters,
+            },
+            "gpu": {"memoryGiB": 1},
+            "engine": {"blockSize": BLOCK_SIZE, "maxModelLen": MAX_MODEL_LEN},
+            "traffic": {
+                "peakConcurrency": peak_concurrency,
+                "contextTokens": PREFIX_TOKENS + PROMPT_TOKENS + OUTPUT_TOKENS,
+                "prefixHitRatio": SHARED_FRACTION * PREFIX_TOKENS / (PREFIX_TOKENS + PROMPT_TOKENS),
+            },
+        }
+    )
+
+
+def autoscaling_decision(report: dict[str, Any], pod: Plan, peak_concurrency: int) -> str:
+    """The operator's decision on the sidecar's `/saturation` report, as its scaling loop makes
+    it: the same parsing, the policy of a CR with default scaling, and `decide()`."""
+    sample = sample_from_report(SaturationReport.model_validate(report))
+    if sample is None:
+        raise RuntimeError(f"the sidecar's report carries no occupancy: {report}")
+    sizing = Sizing(plan=pod, feasible=True, reason=None, max_model_len=MAX_MODEL_LEN)
+    policy = policy_for(demo_spec(peak_concurrency), sizing)
+    now = time.time()
+    view = PodView(name="demo-0", ready=True, created_at=now - 600, sample=sample)
+    dec = decide(Inputs(now=now, current_replicas=1, pods=(view,), policy=policy))
     return f"decide(): {dec.action} to {dec.replicas} replicas ({dec.reason}): {dec.message}"
 
 
-def _sidecar_available() -> bool:
-    try:
-        import headroom.sidecar.server  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-async def _ramp(url: str, sidecar_url: str | None) -> tuple[LoadResult, list[dict[str, Any]]]:
+async def _ramp(url: str, sidecar_url: str) -> tuple[LoadResult, list[dict[str, Any]]]:
     spec = WorkloadSpec(
         duration_s=LOAD_SECONDS,
         concurrency=RAMP[0],
@@ -218,7 +226,7 @@ async def _ramp(url: str, sidecar_url: str | None) -> tuple[LoadResult, list[dic
     reports: list[dict[str, Any]] = []
 
     async def watch_sidecar() -> None:
-        while sidecar_url:
+        while True:
             with contextlib.suppress(OSError, ValueError):
                 reports.append(await asyncio.to_thread(_get_json, sidecar_url + "/saturation"))
             await asyncio.sleep(1.0)
@@ -240,19 +248,17 @@ async def _ramp(url: str, sidecar_url: str | None) -> tuple[LoadResult, list[dic
     return result, reports
 
 
-def closing_table(p: Plan | None, s: LoadSummary) -> str:
+def closing_table(p: Plan, s: LoadSummary) -> str:
     """The plan for this pod next to the measurements."""
     e = s.engine
-    rows: list[tuple[str, str]] = []
-    if p is not None:
-        rows += [
-            ("planned KV pool", f"{p.kv_blocks_per_pod:,} blocks = {p.kv_tokens_per_pod:,} tokens "
-                                f"({p.kv_bytes_per_gpu / 2**20:.1f} MiB, "
-                                f"{p.kv_bytes_per_token:,} B/token)"),
-            ("planned sequences/pod", f"{p.sequences_per_pod} at {p.context} tokens "
-                                      "(no prefix sharing)"),
-            ("replicas for the peak", f"{p.replicas} for {p.concurrency} concurrent sequences"),
-        ]  # fmt: skip
+    rows: list[tuple[str, str]] = [
+        ("planned KV pool", f"{p.kv_blocks_per_pod:,} blocks = {p.kv_tokens_per_pod:,} tokens "
+                            f"({p.kv_bytes_per_gpu / 2**20:.1f} MiB, "
+                            f"{p.kv_bytes_per_token:,} B/token)"),
+        ("planned sequences/pod", f"{p.sequences_per_pod} at {p.context} tokens "
+                                  "(no prefix sharing)"),
+        ("replicas for the peak", f"{p.replicas} for {p.concurrency} concurrent sequences"),
+    ]  # fmt: skip
     if e is not None:
         hit = "-" if e.hit_ratio is None else f"{e.hit_ratio:.1%}"
         rows += [
@@ -262,14 +268,14 @@ def closing_table(p: Plan | None, s: LoadSummary) -> str:
             ("measured preemptions", f"{e.preemptions} (peak waiting {e.peak_waiting})"),
         ]  # fmt: skip
     else:
-        rows.append(("measured", "(engine /stats was not reachable)"))
+        raise RuntimeError("the engine's /stats was not reachable during the load")
     rows.append(("TTFT p50 / p99", f"{s.ttft.p50 * 1000:,.0f} / {s.ttft.p99 * 1000:,.0f} ms"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
 def main() -> int:
-    """Run the demo; exit 0 when every step that is installed ran."""
+    """Run the demo; exit 0 when every step ran and the load saw no errors."""
     t_start = time.monotonic()
     _section("1. headroom plan: two worked examples")
     worked_examples()
@@ -286,26 +292,19 @@ def main() -> int:
         for line in server.lines:
             print("  " + line, flush=True)
         budget = next((ln for ln in server.lines if "budget:" in ln), "")
+        pod = pod_plan(RAMP[1])
 
         _section("3. sidecar and autoscaler")
-        sidecar_url: str | None = None
         stack = contextlib.ExitStack()
-        if _sidecar_available():
-            sport = free_port()
-            sidecar_url = f"http://127.0.0.1:{sport}"
-            side = stack.enter_context(
-                _process(["-m", "headroom.sidecar", "--engine-url", url, "--host", "127.0.0.1",
-                          "--port", str(sport), "--interval", "0.5",
-                          "--timeout", "0.4", "--forecast-window", "10"])
-            )  # fmt: skip
-            try:
-                _wait_ready(sidecar_url + "/saturation", side, "headroom sidecar", timeout=30)
-                print(f"  sidecar polling {url}/stats, serving {sidecar_url}/metrics", flush=True)
-            except RuntimeError as e:
-                print(f"  (sidecar skipped: {e})", flush=True)
-                sidecar_url = None
-        else:
-            print("  (sidecar skipped: headroom.sidecar.server is not installed)", flush=True)
+        sport = free_port()
+        sidecar_url = f"http://127.0.0.1:{sport}"
+        side = stack.enter_context(
+            _process(["-m", "headroom.sidecar", "--engine-url", url, "--host", "127.0.0.1",
+                      "--port", str(sport), "--interval", "0.5",
+                      "--timeout", "0.4", "--forecast-window", "10"])
+        )  # fmt: skip
+        _wait_ready(sidecar_url + "/saturation", side, "headroom sidecar", timeout=30)
+        print(f"  sidecar polling {url}/stats, serving {sidecar_url}/metrics", flush=True)
 
         with stack:
             _section(f"4. headroom load: ramp {RAMP[0]} -> {RAMP[1]} concurrent over "
@@ -315,23 +314,21 @@ def main() -> int:
             summary = summarize(result)
             print(render_summary(summary), flush=True)
 
-            if reports:
-                peak = max(reports, key=lambda r: r.get("occupancy") or 0.0)
-                eta = peak.get("eta_seconds")
-                print(
-                    f"\n  sidecar at the peak: occupancy {(peak.get('occupancy') or 0):.0%}, "
-                    f"growth {peak.get('growth_blocks_per_second') or 0:.1f} blocks/s, "
-                    f"saturation ETA {'-' if eta is None else f'{eta:.0f}s'}",
-                    flush=True,
-                )
-                blocks_per_seq = (PREFIX_TOKENS + PROMPT_TOKENS + OUTPUT_TOKENS) / BLOCK_SIZE
-                print("  " + autoscaling_decision(peak, blocks_per_seq), flush=True)
-            elif sidecar_url is None:
-                print("\n  (autoscaling decision skipped: no sidecar report)", flush=True)
+            if not reports:
+                raise RuntimeError(f"the sidecar at {sidecar_url} answered no /saturation poll")
+            peak = max(reports, key=lambda r: r.get("occupancy") or 0.0)
+            eta = peak.get("eta_seconds")
+            print(
+                f"\n  sidecar at the peak: occupancy {(peak.get('occupancy') or 0):.0%}, "
+                f"growth {peak.get('growth_blocks_per_second') or 0:.1f} blocks/s, "
+                f"saturation ETA {'-' if eta is None else f'{eta:.0f}s'}",
+                flush=True,
+            )
+            print("  " + autoscaling_decision(peak, pod, RAMP[1]), flush=True)
 
     _section("5. the plan for this pod, and what the run measured")
     print("  " + budget.strip(), flush=True)
-    print(closing_table(pod_plan(RAMP[1]), summary), flush=True)
+    print(closing_table(pod, summary), flush=True)
     print(f"\ndemo finished in {time.monotonic() - t_start:.0f}s", flush=True)
     return 0 if summary.errors == 0 else 1
 
