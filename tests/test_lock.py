@@ -65,9 +65,9 @@ def test_a_changed_range_without_a_new_lock_is_caught(tmp_path: Path) -> None:
 
 
 def _locked_for_this_interpreter() -> dict[str, str]:
+    args = ["--no-emit-project", "--no-hashes", "--no-header", "--no-annotate"]
     proc = subprocess.run(
-        [_uv(), "export", "--frozen", *EXTRAS, "--no-emit-project", "--no-hashes"]
-        + ["--no-header", "--no-annotate", "--project", str(REPO)],
+        [_uv(), "export", "--frozen", *EXTRAS, *args, "--project", str(REPO)],
         capture_output=True,
         text=True,
         env=_uv_env(),
@@ -118,9 +118,7 @@ def test_two_checkouts_each_import_their_own_files(tmp_path: Path) -> None:
     env = dict(os.environ)
     env.pop("VIRTUAL_ENV", None)
     for clone in clones:  # one after the other: the second must not re-point the first
-        subprocess.run(
-            [str(clone / "scripts" / "venv.sh")], env=env, check=True, timeout=600
-        )
+        subprocess.run([str(clone / "scripts" / "venv.sh")], env=env, check=True, timeout=600)
     probe = (
         "import headroom.engine, headroom.sidecar, headroom.operator, shutil;"
         "from headroom.engine import _checkout;"

@@ -22,6 +22,9 @@ on the engine thread; the event loop only exchanges commands and outputs with it
 - `stats()` returns the snapshot published after the latest step (no waiting on the thread).
 - `shutdown(grace_s)` stops admitting, lets running requests finish for up to `grace_s`
   seconds, aborts the rest and stops the thread.
+- A failed step ends only its own requests' streams, with `RequestFailed`; the engine goes on.
+  `health` (see `headroom.engine.health`) turns unhealthy after a run of failed steps or one
+  device error: new requests then get `EngineClosed`, and the server's probes fail.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from headroom.engine.config import EngineConfig
-from headroom.engine.engine import Engine
+from headroom.engine.engine import Engine, StepFailed
+from headroom.engine.errors import RequestFailed
+from headroom.engine.health import EngineHealth
 from headroom.engine.outputs import RequestOutput
 from headroom.engine.sampling import SamplingParams
 from headroom.engine.scheduler import RequestRejected
@@ -77,8 +82,9 @@ _Command = _Add | _Abort | _AbortAll
 class AsyncEngine:
     """Owns an `Engine` and the single thread allowed to drive it."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, health: EngineHealth | None = None) -> None:
         self.engine = engine
+        self.health = health or EngineHealth()
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._thread: threading.Thread | None = None
@@ -121,6 +127,8 @@ class AsyncEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its `RequestOutput` deltas until it finishes."""
+        if not self.health.healthy:
+            raise EngineClosed(f"the engine is unhealthy: {self.health.reason}")
         if not self._accepting or not self.running:
             raise EngineClosed("the engine is not accepting requests")
         loop = asyncio.get_running_loop()
@@ -207,10 +215,20 @@ class AsyncEngine:
                 self._idle.clear()
                 try:
                     outputs = engine.step()
+                except StepFailed as exc:
+                    outputs = exc.outputs
+                    self._fail(exc.failures)
+                    if exc.whole_step:
+                        self._record_failure(exc.cause)
+                    else:
+                        self.health.record_success()
                 except Exception as exc:  # never let one bad step kill the thread
                     log.exception("engine step failed; aborting in-flight requests")
                     self._fail_all(exc)
+                    self._record_failure(exc)
                     outputs = []
+                else:
+                    self.health.record_success()
                 # Publish first: a consumer that sees a final output also sees it counted.
                 self._publish()
                 for out in outputs:
@@ -225,6 +243,10 @@ class AsyncEngine:
         if isinstance(command, _Add):
             if not self._accepting:
                 command.done.set_exception(EngineClosed("the engine is shutting down"))
+                return
+            if not self.health.healthy:
+                reason = f"the engine is unhealthy: {self.health.reason}"
+                command.done.set_exception(EngineClosed(reason))
                 return
             try:
                 engine.add_request(command.request_id, command.prompt_token_ids, command.params)
@@ -249,11 +271,26 @@ class AsyncEngine:
                 self._deliver(out)
             self._sinks.pop(request_id, None)
 
+    def _record_failure(self, exc: BaseException) -> None:
+        if self.health.record_failure(exc):
+            log.error(
+                "engine unhealthy; refusing new requests", extra={"reason": self.health.reason}
+            )
+
+    def _fail(self, failures: dict[str, RequestFailed]) -> None:
+        for request_id, error in failures.items():
+            target = self._sinks.pop(request_id, None)
+            if target is not None:
+                loop, sink = target
+                with contextlib.suppress(RuntimeError):  # the consumer's loop is gone
+                    loop.call_soon_threadsafe(sink.put_nowait, error)
+
     def _fail_all(self, exc: Exception) -> None:
-        for request_id, (loop, sink) in list(self._sinks.items()):
+        failures = {}
+        for request_id in list(self._sinks):
             self.engine.abort(request_id)
-            loop.call_soon_threadsafe(sink.put_nowait, RuntimeError(f"engine step failed: {exc}"))
-        self._sinks.clear()
+            failures[request_id] = RequestFailed(request_id, exc)
+        self._fail(failures)
 
     def _deliver(self, out: RequestOutput) -> None:
         target = self._sinks.get(out.request_id)
@@ -273,4 +310,4 @@ class AsyncEngine:
             log.exception("stats snapshot failed")
 
 
-__all__ = ["AsyncEngine", "EngineClosed", "RequestRejected"]
+__all__ = ["AsyncEngine", "EngineClosed", "RequestFailed", "RequestRejected"]

@@ -11,6 +11,11 @@ n > 1 children right after the parent's prompt prefill, each child sampling its 
 token from the shared logits), `Scheduler.update`, then stop checks (stop token ids, EOS unless
 `ignore_eos`, stop strings, max_tokens), which finish sequences and free their blocks.
 
+A step that raises (the model, the block copies, sampling) fails only its own requests: they
+are aborted, their blocks freed, the scheduler's step closed, and `step()` raises `StepFailed`
+naming them; requests that were waiting go on. A request whose own decoding raises fails
+alone, after the step, the same way. Either way the next `step()` runs as usual.
+
 Not thread-safe: one thread drives an `Engine` (`AsyncEngine` owns that thread).
 """
 
@@ -28,12 +33,13 @@ import torch
 
 from headroom.engine.attention import select_backend
 from headroom.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from headroom.engine.errors import RequestFailed
 from headroom.engine.model.loader import LoadedModel, load_model
 from headroom.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from headroom.engine.model_runner import ModelRunner, kv_bytes_per_token
 from headroom.engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from headroom.engine.sampling import SamplingParams, completion_seed, make_generator, sample_rows
-from headroom.engine.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from headroom.engine.scheduler import RequestRejected, Scheduler, SchedulerConfig, SchedulerOutput
 from headroom.engine.sequence import Sequence
 from headroom.engine.stats import (
     TPOT_BUCKETS_S,
@@ -108,6 +114,27 @@ class _Request:
         return len(self.completions) == self.params.n and all(
             c.finish_reason is not None for c in self.completions
         )
+
+
+class StepFailed(RuntimeError):
+    """Some requests of a step failed and were aborted (blocks freed); `outputs` are the deltas
+    of the requests that did progress, `failures` the error of each failed request."""
+
+    def __init__(
+        self,
+        cause: BaseException,
+        failures: dict[str, RequestFailed],
+        outputs: list[RequestOutput],
+        whole_step: bool,
+    ) -> None:
+        what = "model step" if whole_step else "decoding"
+        super().__init__(
+            f"{what} failed for {len(failures)} request(s): {type(cause).__name__}: {cause}"
+        )
+        self.cause = cause
+        self.failures = failures
+        self.outputs = outputs
+        self.whole_step = whole_step
 
 
 class Engine:
@@ -272,11 +299,54 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step through the model; the deltas it produced, per request."""
+        """Run one scheduler step through the model; the deltas it produced, per request.
+
+        Raises `StepFailed` when requests failed (see the module docstring); the engine is
+        consistent afterwards and the next call runs the next step."""
         sched = self.scheduler
         out = sched.schedule()
         if out.is_empty:
             return []
+        try:
+            sampled = self._run_model(out)
+        except Exception as exc:
+            # The step's own requests go; the scheduler's step is closed with nothing sampled
+            # (update skips the aborted sequences), so the next schedule() may run.
+            failed = {e.seq.request_id for e in out.scheduled}
+            failures = self._fail(failed, exc)
+            sched.update(out, {})
+            raise StepFailed(exc, failures, [], whole_step=True) from exc
+        sched.update(out, sampled)
+        now = time.time()
+        touched: dict[str, tuple[_Request, list[_Completion]]] = {}
+        broken: dict[str, Exception] = {}
+        for seq_id, token in sampled.items():
+            req, comp = self._by_seq[seq_id]
+            if req.request_id in broken:
+                continue
+            try:
+                self._on_token(req, comp, token, now)
+            except Exception as exc:  # a tokenizer that cannot decode this token, say
+                broken[req.request_id] = exc
+                continue
+            touched.setdefault(req.request_id, (req, []))[1].append(comp)
+        results = []
+        for req, comps in touched.values():
+            if req.request_id in broken:
+                continue
+            finished = req.finished
+            if finished:
+                self._retire(req, now)
+            results.append(self._output(req, comps, finished))
+        if broken:
+            failures = {rid: self._fail({rid}, exc)[rid] for rid, exc in broken.items()}
+            first = next(iter(broken.values()))
+            raise StepFailed(first, failures, results, whole_step=False) from first
+        return results
+
+    def _run_model(self, out: SchedulerOutput) -> dict[int, int]:
+        """Block copies, the forward pass, forks and sampling: seq_id -> sampled token."""
+        sched = self.scheduler
         self.runner.copy_blocks(out.blocks_to_copy)
         logits, entries = self.runner.execute(out)
         rows: list[int] = []
@@ -302,21 +372,19 @@ class Engine:
                     owners.append(child.seq_id)
         picked = logits.index_select(0, torch.tensor(rows, dtype=torch.int64)) if rows else logits
         tokens = sample_rows(picked, params, gens)
-        sampled = dict(zip(owners, tokens, strict=True))
-        sched.update(out, sampled)
-        now = time.time()
-        touched: dict[str, tuple[_Request, list[_Completion]]] = {}
-        for seq_id, token in sampled.items():
-            req, comp = self._by_seq[seq_id]
-            self._on_token(req, comp, token, now)
-            touched.setdefault(req.request_id, (req, []))[1].append(comp)
-        results = []
-        for req, comps in touched.values():
-            finished = req.finished
-            if finished:
-                self._retire(req, now)
-            results.append(self._output(req, comps, finished))
-        return results
+        return dict(zip(owners, tokens, strict=True))
+
+    def _fail(self, request_ids: set[str], exc: BaseException) -> dict[str, RequestFailed]:
+        """Abort `request_ids` (freeing their blocks) and say why, one error per request."""
+        log.error(
+            "requests failed in the engine",
+            extra={"requests": sorted(request_ids), "error": f"{type(exc).__name__}: {exc}"},
+        )
+        failures = {}
+        for rid in request_ids:
+            if self.abort(rid) is not None:
+                failures[rid] = RequestFailed(rid, exc)
+        return failures
 
     def _on_token(self, req: _Request, comp: _Completion, token: int, now: float) -> None:
         params = req.params
@@ -506,4 +574,12 @@ def _default_kv_bytes(device: torch.device) -> int:
     return DEFAULT_CPU_KV_BYTES
 
 
-__all__ = ["Engine", "EngineConfig", "RequestOutput", "RequestRejected", "SamplingParams"]
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "RequestFailed",
+    "RequestOutput",
+    "RequestRejected",
+    "SamplingParams",
+    "StepFailed",
+]

@@ -254,7 +254,9 @@ class Toolchain:
     include_dir: Path
 
     def describe(self) -> str:
-        return f"NVRTC {_dotted(self.nvrtc)}, CUDA {_dotted(self.nvrtc)} headers in {self.include_dir}"
+        # toolchain() refused any other header release, so one version names both.
+        v = _dotted(self.nvrtc)
+        return f"NVRTC {v} with the CUDA {v} headers in {self.include_dir}"
 
 
 @cache

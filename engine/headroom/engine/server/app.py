@@ -27,6 +27,7 @@ from typing import Any, Protocol, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from headroom.engine.errors import RequestFailed
 from headroom.engine.server.auth import auth_middleware
 from headroom.engine.server.chat_template import ChatTemplate, ChatTemplateError
 from headroom.engine.server.errors import APIError, from_validation_error
@@ -97,10 +98,21 @@ class ServerState:
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
+    def unhealthy(self) -> str | None:
+        """Why the loaded engine can no longer serve (its thread died, or too many failed
+        steps, see headroom.engine.health); None while it can, or while it is loading."""
+        if self.engine is None:
+            return None
+        if not getattr(self.engine, "running", True):
+            return "engine loop stopped"
+        health = getattr(self.engine, "health", None)
+        if health is not None and not health.healthy:
+            return f"engine unhealthy: {health.reason}"
+        return None
+
+    @property
     def ready(self) -> bool:
-        # An engine whose step thread died cannot serve; probes must see that.
-        alive = bool(getattr(self.engine, "running", True))
-        return self.engine is not None and alive and not self.draining
+        return self.engine is not None and self.unhealthy is None and not self.draining
 
     def enter(self) -> None:
         self.active += 1
@@ -163,6 +175,8 @@ async def admission_middleware(request: web.Request, handler: Handler) -> web.St
     if st.engine is None:
         msg = st.load_error or "model is still loading"
         raise APIError(503, msg, code="not_ready")
+    if (reason := st.unhealthy) is not None:
+        raise APIError(503, f"{reason}; retry on another replica", code="engine_unhealthy")
     st.enter()
     try:
         return await handler(request)
@@ -285,6 +299,8 @@ class Generation:
                     raise APIError(400, str(item), param="max_tokens", code="request_rejected")
                 if isinstance(item, self._closed):
                     raise APIError(503, f"{item}; retry on another replica", code="draining")
+                if isinstance(item, RequestFailed):
+                    raise APIError(500, str(item), code="engine_error")
                 if isinstance(item, ValueError):
                     raise APIError(400, str(item), code="invalid_request")
                 raise item
@@ -576,7 +592,11 @@ async def handle_models(request: web.Request) -> web.Response:
 
 
 async def handle_health(request: web.Request) -> web.Response:
-    """Liveness: the process answers (also while the model loads)."""
+    """Liveness: the process answers (also while the model loads), unless the loaded engine
+    can no longer serve: then 503, so the kubelet restarts the container."""
+    reason = _state(request).unhealthy
+    if reason is not None:
+        return web.json_response({"status": "unhealthy", "reason": reason}, status=503)
     return web.json_response({"status": "ok"})
 
 
@@ -588,7 +608,7 @@ async def handle_ready(request: web.Request) -> web.Response:
     if st.draining:
         reason = "draining"
     elif st.engine is not None:
-        reason = "engine loop stopped"
+        reason = st.unhealthy or "not ready"
     else:
         reason = st.load_error or "loading"
     return web.json_response({"status": "not ready", "reason": reason}, status=503)
@@ -599,6 +619,9 @@ async def handle_stats(request: web.Request) -> web.Response:
     st = _state(request)
     if st.engine is None:
         raise APIError(503, st.load_error or "model is still loading", code="not_ready")
+    if (reason := st.unhealthy) is not None:
+        # The sidecar reads a failed poll as headroom_engine_up 0: what a dying pod should show.
+        raise APIError(503, reason, code="engine_unhealthy")
     snap = st.engine.stats()
     return web.Response(text=snap.model_dump_json(), content_type="application/json")
 

@@ -25,7 +25,7 @@ from headroom.engine.sampling import SamplingParams
 from headroom.engine.scheduler import RequestRejected
 from headroom.engine.server.app import ServerSettings, ServerState, create_app
 from headroom.engine.server.budget_report import BudgetReport, budget_kv_dtype
-from headroom.engine.server.chat_template import load_chat_template
+from headroom.engine.server.chat_template import ChatTemplate, load_chat_template
 
 log = logging.getLogger("headroom.server")
 
@@ -107,6 +107,21 @@ async def _start_site(runner: web.AppRunner, host: str, port: int) -> tuple[web.
     return site, int(bound)
 
 
+def attach_engine(
+    state: ServerState, engine: AsyncEngine, model: str, max_model_len: int
+) -> ChatTemplate:
+    """Hand a started engine to the HTTP side: from here on the API serves and `/ready` is 200."""
+    template = load_chat_template(model)
+    state.tokenizer = engine.tokenizer
+    state.max_model_len = max_model_len
+    state.chat_template = template
+    state.sampling_params = SamplingParams
+    state.rejected_error = RequestRejected
+    state.closed_error = EngineClosed
+    state.engine = engine
+    return template
+
+
 async def serve(
     config: EngineConfig,
     settings: ServerSettings,
@@ -166,16 +181,10 @@ async def serve(
             print(f"headroom serve: {e}", file=sys.stderr, flush=True)
             return 2
         await engine.start()
-        state.tokenizer = engine.tokenizer
-        state.max_model_len = report.max_model_len
-        state.chat_template = load_chat_template(config.model)
-        state.sampling_params = SamplingParams
-        state.rejected_error = RequestRejected
-        state.closed_error = EngineClosed
-        state.engine = engine
+        template = attach_engine(state, engine, config.model, report.max_model_len)
         print(
             f"headroom serve: ready, model '{settings.served_model_name}', chat template "
-            f"{state.chat_template.source}",
+            f"{template.source}",
             file=out,
             flush=True,
         )
