@@ -14,6 +14,8 @@ import random
 import time
 from collections.abc import Callable
 
+from verdicts import Verdicts
+
 from headroom.engine.block_pool import BlockPool
 from headroom.engine.prefix_cache import ROOT_REF, extend_block_hashes
 from headroom.engine.scheduler import Scheduler, SchedulerConfig
@@ -146,15 +148,12 @@ def scheduler_steps(steps: int = 400) -> tuple[Callable[[], int], Scheduler]:
     return run, sched
 
 
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     r = args.repeats
+    verdict = Verdicts()
 
     pairs = best_rate(alloc_free_pairs(), r)
     batched = best_rate(alloc_free_batched(), r)
@@ -167,9 +166,11 @@ def main() -> int:
     step_ms = 1e3 / steps_per_s
     assert len(sched.running) == RUNNING
 
+    pairs_ok = verdict(pairs >= TARGET_PAIRS_PER_S, "allocate + free rate")
+    step_ok = verdict(step_ms <= TARGET_STEP_MS, "scheduler step time")
     rows = [
         ("allocate + free, one block", f"{pairs:,.0f} pairs/s",
-         f">= {TARGET_PAIRS_PER_S:,} pairs/s: {verdict(pairs >= TARGET_PAIRS_PER_S)}"),
+         f">= {TARGET_PAIRS_PER_S:,} pairs/s: {pairs_ok}"),
         ("allocate_many(16) + free_many", f"{batched:,.0f} pairs/s", ""),
         ("prefix hit revive + release", f"{revive:,.0f} pairs/s", "parked LRU, O(1) unlink"),
         ("prefix lookup, 4-block prompt", f"{look4:,.0f} lookups/s", f"{look4 * 4:,.0f} blocks/s"),
@@ -178,7 +179,7 @@ def main() -> int:
         ("  same, hashing the prompt too", f"{look64h:,.0f} lookups/s",
          f"{look64h * 64:,.0f} blocks/s"),
         (f"scheduler step, {RUNNING} decodes", f"{step_ms:.3f} ms/step",
-         f"<= {TARGET_STEP_MS:g} ms: {verdict(step_ms <= TARGET_STEP_MS)}"),
+         f"<= {TARGET_STEP_MS:g} ms: {step_ok}"),
     ]  # fmt: skip
     print(f"block size {BLOCK_SIZE}; best of {r} runs; CPython, no model")
     print()
@@ -187,7 +188,8 @@ def main() -> int:
     print("-" * (len(header) + 20))
     for name, value, note in rows:
         print(f"{name:<34}{value:>22}   {note}".rstrip())
-    return 0
+    print()
+    return verdict.exit_code()
 
 
 if __name__ == "__main__":

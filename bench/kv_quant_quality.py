@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from verdicts import Verdicts
 
 from headroom.engine.attention import TorchBackend, allocate_layer_cache
 from headroom.engine.attention.base import LayerKVCache
@@ -140,7 +141,9 @@ def _run(
     return torch.cat(logits)
 
 
-def evaluate(label: str, cfg: ModelConfig, context: int, decode: int) -> list[str]:
+def evaluate(
+    label: str, cfg: ModelConfig, context: int, decode: int, verdict: Verdicts
+) -> list[str]:
     model, _ = build_tiny(config=cfg, seed=1)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (context + decode,), generator=gen).tolist()
@@ -170,11 +173,13 @@ def evaluate(label: str, cfg: ModelConfig, context: int, decode: int) -> list[st
         logp = torch.log_softmax(logits, -1)
         kl = float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean())
         top1 = float((logits.argmax(-1) == ref_top1).float().mean())
-        ok = rel <= ATTN_TARGET[row] and top1 >= TOP1_TARGET
+        result = verdict(
+            rel <= ATTN_TARGET[row] and top1 >= TOP1_TARGET, f"{label} {row} KV quality"
+        )
         lines.append(
             f"{label:>14} {row:>14} {rel * 100:9.3f} %  {kl:10.2e} {top1 * 100:7.1f} %   "
             f"{'<=' + format(ATTN_TARGET[row] * 100, '.0f') + ' %, >=90 %':>16} "
-            f"{'PASS' if ok else 'MISS'}"
+            f"{result}"
         )
     lines.append(f"{'':>14} ({time.perf_counter() - t0:.0f} s)")
     return lines
@@ -212,13 +217,15 @@ def main() -> int:
         f"{'model':>14} {'KV dtype':>14} {'attn rel err':>11}  {'KL':>10} {'top-1':>8}   "
         f"{'target':>16} result"
     )
+    verdict = Verdicts()
     for label, cfg in (
         ("tiny", tiny_config(max_position_embeddings=max(total, 8192))),
         ("llama-512x4", larger_config(total)),
     ):
-        for line in evaluate(label, cfg, args.context, args.decode):
+        for line in evaluate(label, cfg, args.context, args.decode, verdict):
             print(line)
-    return 0
+    print()
+    return verdict.exit_code()
 
 
 if __name__ == "__main__":

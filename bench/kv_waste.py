@@ -22,6 +22,8 @@ import random
 import time
 from dataclasses import dataclass
 
+from verdicts import Verdicts
+
 from headroom.engine.scheduler import Scheduler, SchedulerConfig
 from headroom.engine.sequence import Sequence
 
@@ -143,10 +145,6 @@ def run_paged(trace: list[Request], seed: int, watermark: float = 0.01) -> Resul
     )
 
 
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000)
@@ -159,6 +157,7 @@ def main() -> int:
     naive = run_naive(trace)
     paged = run_paged(trace, args.seed)
     ratio = paged.peak_concurrency / naive.peak_concurrency
+    verdict = Verdicts()
 
     print(
         f"trace: {len(trace)} requests, all queued at t=0; prompt log-normal(mean "
@@ -176,15 +175,18 @@ def main() -> int:
     print(header)
     print("-" * len(header) + "-" * 18)
     lo, hi = NAIVE_BAND
+    paged_waste = verdict(paged.waste <= TARGET_PAGED_WASTE, "paged KV waste")
+    naive_waste = verdict(lo <= naive.waste <= hi, "naive baseline waste in its band")
+    conc = verdict(ratio >= TARGET_RATIO, "peak concurrency ratio")
     print(
         f"{'KV wasted (% of reserved)':<30}{naive.waste:>17.1%}{paged.waste:>16.1%}   "
-        f"paged <= {TARGET_PAGED_WASTE:.0%}: {verdict(paged.waste <= TARGET_PAGED_WASTE)}; "
-        f"naive in {lo:.0%}-{hi:.0%}: {verdict(lo <= naive.waste <= hi)}"
+        f"paged <= {TARGET_PAGED_WASTE:.0%}: {paged_waste}; "
+        f"naive in {lo:.0%}-{hi:.0%}: {naive_waste}"
     )
     print(
         f"{'peak admitted concurrency':<30}{naive.peak_concurrency:>18}"
         f"{paged.peak_concurrency:>16}   ratio {ratio:.1f}x >= {TARGET_RATIO:.0f}x: "
-        f"{verdict(ratio >= TARGET_RATIO)}"
+        f"{conc}"
     )
     print(f"{'mean concurrency':<30}{naive.mean_concurrency:>18.1f}{paged.mean_concurrency:>16.1f}")
     print(f"{'steps to drain the trace':<30}{naive.steps:>18}{paged.steps:>16}")
@@ -211,7 +213,8 @@ def main() -> int:
             f"{wm:>10.2f}{r.waste:>8.1%}{r.peak_concurrency:>11}{r.mean_concurrency:>11.1f}"
             f"{r.steps:>8}{r.preemptions:>13}{r.recomputed:>12.1%}"
         )
-    return 0
+    print()
+    return verdict.exit_code()
 
 
 if __name__ == "__main__":

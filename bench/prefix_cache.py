@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from verdicts import Verdicts
+
 from headroom.engine.loadgen.client import LoadResult, Target, run_load
 from headroom.engine.loadgen.stats import LoadSummary, summarize
 from headroom.engine.loadgen.workload import LengthDist, WorkloadSpec
@@ -137,10 +139,6 @@ def _calibrate(url: str) -> float:
     return _run(url, spec, None).tokens_per_word
 
 
-def _verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
 def main() -> int:
     t0 = time.monotonic()
     # Phase 1 runs the servers as `headroom serve` runs by default (torch's own threading).
@@ -184,13 +182,17 @@ def main() -> int:
     med_off = statistics.median(r.summary.total_tokens_per_s for r in runs_off)
     med_on = statistics.median(r.summary.total_tokens_per_s for r in runs_on)
 
+    verdict = Verdicts()
+    ttft_ok = verdict(speedup >= TTFT_TARGET, "shared-prefix TTFT speed-up")
+    cost_ok = verdict(cost <= THROUGHPUT_COST_TARGET, "unique-prompt cost of caching")
+
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{x:.1%}"
 
     rows = [
         (f"shared {PREFIX_TOKENS:,}-token prefix", "mean TTFT (ms)",
          f"{ttft_off * 1e3:,.0f}", f"{ttft_on * 1e3:,.0f}", f"{speedup:.1f}x lower",
-         f">= {TTFT_TARGET:g}x lower", _verdict(speedup >= TTFT_TARGET)),
+         f">= {TTFT_TARGET:g}x lower", ttft_ok),
         (f"{SHARED_REQUESTS} requests, {SHARED_CONCURRENCY} in flight", "p99 TTFT (ms)",
          f"{shared_off.ttft.p99 * 1e3:,.0f}",
          f"{shared_on.ttft.p99 * 1e3:,.0f}", "", "", ""),
@@ -199,7 +201,7 @@ def main() -> int:
          "-" if cpu_off is None else f"{cpu_off:,.1f}",
          "-" if cpu_on is None else f"{cpu_on:,.1f}",
          f"{cost:+.1%} cost", f"<= {THROUGHPUT_COST_TARGET:.0%} cost",
-         _verdict(cost <= THROUGHPUT_COST_TARGET)),
+         cost_ok),
         (f"{UNIQUE_PAIRS} x {UNIQUE_REQUESTS} requests each", "total tok/s (median)",
          f"{med_off:,.0f}", f"{med_on:,.0f}", f"{wall_cost:+.1%} cost (paired median)", "", ""),
         ("", "runs (total tok/s)",
@@ -212,7 +214,9 @@ def main() -> int:
     for r in (header, *rows):
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     print(f"({errors} request errors; {tpw:.2f} tokens/word; {time.monotonic() - t0:.0f}s)")
-    return 0 if errors == 0 else 1
+    verdict(errors == 0, f"{errors} request errors")
+    print()
+    return verdict.exit_code()
 
 
 if __name__ == "__main__":

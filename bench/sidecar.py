@@ -34,6 +34,7 @@ from pathlib import Path
 
 from aiohttp import ClientSession, web
 from prometheus_client import generate_latest
+from verdicts import Verdicts
 
 from headroom.sidecar.collector import SidecarCollector, make_registry
 from headroom.sidecar.config import SidecarConfig
@@ -47,10 +48,6 @@ VLLM_TEXT = (ROOT / "tests" / "prometheus" / "vllm_metrics_dp2.txt").read_text()
 RENDER_TARGET_MS = 5.0
 CPU_TARGET_PCT = 2.0
 ERROR_TARGET = 0.20
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
 
 
 # -- 1. render -----------------------------------------------------------------------------
@@ -313,7 +310,7 @@ def main() -> int:
         f"{platform.python_version()}, prometheus-client {version('prometheus-client')}, "
         f"aiohttp {version('aiohttp')}"
     )
-    ok = True
+    verdict = Verdicts()
 
     print(
         f"\n/metrics render: generate_latest, {args.renders} renders, full 60 s window; wall time"
@@ -325,19 +322,18 @@ def main() -> int:
     )
     for source, series, med, p99_wall, p99_cpu in render_bench(args.renders):
         good = p99_cpu <= RENDER_TARGET_MS and med <= RENDER_TARGET_MS
-        ok &= good
+        result = verdict(good, f"{source} /metrics render time")
         print(
             f"{source:<10}{series:>7}{med:>16.3f}{p99_wall:>13.3f}{p99_cpu:>12.3f}"
-            f"   {'p99 cpu <= 5 ms':<16}{verdict(good)}"
+            f"   {'p99 cpu <= 5 ms':<16}{result}"
         )
 
     print(f"\nsidecar CPU at 1 s polling, scraped every 1 s ({args.cpu_seconds:g} s measured)")
     print(f"{'source':<10}{'cpu s':>8}{'wall s':>9}{'% of a core':>13}   {'target':<12}result")
     for source, cpu, wall in asyncio.run(cpu_bench(args.cpu_seconds)):
         pct = 100 * cpu / wall
-        good = pct <= CPU_TARGET_PCT
-        ok &= good
-        print(f"{source:<10}{cpu:>8.2f}{wall:>9.1f}{pct:>12.2f} %   {'<= 2 %':<12}{verdict(good)}")
+        result = verdict(pct <= CPU_TARGET_PCT, f"{source} sidecar CPU")
+        print(f"{source:<10}{cpu:>8.2f}{wall:>9.1f}{pct:>12.2f} %   {'<= 2 %':<12}{result}")
 
     print(
         f"\nforecast accuracy on synthetic ramps: {args.seeds} seeds each, 1 s polling, "
@@ -352,28 +348,32 @@ def main() -> int:
     )
     noise_bound = []
     for r in accuracy_bench(args.seeds):
-        good = r.shipped_worst <= ERROR_TARGET
-        if not good and r.floor > ERROR_TARGET:
+        # Where the 2σ floor itself exceeds the target no least-squares fit can meet it: the
+        # row is shown, marked informational, and not graded.
+        below_floor = r.floor > ERROR_TARGET
+        if below_floor:
             noise_bound.append(f"{r.scenario} at {r.data_s} s")
-        else:
-            ok &= good
+        result = verdict(
+            r.shipped_worst <= ERROR_TARGET,
+            f"{r.scenario} forecast error at {r.data_s} s",
+            informational=below_floor,
+        )
         plain = f"{_pct(r.plain_median)} / {_pct(r.plain_worst)}"
         shipped = f"{_pct(r.shipped_median)} / {_pct(r.shipped_worst)}"
         print(
             f"{r.scenario:<14}{r.data_s:>6}{r.actual_s:>9.1f}{_pct(r.floor):>10}{plain:>20}"
-            f"{shipped:>22}   {'worst <= 20 %':<14}{verdict(good)}"
+            f"{shipped:>22}   {'worst <= 20 %':<14}{result}"
         )
     print("\nscenarios:")
     for sc in SCENARIOS:
         print(f"  {sc.name:<14}{sc.describe}")
-    note = ""
     if noise_bound:
-        note = (
-            f" (not counted: {', '.join(noise_bound)}, where the 2σ noise floor itself is over"
-            " 20 %: no least-squares fit can meet the target there)"
+        print(
+            f"\nnot graded: {', '.join(noise_bound)}, where the 2σ noise floor itself is over"
+            " 20 %: no least-squares fit can meet the target there"
         )
-    print(f"\noverall: {verdict(ok)}{note}")
-    return 0
+    print()
+    return verdict.exit_code()
 
 
 if __name__ == "__main__":

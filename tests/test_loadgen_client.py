@@ -6,8 +6,11 @@ import argparse
 import csv
 import io
 import json
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -76,6 +79,30 @@ def test_errors_are_counted_by_type(
     data = json.loads(capsys.readouterr().out)
     assert data["summary"]["errors_by_type"] == {"http_400_invalid_request_error": 3}
     assert all("max_model_len 1024" in r["error_message"] for r in data["records"])
+
+
+def test_clients_that_hang_up_free_their_blocks(
+    server: ServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = _load("--url", server.url, "-n", "12", "-c", "4", "--prompt-len", "24",
+                 "--output-len", "48", "--disconnect-fraction", "0.5", "--seed", "2",
+                 "--json", "-")  # fmt: skip
+    data = json.loads(capsys.readouterr().out)
+    cut = data["summary"]["errors_by_type"].get("client_disconnect", 0)
+    assert code == 1 and cut > 0
+    assert set(data["summary"]["errors_by_type"]) == {"client_disconnect"}
+    assert data["summary"]["ok"] == 12 - cut
+    # The server noticed every hang-up: its pool drains back to no used blocks.
+    deadline = time.monotonic() + 10
+    while (used := _stats(server)["kv"]["used"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert used == 0
+    assert "Error handling request" not in server.output  # a hang-up is not a server error
+
+
+def _stats(server: ServerProcess) -> Any:
+    with urllib.request.urlopen(server.url + "/stats", timeout=5) as resp:
+        return json.loads(resp.read())
 
 
 def test_duration_mode_chat_endpoint_without_stats(

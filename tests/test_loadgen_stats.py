@@ -87,6 +87,21 @@ def test_prompts_share_exactly_the_prefix_and_scale_with_the_ratio() -> None:
     assert [again.make(i) for i in range(200)] == reqs
 
 
+def test_disconnects_are_seeded_and_leave_the_prompts_alone() -> None:
+    spec = WorkloadSpec(num_requests=400, output_len=LengthDist(mean=16), seed=4)
+    chaos = spec.model_copy(update={"disconnect_fraction": 0.25})
+    plain_factory, chaos_factory = PromptFactory(spec, 1.5), PromptFactory(chaos, 1.5)
+    plain = [plain_factory.make(i) for i in range(400)]
+    hung = [chaos_factory.make(i) for i in range(400)]
+    assert all(r.disconnect_after is None for r in plain)
+    assert [(r.prompt, r.max_tokens) for r in hung] == [(r.prompt, r.max_tokens) for r in plain]
+    cut = [r for r in hung if r.disconnect_after is not None]
+    assert 60 < len(cut) < 140
+    assert all(0 <= r.disconnect_after < r.max_tokens for r in cut)  # type: ignore[operator]
+    again = PromptFactory(chaos, 1.5)
+    assert [again.make(i) for i in range(400)] == hung
+
+
 def _rec(i: int, ttft: float, tpot: float, out: int = 10, ok: bool = True, c: int = 1,
          err: str | None = None) -> RequestRecord:  # fmt: skip
     return RequestRecord(

@@ -216,16 +216,17 @@ class AsyncEngine:
                 try:
                     outputs = engine.step()
                 except StepFailed as exc:
+                    # Health first: a client told of its failure then sees it counted.
                     outputs = exc.outputs
-                    self._fail(exc.failures)
                     if exc.whole_step:
                         self._record_failure(exc.cause)
                     else:
                         self.health.record_success()
+                    self._fail(exc.failures)
                 except Exception as exc:  # never let one bad step kill the thread
                     log.exception("engine step failed; aborting in-flight requests")
-                    self._fail_all(exc)
                     self._record_failure(exc)
+                    self._fail_all(exc)
                     outputs = []
                 else:
                     self.health.record_success()

@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--shared-prefix-fraction", type=float, default=0.0,
                    help="fraction of requests that start with the shared prefix")  # fmt: skip
     w.add_argument("--prefix-len", type=int, default=0, help="shared prefix tokens")
+    w.add_argument("--disconnect-fraction", type=float, default=0.0,
+                   help="fraction of requests that hang up mid-stream (chaos)")  # fmt: skip
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--tokens-per-word", type=float,
                    help="skip calibration and size prompts with this ratio")  # fmt: skip
@@ -95,6 +97,7 @@ def build_spec(args: argparse.Namespace) -> WorkloadSpec:
         ),
         shared_prefix_fraction=args.shared_prefix_fraction,
         prefix_len=args.prefix_len,
+        disconnect_fraction=args.disconnect_fraction,
         seed=args.seed,
     )
 

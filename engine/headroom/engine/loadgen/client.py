@@ -188,6 +188,12 @@ async def send_request(
                     token_times.append(now)
                     if first is None:
                         first = now
+                if req.disconnect_after is not None and len(token_times) >= req.disconnect_after:
+                    # Leaving the `async with` closes the connection under the server's stream.
+                    rec.error = "client_disconnect"
+                    rec.error_message = f"hung up after {len(token_times)} tokens, as asked"
+                    rec.output_tokens = len(token_times)
+                    return rec
                 if chunk.get("usage"):
                     usage = chunk["usage"]
     except TimeoutError:

@@ -73,6 +73,7 @@ class WorkloadSpec(_Spec):
     output_len: LengthDist = LengthDist(mean=64)
     shared_prefix_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
     prefix_len: int = Field(default=0, ge=0)
+    disconnect_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int = 0
 
     @model_validator(mode="after")
@@ -116,6 +117,8 @@ class RequestSpec:
     prompt_tokens: int
     max_tokens: int
     shared_prefix: bool
+    # The client hangs up after this many streamed tokens (None: it reads to the end).
+    disconnect_after: int | None = None
 
 
 class PromptFactory:
@@ -127,6 +130,8 @@ class PromptFactory:
         self.spec = spec
         self.tokens_per_word = tokens_per_word
         self._rng = random.Random(spec.seed)
+        # A stream of its own, so turning disconnects on does not change the prompts drawn.
+        self._hangups = random.Random(spec.seed ^ 0xD15C)
         prefix_rng = random.Random(spec.seed ^ 0x5EED)
         self.prefix = self._words(spec.prefix_len, prefix_rng) if spec.prefix_len else ""
 
@@ -143,7 +148,12 @@ class PromptFactory:
         own = self.spec.prompt_len.sample(rng)
         max_tokens = self.spec.output_len.sample(rng)
         text = self._words(own, rng)
+        hangup = None
+        if self.spec.disconnect_fraction > 0 and (
+            self._hangups.random() < self.spec.disconnect_fraction
+        ):
+            hangup = self._hangups.randrange(max_tokens)  # 0: before the first token
         if shared:
             return RequestSpec(index, f"{self.prefix} {text}", self.spec.prefix_len + own,
-                               max_tokens, True)  # fmt: skip
-        return RequestSpec(index, text, own, max_tokens, False)
+                               max_tokens, True, hangup)  # fmt: skip
+        return RequestSpec(index, text, own, max_tokens, False, hangup)

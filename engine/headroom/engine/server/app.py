@@ -48,7 +48,7 @@ from headroom.engine.server.protocol import (
     new_id,
     now,
 )
-from headroom.engine.server.sse import SSEWriter
+from headroom.engine.server.sse import ClientDisconnected, SSEWriter
 
 log = logging.getLogger("headroom.server")
 
@@ -157,6 +157,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return APIError(
             e.status, e.reason or "error", code=e.reason.lower().replace(" ", "_")
         ).response()
+    except ClientDisconnected as e:
+        log.debug("client went away during %s %s", request.method, request.path)
+        return e.response
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:

@@ -29,9 +29,18 @@ def encode_event(data: BaseModel | dict[str, Any] | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
+class ClientDisconnected(ConnectionResetError):
+    """The client went away mid-stream; carries the response already sent, to be returned."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("client disconnected mid-stream")
+        self.response = response
+
+
 class SSEWriter:
     """Streams events on one response. A write to a client that went away raises
-    `ConnectionResetError`, which the handler treats as a disconnect."""
+    `ClientDisconnected`: the request's generation is aborted as it unwinds, and the error
+    middleware hands back the response quietly (a hang-up is not a server error)."""
 
     def __init__(self, request: web.Request, headers: dict[str, str] | None = None) -> None:
         self._request = request
@@ -45,9 +54,15 @@ class SSEWriter:
 
     async def send(self, data: BaseModel | dict[str, Any] | str) -> None:
         await self.start()
-        await self.response.write(encode_event(data))
+        try:
+            await self.response.write(encode_event(data))
+        except ConnectionResetError as e:
+            raise ClientDisconnected(self.response) from e
 
     async def done(self) -> None:
         """Write the `[DONE]` sentinel and finish the response."""
         await self.send("[DONE]")
-        await self.response.write_eof()
+        try:
+            await self.response.write_eof()
+        except ConnectionResetError as e:
+            raise ClientDisconnected(self.response) from e
