@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from headroom.engine.model import (
     ByteTokenizer,
@@ -21,8 +22,6 @@ from headroom.engine.model import (
     resolve_dtype,
 )
 from headroom.engine.model.loader import weight_files
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB = 300
 

@@ -14,14 +14,13 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from headroom.engine.attention import TorchBackend, allocate_layer_cache  # noqa: E402
-from headroom.engine.config import EngineConfig  # noqa: E402
-from headroom.engine.engine import Engine  # noqa: E402
-from headroom.engine.model import build_forward_batch, load_model  # noqa: E402
-from headroom.engine.sampling import SamplingParams  # noqa: E402
+from headroom.engine.attention import TorchBackend, allocate_layer_cache
+from headroom.engine.config import EngineConfig
+from headroom.engine.engine import Engine
+from headroom.engine.model import build_forward_batch, load_model
+from headroom.engine.sampling import SamplingParams
 
 VOCAB = 320
 COMMON: dict[str, Any] = dict(

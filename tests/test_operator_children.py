@@ -148,8 +148,10 @@ def test_rendering_is_deterministic() -> None:
     )
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_alert_rules_pass_promtool(tmp_path: Path) -> None:
+    assert shutil.which("promtool"), (
+        "promtool is not installed: make tools installs Debian's prometheus"
+    )
     rules = {"groups": [{"name": "headroom", "rules": alert_rules(OWNER, spec())}]}
     path = tmp_path / "rules.yaml"
     path.write_text(yaml.safe_dump(rules))

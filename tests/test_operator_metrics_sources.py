@@ -197,7 +197,9 @@ async def stack(tmp_path: Path, engine_url: str) -> AsyncIterator[tuple[int, str
         f"    static_configs:\n      - targets: ['127.0.0.1:{sc_port}']\n"
     )
     prom_log = (tmp_path / "prometheus.log").open("w")
-    assert PROMETHEUS is not None
+    assert PROMETHEUS is not None, (
+        "prometheus is not installed: make tools installs Debian's prometheus"
+    )
     prom = subprocess.Popen(
         [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
          f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],
@@ -219,7 +221,6 @@ async def stack(tmp_path: Path, engine_url: str) -> AsyncIterator[tuple[int, str
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed: make tools")
 async def test_real_sidecar_and_prometheus_agree(tmp_path: Path) -> None:
     eng = SyntheticEngine(capacity=2000, model="synthetic")
     eng.set_used(500)

@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from headroom.engine.budget.memory import activation_reserve_bytes
+from headroom.engine.budget.presets import gpu_preset, model_preset
 from headroom.operator.apply import KubeError
 from headroom.operator.children import FIELD_MANAGER, SELECTOR_LABEL
 from headroom.operator.conditions import get_condition
@@ -101,6 +103,19 @@ SPEC: dict[str, Any] = {
 INFEASIBLE = {**SPEC, "model": {"preset": "llama-3.1-70b"}}
 
 
+def _blocks_per_pod() -> int:
+    """SPEC's pool from the KV arithmetic written out: 90 % of the GPU, less bf16 weights and
+    the activation reserve, in blocks of 16 tokens x layers x K and V x kv heads x head dim."""
+    arch, gpu = model_preset("llama-3.1-8b"), gpu_preset("h100-80gb")
+    usable = int(gpu.memory_bytes * 0.9) - arch.num_parameters * 2 - activation_reserve_bytes(arch)
+    return usable // (16 * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * 2)
+
+
+BLOCKS = _blocks_per_pod()
+# 256 blocks hold one 4096-token sequence; 400 sequences at peak.
+REPLICAS = -(-400 // (BLOCKS // (4096 // 16)))
+
+
 def cond(status: dict[str, Any], type_: str) -> dict[str, Any]:
     c = get_condition(status["conditions"], type_)
     assert c is not None, f"no {type_} condition"
@@ -113,9 +128,10 @@ def test_create_applies_owned_children_and_reports_the_budget() -> None:
     assert kube.kinds_applied() == ["Deployment", "Service", "PodDisruptionBudget"]
     assert {m for _, m, _ in kube.applies} == {FIELD_MANAGER}
     dep = kube.applies[0][2]
-    assert dep["spec"]["replicas"] == 4  # 400 sequences / 109 per pod
+    assert REPLICAS == 4
+    assert dep["spec"]["replicas"] == REPLICAS
     st = out.status
-    assert st["budget"]["kvBlocksPerPod"] == 27955 and st["budget"]["sizedReplicas"] == 4
+    assert st["budget"]["kvBlocksPerPod"] == BLOCKS and st["budget"]["sizedReplicas"] == REPLICAS
     assert st["selector"] == f"{SELECTOR_LABEL}=chat" and st["observedGeneration"] == 1
     assert st["desiredReplicas"] == 4 and st["replicas"] == 4
     assert cond(st, "Feasible")["status"] == "True"
@@ -244,7 +260,7 @@ class FakeSource:
             return {}
         return {
             p.name: PodSample(occupancy=self.occupancy, sampled_at=NOW - 1, eta_seconds=self.eta,
-                              used_blocks=round(self.occupancy * 27955), capacity_blocks=27955,
+                              used_blocks=round(self.occupancy * BLOCKS), capacity_blocks=BLOCKS,
                               hit_ratio=0.4)
             for p in pods if p.ready
         }  # fmt: skip

@@ -7,9 +7,7 @@ Prometheus mode would read the data.
 
 Two engines sit behind the sidecar:
 - the real engine with the tiny model, under real requests: `python -m headroom.engine.server`
-  as a subprocess when the server and the async engine exist, else
-  `headroom.engine.engine.Engine` stepped in a thread behind a minimal `/stats` route (skipped
-  when neither exists); HEADROOM_SIDECAR_TEST_ENGINE=server|threaded forces one;
+  as a subprocess;
 - the scriptable `SyntheticEngine`, ramping usage so that the forecast and the
   HeadroomKVSaturationImminent rule can be checked end to end.
 """
@@ -17,23 +15,19 @@ Two engines sit behind the sidecar:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import importlib.util
 import os
-import queue
 import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import ClientSession, ClientTimeout, web
+from aiohttp import ClientSession, ClientTimeout
 from aiohttp.test_utils import TestServer
 
 from headroom.sidecar.synthetic import SyntheticEngine
@@ -46,7 +40,6 @@ IDENTITY = {"namespace": "llm", "inferencedeployment": "chat", "pod": "chat-0"}
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed: make tools"),
 ]
 
 
@@ -75,7 +68,9 @@ class Prometheus:
     """A throwaway Prometheus server scraping `targets` (never the system one)."""
 
     def __init__(self, workdir: Path, targets: list[str]) -> None:
-        assert PROMETHEUS is not None
+        assert PROMETHEUS is not None, (
+            "prometheus is not installed: make tools installs Debian's prometheus"
+        )
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.workdir = workdir
@@ -188,22 +183,6 @@ def _labels_ok(series: dict[str, Any], model: str) -> None:
 # -- the real engine -----------------------------------------------------------------------
 
 
-def _has(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
-
-
-def _server_available() -> bool:
-    # The server runs on the async engine; both must be in this build.
-    return _has("headroom.engine.server.__main__") and _has("headroom.engine.async_engine")
-
-
-def _engine_available() -> bool:
-    return _has("headroom.engine.engine")
-
-
 # Long enough that every scrape during a wave sees the sequences' blocks held.
 MAX_TOKENS = 96
 SHARED_PREFIX = (
@@ -257,105 +236,9 @@ async def served_engine(
         log.close()
 
 
-class ThreadedEngine:
-    """The real `Engine` stepped in its own thread, with a `/stats` route.
-
-    Only that thread touches the engine: waves of prompts to add and snapshots to take are
-    queued to it and served between steps, as an engine loop serves them.
-    """
-
-    def __init__(self) -> None:
-        from headroom.engine.config import EngineConfig
-        from headroom.engine.engine import Engine
-
-        self.engine = Engine.from_config(
-            EngineConfig(model="tiny", num_blocks=192, max_model_len=1024, seed=1)
-        )
-        Wave = tuple[list[str], concurrent.futures.Future[None]]
-        self.waves: queue.SimpleQueue[Wave] = queue.SimpleQueue()
-        self.snapshots: queue.SimpleQueue[concurrent.futures.Future[str]] = queue.SimpleQueue()
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._loop, name="engine-steps", daemon=True)
-
-    def _loop(self) -> None:
-        try:
-            self._steps()
-        except BaseException as exc:  # fail the waiters loudly instead of hanging the test
-            while not self.snapshots.empty():
-                self.snapshots.get().set_exception(exc)
-            while not self.waves.empty():
-                self.waves.get()[1].set_exception(exc)
-            self.error = exc
-            raise
-
-    def _steps(self) -> None:
-        from headroom.engine.sampling import SamplingParams
-
-        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-        open_waves: list[tuple[set[str], concurrent.futures.Future[None]]] = []
-        n = 0
-        while not self.stop.is_set():
-            while not self.waves.empty():
-                prompts, done = self.waves.get()
-                ids = set()
-                for prompt in prompts:
-                    n += 1
-                    self.engine.add_request(f"load-{n}", prompt, params)
-                    ids.add(f"load-{n}")
-                open_waves.append((ids, done))
-            while not self.snapshots.empty():
-                self.snapshots.get().set_result(self.engine.stats().model_dump_json())
-            if not self.engine.has_unfinished():
-                time.sleep(0.01)
-                continue
-            finished = {out.request_id for out in self.engine.step() if out.finished}
-            for ids, done in open_waves:
-                ids -= finished
-                if not ids:
-                    done.set_result(None)
-            open_waves = [(ids, done) for ids, done in open_waves if ids]
-
-    async def handle_stats(self, _: web.Request) -> web.Response:
-        if self.error is not None:
-            raise web.HTTPInternalServerError(text=f"engine thread died: {self.error!r}")
-        fut: concurrent.futures.Future[str] = concurrent.futures.Future()
-        self.snapshots.put(fut)
-        return web.Response(text=await asyncio.wrap_future(fut), content_type="application/json")
-
-    async def load(self, n: int) -> None:
-        """Send a wave of `n` prompts and wait until all of them have finished."""
-        assert self.error is None, f"engine thread died: {self.error!r}"
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self.waves.put(([f"{SHARED_PREFIX} Question {i}:" for i in range(n)], done))
-        await asyncio.wrap_future(done)
-
-
-@contextlib.asynccontextmanager
-async def threaded_engine() -> AsyncIterator[tuple[str, Callable[[int], Awaitable[None]]]]:
-    eng = await asyncio.to_thread(ThreadedEngine)
-    app = web.Application()
-    app.router.add_get("/stats", eng.handle_stats)
-    eng.thread.start()
-    try:
-        async with TestServer(app, host="127.0.0.1") as srv:
-            yield str(srv.make_url("/")), eng.load
-    finally:
-        eng.stop.set()
-        eng.thread.join(timeout=30)
-
-
-@pytest.mark.skipif(
-    not (_server_available() or _engine_available()),
-    reason="neither the engine server (issue 6) nor headroom.engine.engine (issue 4) exists yet",
-)
 async def test_prometheus_scrapes_sidecar_in_front_of_real_engine(tmp_path: Path) -> None:
-    choice = os.environ.get("HEADROOM_SIDECAR_TEST_ENGINE") or (
-        "server" if _server_available() else "threaded"
-    )
-    engine_cm = served_engine(tmp_path) if choice == "server" else threaded_engine()
     async with (
-        engine_cm as (engine_url, load),
+        served_engine(tmp_path) as (engine_url, load),
         scraped(tmp_path, engine_url, interval=1.0) as (prom, http),
     ):
         # Waves of requests sharing a prefix, for as long as we look: later waves hit the prefix
