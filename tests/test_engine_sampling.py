@@ -159,12 +159,20 @@ def test_abort_frees_blocks_and_reports(engine: Engine) -> None:
 
 
 def test_rejections_name_the_problem(engine: Engine) -> None:
-    with pytest.raises(RequestRejected, match="exceeds max_model_len 1024"):
+    with pytest.raises(RequestRejected, match="exceeds max_model_len 1024") as info:
         engine.add_request("long", [1] * 1000, SamplingParams(max_tokens=100))
-    with pytest.raises(RequestRejected, match="outside the vocabulary"):
+    assert (info.value.param, info.value.code) == ("max_tokens", "context_length_exceeded")
+    with pytest.raises(RequestRejected, match="outside the vocabulary") as info:
         engine.add_request("vocab", [1, 5000], SamplingParams())
-    with pytest.raises(RequestRejected, match="empty"):
+    assert (info.value.param, info.value.code) == ("prompt", "invalid_token_id")
+    with pytest.raises(RequestRejected, match="empty") as info:
         engine.add_request("empty", [], SamplingParams())
+    assert (info.value.param, info.value.code) == ("prompt", "empty_prompt")
+    # check_request applies the same rules without queueing, and fills in the budget.
+    assert engine.check_request([1] * 24, None) == 1000
+    with pytest.raises(RequestRejected, match="prompt 2 has 1024 tokens") as info:
+        engine.check_request([1] * 1024, 5, where="prompt 2")
+    assert info.value.param == "prompt"
     engine.add_request("dup", [1, 2], SamplingParams(max_tokens=2))
     with pytest.raises(RequestRejected, match="already in flight"):
         engine.add_request("dup", [1, 2], SamplingParams())

@@ -64,8 +64,10 @@ def test_requests_that_can_never_fit_are_rejected_with_the_numbers() -> None:
     assert e.value.reason == (
         "prompt 900 + max_tokens 200 = 1100 tokens exceeds max_model_len 1024"
     )
-    with pytest.raises(RequestRejected, match=r"needs 11 KV blocks of 16 tokens .* holds 10"):
+    assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
+    with pytest.raises(RequestRejected, match=r"needs 11 KV blocks of 16 tokens .* holds 10") as e:
         sched.add(Sequence.new("b", [1] * 151, 10))
+    assert (e.value.param, e.value.code) == ("max_tokens", "exceeds_kv_pool")
     with pytest.raises(RequestRejected, match="empty"):
         sched.add(Sequence.new("c", [], 10))
     with pytest.raises(RequestRejected, match="max_tokens must be at least 1"):

@@ -175,8 +175,35 @@ def test_unknown_and_out_of_range_fields(client: openai.OpenAI) -> None:
     assert info.value.code == "invalid_value"
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         client.completions.create(model="tiny-test", prompt="x", presence_penalty=1.0)
-    with pytest.raises(openai.BadRequestError, match="out of range"):
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         client.completions.create(model="tiny-test", prompt=[5, 99999])
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code", "message"),
+    [
+        ({"prompt": [5, 99999]}, "prompt", "invalid_token_id", "[99999] are outside"),
+        # The request schema itself refuses what is no token id at all, naming the item.
+        ({"prompt": [5, -1]}, "prompt", "invalid_value", "token ids must be >= 0"),
+        ({"prompt": ["hi", []]}, "prompt[1]", "invalid_value", "prompt[1]"),
+        ({"prompt": "x" * 600}, "prompt", "context_length_exceeded", "leaving no room"),
+        ({"prompt": "x" * 100, "max_tokens": 450}, "max_tokens", "context_length_exceeded",
+         "101 + max_tokens 450"),
+        ({"prompt": ["hi", "x" * 100], "max_tokens": 450}, "max_tokens",
+         "context_length_exceeded", "prompt 1 101 + max_tokens 450"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "invalid_value", "max_tokens"),
+        ({"prompt": "hi", "top_p": 0}, "top_p", "invalid_value", "top_p"),
+    ],
+)  # fmt: skip
+def test_each_rejection_names_its_field(
+    client: openai.OpenAI, body: dict[str, Any], param: str, code: str, message: str
+) -> None:
+    """The engine's validation names the field at fault; the server passes it on as `param`."""
+    prompt = body.pop("prompt")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny-test", prompt=prompt, extra_body=body)
+    assert (info.value.param, info.value.code) == (param, code)
+    assert message in str(info.value)
 
 
 def test_wrong_model_is_not_found(client: openai.OpenAI) -> None:

@@ -36,17 +36,17 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
 from headroom.engine.config import EngineConfig
 from headroom.engine.engine import Engine, StepFailed
-from headroom.engine.errors import RequestFailed
+from headroom.engine.errors import RequestFailed, RequestRejected
 from headroom.engine.health import EngineHealth
+from headroom.engine.model.tokenizer import Tokenizer
 from headroom.engine.outputs import RequestOutput
 from headroom.engine.sampling import SamplingParams
-from headroom.engine.scheduler import RequestRejected
 from headroom.engine.stats import StatsSnapshot
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class AsyncEngine:
         return cls(Engine.from_config(config))
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     @property
@@ -110,6 +110,13 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    def check_request(
+        self, prompt_token_ids: list[int], max_tokens: int | None, *, where: str = "prompt"
+    ) -> int:
+        """`Engine.check_request`: the engine's own validation, callable from any thread (it
+        reads only the model's fixed limits)."""
+        return self.engine.check_request(prompt_token_ids, max_tokens, where=where)
 
     async def start(self) -> None:
         """Start the engine thread (idempotent)."""
@@ -125,7 +132,7 @@ class AsyncEngine:
 
     async def stream(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request and yield its `RequestOutput` deltas until it finishes."""
         if not self.health.healthy:
             raise EngineClosed(f"the engine is unhealthy: {self.health.reason}")

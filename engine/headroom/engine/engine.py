@@ -33,13 +33,13 @@ import torch
 
 from headroom.engine.attention import select_backend
 from headroom.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
-from headroom.engine.errors import RequestFailed
+from headroom.engine.errors import RequestFailed, RequestRejected
 from headroom.engine.model.loader import LoadedModel, load_model
 from headroom.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from headroom.engine.model_runner import ModelRunner, kv_bytes_per_token
 from headroom.engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from headroom.engine.sampling import SamplingParams, completion_seed, make_generator, sample_rows
-from headroom.engine.scheduler import RequestRejected, Scheduler, SchedulerConfig, SchedulerOutput
+from headroom.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from headroom.engine.sequence import Sequence
 from headroom.engine.stats import (
     TPOT_BUCKETS_S,
@@ -47,6 +47,7 @@ from headroom.engine.stats import (
     Histogram,
     StatsSnapshot,
 )
+from headroom.engine.validation import check_prompt, resolve_max_tokens
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +229,16 @@ class Engine:
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
+    def check_request(
+        self, prompt_token_ids: Seq[int], max_tokens: int | None, *, where: str = "prompt"
+    ) -> int:
+        """Validate a request as `add_request` will, before queueing anything; returns the
+        output budget (`max_tokens`, or all the room left). Raises `RequestRejected`."""
+        check_prompt(prompt_token_ids, self._vocab, where=where)
+        return resolve_max_tokens(
+            len(prompt_token_ids), max_tokens, self.max_model_len, where=where
+        )
+
     def add_request(
         self,
         request_id: str,
@@ -239,11 +250,7 @@ class Engine:
         if request_id in self._requests:
             raise RequestRejected(f"request id {request_id!r} is already in flight")
         ids = self.encode(prompt)
-        bad = [t for t in ids if not 0 <= t < self._vocab]
-        if bad:
-            raise RequestRejected(
-                f"prompt token ids {bad[:5]} are outside the vocabulary of {self._vocab}"
-            )
+        check_prompt(ids, self._vocab)
         seed = self._seed_rng.getrandbits(63) if params.seed is None else params.seed
         req = _Request(request_id, ids, params, arrival_time or time.time(), seed)
         seq = Sequence.new(request_id, ids, params.max_tokens, extra_key=self.model_name)

@@ -3,6 +3,18 @@
 from __future__ import annotations
 
 
+class RequestRejected(ValueError):
+    """A request that can never be served. `param` names the request field at fault
+    (`prompt`, `max_tokens`, ...), `code` the rule it broke; the server maps both to the
+    OpenAI error body as they are."""
+
+    def __init__(self, reason: str, *, param: str | None = None, code: str = "invalid_request"):
+        super().__init__(reason)
+        self.reason = reason
+        self.param = param
+        self.code = code
+
+
 class RequestFailed(RuntimeError):
     """The engine gave up on a request (its model step or its decoding raised); the request's
     blocks are already freed and the engine goes on serving the others."""

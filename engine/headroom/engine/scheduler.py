@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from headroom.engine.block_pool import BlockPool
 from headroom.engine.budget import KVCacheDtype, ModelArch, Plan, kv_bytes_per_block
+from headroom.engine.errors import RequestRejected
 from headroom.engine.prefix_cache import (
     ROOT_REF,
     HashFn,
@@ -37,6 +38,7 @@ from headroom.engine.prefix_cache import (
 )
 from headroom.engine.sequence import Sequence, SequenceStatus
 from headroom.engine.stats import KVBlockStats, PrefixCacheStats, RequestStats, SchedulerStats
+from headroom.engine.validation import resolve_max_tokens
 
 _WAITING = SequenceStatus.WAITING
 _RUNNING = SequenceStatus.RUNNING
@@ -106,14 +108,6 @@ class SchedulerConfig(BaseModel):
             bytes_per_token=per_block // block_size,
             **overrides,
         )
-
-
-class RequestRejected(ValueError):
-    """A request that can never be served; `reason` names the numbers."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 class ScheduledSeq:
@@ -234,36 +228,31 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a fresh sequence; raises `RequestRejected` if it could never be served."""
-        reason = self._rejection(seq)
-        if reason is not None:
-            raise RequestRejected(reason)
+        self._check(seq)
         self.waiting.append(seq)
         self._seqs[seq.seq_id] = seq
 
-    def _rejection(self, seq: Sequence) -> str | None:
+    def _check(self, seq: Sequence) -> None:
         cfg = self.config
         if seq.seq_id in self._seqs:
-            return f"sequence {seq.seq_id} was already added"
+            raise RequestRejected(f"sequence {seq.seq_id} was already added")
         if seq.status is not _WAITING or seq.block_table or seq.num_computed_tokens:
-            return f"sequence {seq.seq_id} is {seq.status.value}, not a fresh waiting sequence"
-        if not seq.prompt_token_ids:
-            return "the prompt is empty"
-        if seq.max_tokens < 1:
-            return f"max_tokens must be at least 1, got {seq.max_tokens}"
-        prompt, out = seq.num_prompt_tokens, seq.max_tokens
-        total = prompt + out
-        if total > cfg.max_model_len:
-            return (
-                f"prompt {prompt} + max_tokens {out} = {total} tokens exceeds "
-                f"max_model_len {cfg.max_model_len}"
+            raise RequestRejected(
+                f"sequence {seq.seq_id} is {seq.status.value}, not a fresh waiting sequence"
             )
+        if not seq.prompt_token_ids:
+            raise RequestRejected("the prompt is empty", param="prompt", code="empty_prompt")
+        prompt, out = seq.num_prompt_tokens, seq.max_tokens
+        resolve_max_tokens(prompt, out, cfg.max_model_len)
+        total = prompt + out
         blocks = -(-total // cfg.block_size)
         if blocks > cfg.num_blocks:
-            return (
+            raise RequestRejected(
                 f"prompt {prompt} + max_tokens {out} = {total} tokens needs {blocks} KV blocks "
-                f"of {cfg.block_size} tokens but the whole pool holds {cfg.num_blocks}"
+                f"of {cfg.block_size} tokens but the whole pool holds {cfg.num_blocks}",
+                param="max_tokens",
+                code="exceeds_kv_pool",
             )
-        return None
 
     def get(self, seq_id: int) -> Sequence | None:
         """An unfinished sequence (waiting or running), or None."""

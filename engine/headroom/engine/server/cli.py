@@ -13,9 +13,9 @@ import sys
 from pydantic import ValidationError
 
 from headroom.engine.config import EngineConfig
-from headroom.engine.server.app import DEFAULT_MAX_BODY_BYTES, ServerSettings
 from headroom.engine.server.auth import API_KEY_ENV
 from headroom.engine.server.runner import ListenConfig, serve
+from headroom.engine.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings
 
 _UNITS = {
     "": 1,

@@ -8,6 +8,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+from headroom.engine.errors import RequestRejected
 from headroom.engine.server.protocol import ErrorInfo, ErrorResponse
 
 # OpenAI's `type` for each status; the official client picks its exception class from the status.
@@ -84,6 +85,11 @@ def from_validation_error(err: ValidationError) -> APIError:
     value = e.get("input")
     shown = f" (got {value!r})" if isinstance(value, int | float | str | bool) else ""
     return APIError(400, f"field '{field}': {msg}{shown}", param=field, code="invalid_value")
+
+
+def rejected(exc: RequestRejected) -> APIError:
+    """The one mapping of the engine's validation errors: a 400 with the engine's field and code."""
+    return APIError(400, exc.reason, param=exc.param, code=exc.code)
 
 
 def error_response(

@@ -18,11 +18,9 @@ from typing import Any, TextIO
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from headroom.engine.async_engine import AsyncEngine, EngineClosed
+from headroom.engine.async_engine import AsyncEngine
 from headroom.engine.budget import ModelArch
 from headroom.engine.config import EngineConfig
-from headroom.engine.sampling import SamplingParams
-from headroom.engine.scheduler import RequestRejected
 from headroom.engine.server.app import ServerSettings, ServerState, create_app
 from headroom.engine.server.budget_report import BudgetReport, budget_kv_dtype
 from headroom.engine.server.chat_template import ChatTemplate, load_chat_template
@@ -115,9 +113,6 @@ def attach_engine(
     state.tokenizer = engine.tokenizer
     state.max_model_len = max_model_len
     state.chat_template = template
-    state.sampling_params = SamplingParams
-    state.rejected_error = RequestRejected
-    state.closed_error = EngineClosed
     state.engine = engine
     return template
 

@@ -1,0 +1,165 @@
+"""What the completion and chat handlers share: one HTTP request's engine requests merged
+into one event stream (aborted when the handler leaves), and the request preparation both do:
+the model name, the engine's validation, sampling parameters and usage."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pydantic import ValidationError
+
+from headroom.engine.async_engine import EngineClosed
+from headroom.engine.errors import RequestFailed, RequestRejected
+from headroom.engine.outputs import CompletionOutput, RequestOutput
+from headroom.engine.sampling import SamplingParams
+from headroom.engine.server.errors import APIError, from_validation_error, rejected
+from headroom.engine.server.protocol import ChatCompletionRequest, CompletionRequest, Usage
+from headroom.engine.server.state import ServerState
+
+
+@dataclass
+class _Job:
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    finished: bool = False
+
+
+class Generation:
+    """One HTTP request's engine requests (one per prompt), merged into one event stream of
+    `(prompt_index, RequestOutput)`. Use as `async with`: leaving aborts what is unfinished."""
+
+    def __init__(
+        self, st: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams
+    ) -> None:
+        assert st.engine is not None
+        self._engine = st.engine
+        self.jobs = [_Job(i, f"{base_id}-{i}", ids) for i, ids in enumerate(prompts)]
+        self._params = params
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def _pump(self, job: _Job) -> None:
+        try:
+            stream = self._engine.stream(job.request_id, job.prompt_ids, self._params)
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    if out.finished:
+                        job.finished = True
+                    await self._queue.put((job.index, out))
+            job.finished = True
+            await self._queue.put((job.index, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await self._queue.put((job.index, e))
+
+    async def __aenter__(self) -> Generation:
+        self._tasks = [asyncio.create_task(self._pump(j)) for j in self.jobs]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for job in self.jobs:
+            if not job.finished:
+                with contextlib.suppress(Exception):
+                    self._engine.abort(job.request_id)
+
+    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs in arrival order until every prompt finished; engine errors are raised
+        (a rejected request as a 400)."""
+        pending = len(self.jobs)
+        while pending:
+            index, item = await self._queue.get()
+            if item is None:
+                pending -= 1
+                continue
+            if isinstance(item, Exception):
+                if isinstance(item, RequestRejected):
+                    raise rejected(item)
+                if isinstance(item, EngineClosed):
+                    raise APIError(503, f"{item}; retry on another replica", code="draining")
+                if isinstance(item, RequestFailed):
+                    raise APIError(500, str(item), code="engine_error")
+                if isinstance(item, ValueError):
+                    raise APIError(400, str(item), code="invalid_request")
+                raise item
+            yield index, item
+
+
+# --- shared request preparation ----------------------------------------------------------
+
+
+def check_model(st: ServerState, model: str | None) -> str:
+    """The served model's name; 404 for any other."""
+    name = st.settings.served_model_name
+    if model is not None and model != name:
+        raise APIError(
+            404,
+            f"the model '{model}' does not exist; this server serves '{name}'",
+            param="model",
+            code="model_not_found",
+        )
+    return name
+
+
+def check_prompts(st: ServerState, prompts: list[list[int]], max_tokens: int | None) -> int:
+    """One output budget for all prompts, by the engine's own rules (`RequestRejected` names
+    the field); with no max_tokens given, the least room left among the prompts."""
+    assert st.engine is not None
+    engine = st.engine
+    return min(
+        engine.check_request(ids, max_tokens, where=f"prompt {i}" if i else "prompt")
+        for i, ids in enumerate(prompts)
+    )
+
+
+def sampling_params(
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int
+) -> SamplingParams:
+    """The request's sampling fields as the engine's `SamplingParams` (400 naming a bad one)."""
+    try:
+        return SamplingParams(
+            n=req.n,
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            stop=req.stop_list,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+        )
+    except ValidationError as e:
+        raise from_validation_error(e) from e
+
+
+@dataclass
+class Tally:
+    """Per-choice text and finish reasons, and token counts for `usage`."""
+
+    texts: dict[int, list[str]] = field(default_factory=dict)
+    finish: dict[int, str | None] = field(default_factory=dict)
+    completion_tokens: int = 0
+
+    def add(self, choice: int, out: CompletionOutput) -> None:
+        self.texts.setdefault(choice, []).append(out.text or "")
+        self.completion_tokens += len(out.token_ids or [])
+        if out.finish_reason is not None:
+            self.finish[choice] = out.finish_reason
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    """OpenAI's `usage` block."""
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
