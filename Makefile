@@ -42,9 +42,12 @@ unit: venv tools
 test: lint unit e2e
 
 # Every bench runs even after a MISS; the target fails at the end naming those that missed.
+# Exit 77 is a bench that needs a GPU this machine lacks: reported, not a failure.
 bench: venv
 	@failed=""; for b in $(filter-out bench/verdicts.py,$(wildcard bench/*.py)); do \
-		echo "== $$b"; $(PY) $$b || failed="$$failed $$b"; done; \
+		echo "== $$b"; $(PY) $$b; rc=$$?; \
+		if [ $$rc = 77 ]; then echo "(skipped: $$b needs a GPU)"; \
+		elif [ $$rc != 0 ]; then failed="$$failed $$b"; fi; done; \
 	if [ -n "$$failed" ]; then echo "MISS in:$$failed" >&2; exit 1; fi
 
 # The chart ships its own copy (Helm installs charts/<name>/crds/); a test keeps them identical.

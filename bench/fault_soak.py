@@ -104,7 +104,7 @@ async def soak_one(seed: int, requests: int, concurrency: int, p: float) -> Soak
     aengine = AsyncEngine(engine, health)
     await aengine.start()
     state = ServerState(ServerSettings(served_model_name="tiny"))
-    attach_engine(state, aengine, config.model, config.max_model_len)
+    attach_engine(state, aengine, config.model, engine.max_model_len)
     runner = web.AppRunner(create_app(state), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -8,16 +8,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import importlib.util
-import sys
 from collections.abc import AsyncIterator, Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
+from bench_loader import load_bench
 
 import headroom.engine.engine as engine_module
 from headroom.engine.async_engine import AsyncEngine, EngineClosed
@@ -304,23 +302,13 @@ async def test_server_maps_failures_and_an_unhealthy_engine_fails_its_probes(
 
 def test_the_soak_bench_leaks_nothing_and_grades_a_leak() -> None:
     """bench/fault_soak.py, short: faults injected, 0 leaked blocks, exit 0; a leak is a MISS."""
-    path = Path(__file__).resolve().parent.parent / "bench" / "fault_soak.py"
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("fault_soak_bench", path)
-        assert spec is not None and spec.loader is not None
-        soak = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = soak  # its dataclasses look their module up there
-        spec.loader.exec_module(soak)
-        result = asyncio.run(soak.soak_one(seed=3, requests=30, concurrency=6, p=0.03))
-        assert sum(result.injected.values()) > 0 and result.errors
-        assert result.leaked_blocks == 0 and result.after_ok
-        assert result.requests == 30
-        verdicts = soak.Verdicts()
-        verdicts(result.leaked_blocks == 0, "no leak")
-        assert verdicts.exit_code() == 0
-        verdicts(False, "a leak")
-        assert verdicts.exit_code() == 1
-    finally:
-        sys.path.remove(str(path.parent))
-        sys.modules.pop("fault_soak_bench", None)
+    soak = load_bench("fault_soak")
+    result = asyncio.run(soak.soak_one(seed=3, requests=30, concurrency=6, p=0.03))
+    assert sum(result.injected.values()) > 0 and result.errors
+    assert result.leaked_blocks == 0 and result.after_ok
+    assert result.requests == 30
+    verdicts = soak.Verdicts()
+    verdicts(result.leaked_blocks == 0, "no leak")
+    assert verdicts.exit_code() == 0
+    verdicts(False, "a leak")
+    assert verdicts.exit_code() == 1

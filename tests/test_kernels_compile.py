@@ -1,11 +1,25 @@
 """Every CUDA kernel compiles with NVRTC (no GPU needed) for compute_80 and compute_90, with
-no warnings, and, where ptxas is installed, assembles with zero bytes of register spill."""
+no warnings, and, where ptxas is installed, assembles for sm_80, sm_89 and sm_90 with the spill
+bytes README.md states; bench/gpu_kernels.py counts its verdicts into its exit status."""
 
 from __future__ import annotations
 
-import pytest
+import re
+from pathlib import Path
+from types import ModuleType
 
+import pytest
+from bench_loader import load_bench
+
+from headroom.engine.attention import cuda_backend as cb
 from headroom.engine.kernels import compile as kc
+
+ROOT = Path(__file__).resolve().parent.parent
+SPILL_ARCHS = ("sm_80", "sm_89", "sm_90")
+# README's benchmark row: "spill bytes (ptxas 13.2, all 21 kernels): sm_80 0, sm_89 0, ..."
+_README_SPILLS = re.compile(
+    r"spill bytes \(ptxas (\d+)\.(\d+), all (\d+) kernels\): (sm_\d+ \d+(?:, sm_\d+ \d+)*)"
+)
 
 
 @pytest.fixture(scope="module", params=kc.CHECK_ARCHS)
@@ -80,19 +94,132 @@ ptxas info    : Used 32 registers, used 0 barriers, 400 bytes cmem[0]
     assert (bar.kernel, bar.registers, bar.spill_store_bytes, bar.shared_bytes) == ("bar", 32, 0, 0)
 
 
-def test_no_register_spills(compiled: dict[str, kc.CompileResult]) -> None:
+@pytest.fixture(scope="module")
+def ptxas_usage() -> dict[str, list[kc.RegisterUsage]]:
+    """ptxas -v of every kernel for each of SPILL_ARCHS."""
     if kc.find_ptxas() is None:
         pytest.skip("ptxas not installed (pip install 'nvidia-cuda-nvcc>=13.2,<14')")
-    rows = []
-    for result in compiled.values():
-        gpu = "sm_" + result.arch.split("_")[1]
-        rows += [(gpu, u) for u in kc.ptxas_usage(result.ptx, gpu)]
-    assert {u.kernel for _, u in rows} == {v.name for v in kc.all_variants()}
-    for gpu, u in sorted(rows, key=lambda r: (r[0], r[1].kernel)):
-        print(
-            f"{gpu} {u.kernel:42s} {u.registers:4d} regs {u.spill_store_bytes:3d} B spill "
-            f"stores {u.spill_load_bytes:3d} B spill loads {u.shared_bytes:6d} B smem"
-        )
-    spilled = [f"{gpu} {u.kernel}" for gpu, u in rows if u.spill_store_bytes or u.spill_load_bytes]
-    assert not spilled, f"register spills in {spilled}"
-    assert all(u.stack_bytes == 0 for _, u in rows)
+    return {
+        gpu: [
+            u
+            for r in kc.compile_variants(kc.all_variants(), "compute_" + gpu[3:]).values()
+            for u in kc.ptxas_usage(r.ptx, gpu)
+        ]
+        for gpu in SPILL_ARCHS
+    }
+
+
+def test_spill_bytes_are_what_the_readme_states(
+    ptxas_usage: dict[str, list[kc.RegisterUsage]],
+) -> None:
+    """README.md's per-architecture spill figures against ptxas, for every kernel."""
+    for gpu, rows in sorted(ptxas_usage.items()):
+        assert {u.kernel for u in rows} == {v.name for v in kc.all_variants()}
+        for u in sorted(rows, key=lambda u: u.kernel):
+            print(
+                f"{gpu} {u.kernel:42s} {u.registers:4d} regs {u.spill_store_bytes:3d} B spill "
+                f"stores {u.spill_load_bytes:3d} B spill loads {u.shared_bytes:6d} B smem"
+            )
+    m = _README_SPILLS.search((ROOT / "README.md").read_text())
+    assert m, "README.md no longer states the kernels' spill bytes per architecture"
+    ptxas = kc.find_ptxas()
+    assert ptxas is not None
+    release = kc.ptxas_version(ptxas)
+    assert (int(m.group(1)), int(m.group(2))) == release, (
+        f"README.md states spills for ptxas {m.group(1)}.{m.group(2)}, this is "
+        f"{release[0]}.{release[1]}: re-measure (bench/gpu_kernels.py --compile-only)"
+    )
+    assert int(m.group(3)) == len(kc.all_variants())
+    stated = {gpu: int(n) for gpu, n in re.findall(r"(sm_\d+) (\d+)", m.group(4))}
+    measured = {
+        gpu: sum(u.spill_store_bytes + u.spill_load_bytes for u in rows)
+        for gpu, rows in ptxas_usage.items()
+    }
+    assert stated == measured, f"README.md states {stated}, ptxas measures {measured}"
+    for gpu, rows in ptxas_usage.items():
+        if stated[gpu] == 0:  # no spill also means no local-memory stack frame
+            assert all(u.stack_bytes == 0 for u in rows), gpu
+
+
+# ---------------------------------------------------------------- bench/gpu_kernels.py verdicts
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    return load_bench("gpu_kernels")
+
+
+def _fake_toolchain(monkeypatch: pytest.MonkeyPatch, spills: dict[tuple[str, str], int]) -> None:
+    """NVRTC and ptxas stand-ins: no warnings, `spills[(gpu, kernel)]` spill-store bytes."""
+
+    def compile_variants(variants: list[kc.KernelVariant], arch: str) -> dict[str, object]:
+        return {"all.cu": kc.CompileResult(arch=arch, ptx="", cubin=None, log="")}
+
+    def ptxas_usage(ptx: str, gpu: str, ptxas: Path | None = None) -> list[kc.RegisterUsage]:
+        return [
+            kc.RegisterUsage(v.name, 128, 0, spills.get((gpu, v.name), 0), 0, 0)
+            for v in kc.all_variants()
+        ]
+
+    monkeypatch.setattr(kc, "compile_variants", compile_variants)
+    monkeypatch.setattr(kc, "ptxas_usage", ptxas_usage)
+    monkeypatch.setattr(kc, "find_ptxas", lambda: Path("/fake/ptxas"))
+    monkeypatch.setattr(kc, "ptxas_version", lambda exe: (13, 2))
+    monkeypatch.setattr(cb, "cuda_available", lambda: False)
+
+
+def test_bench_without_a_gpu_says_so_with_exit_77(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fake_toolchain(monkeypatch, {})
+    assert bench.main([]) == bench.EXIT_NEEDS_GPU == 77
+    out = capsys.readouterr().out
+    assert "correctness and timing need a GPU" in out
+    assert "verdicts: 6 PASS, 0 MISS" in out
+    assert bench.main(["--compile-only"]) == 0
+
+
+def test_bench_counts_a_spill_as_a_miss_without_a_gpu(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fake_toolchain(monkeypatch, {("sm_80", "paged_attention_decode_bf16_fp8_d128"): 48})
+    assert bench.main([]) == bench.EXIT_MISS == 1
+    out = capsys.readouterr().out
+    assert "sm_80: spill bytes 48 (48 stored, 0 loaded; target 0) MISS" in out
+    assert "sm_90: spill bytes 0 (0 stored, 0 loaded; target 0) PASS" in out
+    assert "5 PASS, 1 MISS, 0 informational (MISS: sm_80 spills 48 B)" in out
+    assert bench.main(["--compile-only"]) == 1
+
+
+def test_bench_without_ptxas_cannot_pass_the_spill_verdicts(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fake_toolchain(monkeypatch, {})
+    monkeypatch.setattr(kc, "find_ptxas", lambda: None)
+    assert bench.main(["--compile-only"]) == 1
+    assert "the spill verdicts cannot be checked MISS" in capsys.readouterr().out
+
+
+def test_bench_informational_rows_are_reported_not_counted(bench: ModuleType) -> None:
+    verdicts = bench.Verdicts()
+    assert verdicts(True, "a") == "PASS"
+    assert verdicts(False, "b", informational=True) == "MISS (informational)"
+    assert bench.finish(verdicts, 0.0, bench.EXIT_PASS) == 0
+    assert verdicts(False, "c") == "MISS"
+    assert bench.finish(verdicts, 0.0, bench.EXIT_NEEDS_GPU) == 1
+    assert verdicts.summary() == "1 PASS, 1 MISS, 1 informational (MISS: c)"
+
+
+@pytest.mark.slow
+def test_bench_compile_only_runs_the_real_toolchain(
+    bench: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if kc.find_ptxas() is None:
+        pytest.skip("ptxas not installed")
+    code = bench.main(["--compile-only"])
+    out = capsys.readouterr().out
+    for gpu in SPILL_ARCHS:
+        assert re.search(rf"^{gpu}: spill bytes \d+ .* (PASS|MISS)", out, re.M), out
+    summary = re.search(r"^verdicts: \d+ PASS, (\d+) MISS", out, re.M)
+    assert summary, out
+    assert code == (0 if summary.group(1) == "0" else 1)

@@ -9,6 +9,13 @@ emulator checks each launch against the kernel's signature), the fragment mappin
 online softmax, the split-context reduce, masking of stale (NaN-poisoned) slots, quantised
 writes and block copies. What emulation cannot check is the hardware (it takes the MMA
 fragment layout from the PTX ISA); the `gpu` runs and bench/gpu_kernels.py do.
+
+The emulator also interleaves each CTA's threads in a seeded random order (HEADROOM_EMU_SEED,
+default 1) with yields at every shared-memory access, checks shared memory for races and
+uninitialised reads, and requires vector loads and stores to be naturally aligned; any failed
+check fails the launch with its message. The tests at the end prove those checks bite: each
+`__syncthreads()` of paged_attention.cu, removed, is reported as a race and gives a wrong
+result under some schedule, and misaligned 16- and 8-byte accesses are reported.
 """
 
 from __future__ import annotations
@@ -20,7 +27,6 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +34,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from bench_loader import load_bench
 
 from headroom.engine.attention import cuda_backend as cb
 from headroom.engine.attention.base import LayerKVCache, allocate_layer_cache
@@ -46,6 +53,11 @@ _DRIVER_HEAD = r"""
 #include <cstring>
 #include <type_traits>
 
+extern "C" const char* emu_error() { return emu::launch_error(); }
+extern "C" void emu_configure(unsigned long long seed, int race_check) {
+  emu::configure(seed, race_check != 0);
+}
+
 template <typename T>
 T arg(const unsigned long long* a, int i) {
   if constexpr (std::is_pointer_v<T>) {
@@ -61,21 +73,23 @@ T arg(const unsigned long long* a, int i) {
 }
 
 template <typename F>
-void run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+bool run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
               unsigned long long smem, F& f) {
-  emu::launch({gx, gy, gz}, {bx, by, bz}, smem, [](void* p) { (*static_cast<F*>(p))(); }, &f);
+  return emu::launch({gx, gy, gz}, {bx, by, bz}, smem,
+                     [](void* p) { (*static_cast<F*>(p))(); }, &f);
 }
 
+// 0: ran clean; 1: argument codes differ from the kernel's signature; 2: an emulation check
+// failed (emu_error() says which).
 #define EMU_BEGIN(NAME, SIG)                                                               \
   extern "C" int launch_##NAME(unsigned gx, unsigned gy, unsigned gz, unsigned bx,         \
                                unsigned by, unsigned bz, unsigned long long smem,          \
                                const char* codes, const unsigned long long* a) {           \
     if (std::strcmp(codes, SIG) != 0) return 1;                                            \
     auto body = [&]() {
-#define EMU_END                               \
-  };                                          \
-  run_grid(gx, gy, gz, bx, by, bz, smem, body); \
-  return 0;                                   \
+#define EMU_END                                          \
+  };                                                     \
+  return run_grid(gx, gy, gz, bx, by, bz, smem, body) ? 0 : 2; \
   }
 
 #define EMU_DECODE(NAME, QT)                                                                \
@@ -114,24 +128,26 @@ _EMU_MACRO = {
     "HEADROOM_REDUCE_KERNEL": "EMU_REDUCE",
     "HEADROOM_CACHE_WRITE_KERNEL": "EMU_CACHE_WRITE",
 }
+# The schedule seed of the emulated runs (each seed is another interleaving of the threads).
+EMU_SEED = int(os.environ.get("HEADROOM_EMU_SEED", "1"))
 
 
-def _driver_source() -> str:
-    lines = [_DRIVER_HEAD]
-    for v in kc.all_variants():
+def _driver_source(variants: list[kc.KernelVariant] | None = None, prelude: str = "") -> str:
+    lines = [prelude, _DRIVER_HEAD]
+    for v in kc.all_variants() if variants is None else variants:
         if v.macro:
             lines.append(v.instantiation())
             lines.append(f"{_EMU_MACRO[v.macro]}({v.name}, {v.macro_args[0]})")
     return "\n".join(lines) + "\n"
 
 
-@pytest.fixture(scope="module")
-def emulator() -> ctypes.CDLL:
-    """The kernels built for the host; cached by a hash of every input to the build."""
+def build_emulated(source: str, kernel_dir: Path = kc.KERNEL_DIR) -> ctypes.CDLL:
+    """`source` built for the host against the kernels in `kernel_dir` (then KERNEL_DIR);
+    cached by a hash of every input to the build."""
     if shutil.which("g++") is None:
         pytest.skip("needs g++ for the host emulation")
-    source = _driver_source()
-    inputs = source + "".join(p.read_text() for p in sorted(kc.KERNEL_DIR.glob("*.cu*")))
+    dirs = list(dict.fromkeys([kernel_dir, kc.KERNEL_DIR]))
+    inputs = source + "".join(p.read_text() for d in dirs for p in sorted(d.glob("*.cu*")))
     digest = hashlib.sha256(inputs.encode()).hexdigest()[:20]
     cache = Path(os.environ.get("HEADROOM_CACHE", Path.home() / ".cache" / "headroom"))
     lib = cache / "emulated-kernels" / f"kernels-{digest}.so"
@@ -147,7 +163,7 @@ def emulator() -> ctypes.CDLL:
             "-shared",
             "-fPIC",
             "-DHEADROOM_HOST_EMULATION",
-            f"-I{kc.KERNEL_DIR}",
+            *[f"-I{d}" for d in dirs],
             str(src),
             "-o",
             str(tmp),
@@ -155,15 +171,27 @@ def emulator() -> ctypes.CDLL:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
         assert proc.returncode == 0, proc.stderr[-4000:]
         tmp.replace(lib)
-    return ctypes.CDLL(str(lib))
+    out = ctypes.CDLL(str(lib))
+    out.emu_error.restype = ctypes.c_char_p
+    out.emu_configure.argtypes = [ctypes.c_ulonglong, ctypes.c_int]
+    out.emu_configure(EMU_SEED, 1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def emulator() -> ctypes.CDLL:
+    """Every kernel built for the host, race check on, schedule seed EMU_SEED."""
+    return build_emulated(_driver_source())
 
 
 class EmulatedRuntime:
     """`cuda_backend.KernelRuntime` over the emulated kernels (CPU tensors, CPU pointers)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, strict: bool = True) -> None:
         self.lib = lib
+        self.strict = strict  # a failed emulation check fails the launch; else it is kept
         self.launches: list[tuple[str, tuple[int, int, int]]] = []
+        self.errors: list[str] = []
 
     def function(self, variant: kc.KernelVariant, device: torch.device) -> Any:
         fn = getattr(self.lib, f"launch_{variant.name}")
@@ -189,7 +217,11 @@ class EmulatedRuntime:
             codes.encode(),
             arr,
         )
-        assert rc == 0
+        assert rc != 1, f"{variant.name}: argument codes {codes}"
+        if rc == 2:
+            error = f"{variant.name}: {self.lib.emu_error().decode()}"
+            assert not self.strict, error
+            self.errors.append(error)
         self.launches.append((variant.name, grid))
 
     def resident_slots(self, fn: Any, device: torch.device) -> int:
@@ -609,6 +641,161 @@ def test_copy_blocks_all_layers_and_scales(runner: Runner, kv_dtype: str) -> Non
             assert torch.equal(key[untouched], k0[untouched])
 
 
+# ---------------------------------------------------------------- the emulation's own checks
+
+_BARRIER = "__syncthreads();"
+_BARRIER_SEEDS = (1, 2, 3, 4, 5, 6, 7, 8)
+_BARRIER_PRELUDE = """
+static int g_skip_barrier = -1;
+extern "C" void emu_skip_barrier(int k) { g_skip_barrier = k; }
+#define HEADROOM_TEST_BARRIER(k) \\
+  do {                           \\
+    if ((k) != g_skip_barrier) { \\
+      __syncthreads();           \\
+    }                            \\
+  } while (0)
+"""
+
+
+@pytest.fixture(scope="module")
+def barrier_lab(tmp_path_factory: pytest.TempPathFactory) -> tuple[ctypes.CDLL, int]:
+    """A copy of paged_attention.cu whose k-th `__syncthreads();` the test can remove
+    (`emu_skip_barrier(k)`; -1 keeps them all), built with the bf16 d64 decode and reduce."""
+    parts = (kc.KERNEL_DIR / "paged_attention.cu").read_text().split(_BARRIER)
+    mutated = parts[0] + "".join(f"HEADROOM_TEST_BARRIER({k});{p}" for k, p in enumerate(parts[1:]))
+    folder = tmp_path_factory.mktemp("barrier-lab")
+    (folder / "paged_attention.cu").write_text(mutated)
+    variants = [kc.decode_variant("bf16", "auto", 64), kc.reduce_variant("bf16")]
+    lib = build_emulated(_driver_source(variants, prelude=_BARRIER_PRELUDE), folder)
+    lib.emu_skip_barrier.argtypes = [ctypes.c_int]
+    return lib, len(parts) - 1
+
+
+# (lens, partition_size): 2 tiles per partition, so two warps of a decode CTA hold tiles;
+# then 38 partitions in row 1, so every warp of the reduce kernel holds some.
+_LAB_CASES = (([37, 100], 32), ([37, 600], 16))
+
+
+def _split_decode(
+    lib: ctypes.CDLL, seed: int, race_check: bool, lens: list[int], part: int
+) -> tuple[float, list[str]]:
+    """Split-context decode (decode + reduce) on schedule `seed`: error vs fp32, failed checks."""
+    cache, table, query = _paged_setup(lens, 16, 2, 4, 64, torch.bfloat16, "auto", seed=17)
+    runtime = EmulatedRuntime(lib, strict=False)
+    lib.emu_configure(seed, int(race_check))
+    out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    cb.paged_decode(
+        query, cache, seq_lens, table, 0.125, out=out, partition_size=part, runtime=runtime
+    )
+    assert [n for n, _ in runtime.launches] == [
+        "paged_attention_decode_bf16_auto_d64",
+        "paged_attention_reduce_bf16",
+    ]
+    ref = reference_rows(query, cache, lens, [0, 1], table, 0.125)
+    err = rel_err(out, ref) if torch.isfinite(out).all() else math.inf
+    return err, runtime.errors
+
+
+def test_kernels_with_every_barrier_pass_on_several_schedules(
+    barrier_lab: tuple[ctypes.CDLL, int],
+) -> None:
+    lib, _ = barrier_lab
+    lib.emu_skip_barrier(-1)
+    for seed in _BARRIER_SEEDS:
+        for lens, part in _LAB_CASES:
+            err, errors = _split_decode(lib, seed, True, lens, part)
+            assert errors == [] and err < 1e-2, (seed, lens, err, errors)
+
+
+@pytest.mark.parametrize("k", range(6))
+def test_a_removed_barrier_is_caught(barrier_lab: tuple[ctypes.CDLL, int], k: int) -> None:
+    """Each of paged_attention.cu's barriers is needed: without it the race check fires on
+    every schedule, and with the check off some schedule computes a wrong result."""
+    lib, count = barrier_lab
+    assert count == 6, "paged_attention.cu's barrier count changed: update the parametrize"
+    lib.emu_skip_barrier(k)
+    try:
+        for seed in _BARRIER_SEEDS[:2]:
+            errors = [e for c in _LAB_CASES for e in _split_decode(lib, seed, True, *c)[1]]
+            assert errors, f"barrier {k} removed, seed {seed}: no race reported"
+            assert "shared-memory race" in errors[0] or "uninitialised" in errors[0], errors
+        wrong = next(
+            (
+                (seed, lens)
+                for seed in _BARRIER_SEEDS
+                for lens, part in _LAB_CASES
+                if _split_decode(lib, seed, False, lens, part)[0] > 1e-2
+            ),
+            None,
+        )
+        assert wrong, f"barrier {k} removed: every schedule still computed the right result"
+    finally:
+        lib.emu_skip_barrier(-1)
+
+
+_ALIGN_SOURCE = r"""
+#include "common.cuh"
+
+extern "C" const char* emu_error() { return emu::launch_error(); }
+extern "C" void emu_configure(unsigned long long seed, int race_check) {
+  emu::configure(seed, race_check != 0);
+}
+
+// 32 threads copy 32 vectors of 16 (wide) or 8 bytes from `src` to `dst` with the kernels'
+// load16 / load8 and a vector store.
+extern "C" int copy_vectors(const unsigned char* src, unsigned char* dst, int wide) {
+  auto body = [&]() {
+    const int i = threadIdx.x;
+    if (wide) {
+      const uint4 v = headroom::load16(src + 16 * i);
+      *reinterpret_cast<uint4*>(dst + 16 * i) = v;
+    } else {
+      const uint2 v = headroom::load8(src + 8 * i);
+      *reinterpret_cast<uint2*>(dst + 8 * i) = v;
+    }
+  };
+  using F = decltype(body);
+  return emu::launch({1, 1, 1}, {32, 1, 1}, 0, [](void* p) { (*static_cast<F*>(p))(); }, &body)
+             ? 0
+             : 2;
+}
+"""
+
+
+@pytest.mark.parametrize(
+    ("wide", "src_off", "dst_off", "message"),
+    [
+        (1, 0, 0, None),
+        (0, 8, 8, None),
+        (1, 4, 0, "misaligned 16-byte load at 0x"),
+        (1, 8, 0, "(address % 16 = 8)"),
+        (1, 0, 8, "misaligned 16-byte store"),
+        (0, 4, 0, "misaligned 8-byte load"),
+    ],
+)
+def test_vector_access_alignment_is_checked(
+    wide: int, src_off: int, dst_off: int, message: str | None
+) -> None:
+    lib = build_emulated(_ALIGN_SOURCE)
+    width = 16 if wide else 8
+    src = np.arange(1024, dtype=np.uint8)
+    dst = np.zeros(1024, dtype=np.uint8)
+    s0 = (-src.ctypes.data) % 16 + src_off
+    d0 = (-dst.ctypes.data) % 16 + dst_off
+    rc = lib.copy_vectors(
+        ctypes.c_void_p(src.ctypes.data + s0), ctypes.c_void_p(dst.ctypes.data + d0), wide
+    )
+    error = lib.emu_error().decode()
+    n = 32 * width
+    assert np.array_equal(dst[d0 : d0 + n], src[s0 : s0 + n])  # done byte-wise, not faulted
+    if message is None:
+        assert rc == 0 and error == ""
+    else:
+        assert rc == 2 and message in error, error
+        assert error.startswith("block (0,0,0) thread ")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8"])
 def test_gpu_long_ragged_contexts(kv_dtype: str) -> None:
@@ -635,18 +822,17 @@ def test_bench_correctness_sweep_runs_on_the_emulator(
 ) -> None:
     """bench/gpu_kernels.py's sweep end to end (write_kv-filled caches, three partitionings,
     prefill), shrunk to CPU size, so a GPU session does not find its bugs first."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "bench" / "gpu_kernels.py"
-    spec = importlib.util.spec_from_file_location("gpu_kernels_bench", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # dataclasses look their module up there
-    spec.loader.exec_module(bench)
+    bench = load_bench("gpu_kernels")
     backend = cb.CudaBackend(runtime=EmulatedRuntime(emulator))
+    verdicts = bench.Verdicts()
     ok = bench.correctness(
-        True, 4321, backend, torch.device("cpu"), max_context=40, use_torch_backend=False
-    )
+        True, 4321, backend, torch.device("cpu"), max_context=40, use_torch_backend=False,
+        verdicts=verdicts,
+    )  # fmt: skip
     printed = capsys.readouterr().out
     assert ok, printed
-    assert printed.count("PASS") == 11 and "MISS" not in printed
+    # The quick sweep: each KV dtype at D 128 / BS 16 for GQA 1, 4, 8, one D 64 / BS 32 row,
+    # then the prefill row; each row graded once.
+    expected = 3 * 3 + 1 + 1
+    assert (verdicts.passed, verdicts.missed) == (expected, []), printed
+    assert printed.count("PASS") == expected

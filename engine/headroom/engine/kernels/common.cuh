@@ -4,13 +4,22 @@
 // ones), so this file uses only builtin integer types and device intrinsics.
 #pragma once
 
+// Shared memory is declared through two macros, `HEADROOM_SHARED(float, red, [4])` (a
+// 16-byte aligned array) and `HEADROOM_DYNAMIC_SHARED(float, weights)`: on the GPU plain
+// `__shared__` arrays; in the host emulation handles whose every load and store is a
+// scheduling point and passes the race check (see host_emulation.cuh). Index them, or add an
+// offset and keep the result in an `auto` (not a `float*`).
 #ifdef HEADROOM_HOST_EMULATION
 #include "host_emulation.cuh"  // CPU tests: see that file
-#define HEADROOM_DYNAMIC_SHARED(T, name) T* name = reinterpret_cast<T*>(::emu::dynamic_shared())
+#define HEADROOM_SHARED(T, name, ...)                                \
+  static ::emu::SharedArray<T __VA_ARGS__> name##_storage(#name); \
+  const auto name = name##_storage.view()
+#define HEADROOM_DYNAMIC_SHARED(T, name) const auto name = ::emu::dynamic_shared_view<T>()
 #else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+#define HEADROOM_SHARED(T, name, ...) __shared__ __align__(16) T name __VA_ARGS__
 #define HEADROOM_DYNAMIC_SHARED(T, name) extern __shared__ T name[]
 #endif
 

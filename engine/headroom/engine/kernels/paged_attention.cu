@@ -135,9 +135,9 @@ __device__ __forceinline__ void decode_impl(
   using C = DecodeConfig<QT, KV, D>;
   constexpr bool BF = C::kBf16;
 
-  __shared__ __align__(16) float smem[kDecodeWarps * kHeadsPerCta * D];
-  __shared__ float smem_max[kDecodeWarps][kHeadsPerCta];
-  __shared__ float smem_sum[kDecodeWarps][kHeadsPerCta];
+  HEADROOM_SHARED(float, smem, [kDecodeWarps * kHeadsPerCta * D]);
+  HEADROOM_SHARED(float, smem_max, [kDecodeWarps][kHeadsPerCta]);
+  HEADROOM_SHARED(float, smem_sum, [kDecodeWarps][kHeadsPerCta]);
 
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
@@ -180,8 +180,8 @@ __device__ __forceinline__ void decode_impl(
     const int u = ks / C::kKStepsPerUnit;
     const int i = ks % C::kKStepsPerUnit;
     const int d = (4 * u + t) * C::kKElemsPerUnit + 4 * i;
-    const float* q0 = smem + g * D + d;
-    const float* q8 = smem + (g + 8) * D + d;
+    const auto q0 = smem + g * D + d;
+    const auto q8 = smem + (g + 8) * D + d;
     qa[ks][0] = pack2<BF>(q0[0], q0[1]);
     qa[ks][1] = pack2<BF>(q8[0], q8[1]);
     qa[ks][2] = pack2<BF>(q0[2], q0[3]);
@@ -364,7 +364,7 @@ __device__ __forceinline__ void decode_impl(
     l_run[hr] += __shfl_xor_sync(kFullMask, l_run[hr], 1);
     l_run[hr] += __shfl_xor_sync(kFullMask, l_run[hr], 2);
   }
-  float* wacc = smem + warp * kHeadsPerCta * D;
+  const auto wacc = smem + warp * kHeadsPerCta * D;
 #pragma unroll
   for (int j = 0; j < C::kNBlocks; ++j) {
 #pragma unroll
@@ -423,7 +423,7 @@ __device__ __forceinline__ void reduce_impl(QT* __restrict__ out,
                                             int head_dim, int partition_size,
                                             int max_partitions) {
   HEADROOM_DYNAMIC_SHARED(float, weights);  // [max_partitions]
-  __shared__ float red[kDecodeWarps];
+  HEADROOM_SHARED(float, red, [kDecodeWarps]);
   const int head = blockIdx.x;
   const int qrow = blockIdx.y;
   const int warp = threadIdx.x / kWarpSize;
