@@ -11,9 +11,9 @@ import pytest
 from headroom.engine.async_engine import AsyncEngine, EngineClosed
 from headroom.engine.config import EngineConfig
 from headroom.engine.engine import Engine
+from headroom.engine.errors import RequestRejected
 from headroom.engine.outputs import RequestOutput
 from headroom.engine.sampling import SamplingParams
-from headroom.engine.scheduler import RequestRejected
 
 CONFIG = EngineConfig(model="tiny", num_blocks=128, max_model_len=512, num_threads=1)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

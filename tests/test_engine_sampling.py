@@ -8,9 +8,9 @@ from pydantic import ValidationError
 
 from headroom.engine.config import EngineConfig
 from headroom.engine.engine import Engine
+from headroom.engine.errors import RequestRejected
 from headroom.engine.outputs import RequestOutput
 from headroom.engine.sampling import SamplingParams, sample_token
-from headroom.engine.scheduler import RequestRejected
 
 PROMPTS = ["The quick brown fox", "Hello", "a b c d e f g h i j k l m n o p", "zz"]
 

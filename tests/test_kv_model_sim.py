@@ -14,7 +14,8 @@ import random
 import pytest
 
 from headroom.engine.block_table import slot_mapping
-from headroom.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from headroom.engine.scheduled import SchedulerOutput
+from headroom.engine.scheduler import Scheduler, SchedulerConfig
 from headroom.engine.sequence import Sequence
 
 VOCAB = 50

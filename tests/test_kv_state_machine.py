@@ -20,8 +20,9 @@ from hypothesis.stateful import (
 from test_kv_model_sim import VOCAB, KVSimulator, sample
 
 from headroom.engine.block_pool import BlockPool
+from headroom.engine.errors import RequestRejected
 from headroom.engine.prefix_cache import PrefixCache, hash_block_tokens
-from headroom.engine.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from headroom.engine.scheduler import Scheduler, SchedulerConfig
 from headroom.engine.sequence import Sequence
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from headroom.engine.scheduler import ScheduledSeq
+from headroom.engine.scheduled import ScheduledSeq
 from headroom.engine.sequence import Sequence
 
 

@@ -39,7 +39,8 @@ from headroom.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from headroom.engine.model_runner import ModelRunner, kv_bytes_per_token
 from headroom.engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from headroom.engine.sampling import SamplingParams, completion_seed, make_generator, sample_rows
-from headroom.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from headroom.engine.scheduled import SchedulerOutput
+from headroom.engine.scheduler import Scheduler, SchedulerConfig
 from headroom.engine.sequence import Sequence
 from headroom.engine.stats import (
     TPOT_BUCKETS_S,

@@ -15,7 +15,7 @@ from headroom.engine.block_table import slot_mapping
 from headroom.engine.model.batch import ForwardBatch, build_forward_batch
 from headroom.engine.model.config import ModelConfig
 from headroom.engine.model.llama import LlamaForCausalLM
-from headroom.engine.scheduler import ScheduledSeq, SchedulerOutput
+from headroom.engine.scheduled import ScheduledSeq, SchedulerOutput
 
 _INT8_SCALE_BYTES = 4
 

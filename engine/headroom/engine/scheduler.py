@@ -36,6 +36,7 @@ from headroom.engine.prefix_cache import (
     extend_block_hashes,
     hash_block_tokens,
 )
+from headroom.engine.scheduled import ScheduledSeq, SchedulerOutput
 from headroom.engine.sequence import Sequence, SequenceStatus
 from headroom.engine.stats import KVBlockStats, PrefixCacheStats, RequestStats, SchedulerStats
 from headroom.engine.validation import resolve_max_tokens
@@ -110,81 +111,14 @@ class SchedulerConfig(BaseModel):
         )
 
 
-class ScheduledSeq:
-    """Compute `seq.all_token_ids[start:start + num_new_tokens]` at those positions.
-
-    `sample` is fixed at construction (computed unless given): the chunk ends at the last known
-    token, so the engine samples the next token from its logits. A plain slotted class rather
-    than a dataclass because the scheduler builds one per sequence per step.
-    """
-
-    __slots__ = ("num_new_tokens", "sample", "seq", "start")
-
-    def __init__(
-        self, seq: Sequence, start: int, num_new_tokens: int, sample: bool | None = None
-    ) -> None:
-        self.seq = seq
-        self.start = start
-        self.num_new_tokens = num_new_tokens
-        if sample is None:
-            sample = start + num_new_tokens == len(seq.all_token_ids)
-        self.sample = sample
-
-    def __repr__(self) -> str:
-        return (
-            f"ScheduledSeq(seq_id={self.seq.seq_id}, start={self.start}, "
-            f"num_new_tokens={self.num_new_tokens}, sample={self.sample})"
-        )
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_new_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        """One new token that is also the last: a single-query step over the cached context."""
-        return self.num_new_tokens == 1 and self.sample
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.all_token_ids[self.start : self.start + self.num_new_tokens]
-
-    @property
-    def context_len(self) -> int:
-        """Tokens of context after this step (the attention backends' `seq_lens`)."""
-        return self.start + self.num_new_tokens
-
-
 @dataclass(slots=True)
-class SchedulerOutput:
-    """One step: prefills first, then decodes, in `scheduled`.
+class _Step:
+    """What one `schedule()` call carries between its fast and slow paths."""
 
-    `blocks_to_copy` are copy-on-write `(src, dst)` pairs the engine applies to every layer's
-    cache before running the step. `forked` holds children `fork()` attached to this step;
-    they ride on their parent's computation (no logits rows of their own).
-    """
-
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    window: int  # running sequences this step may reach (max_num_seqs, less the preempted)
+    pending: int  # decodes not yet reached, one budget token held back for each
     preempted: list[Sequence] = field(default_factory=list)
-    forked: list[ScheduledSeq] = field(default_factory=list)
-    num_prefills: int = 0
-
-    @property
-    def prefills(self) -> list[ScheduledSeq]:
-        return self.scheduled[: self.num_prefills]
-
-    @property
-    def decodes(self) -> list[ScheduledSeq]:
-        return self.scheduled[self.num_prefills :]
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -362,8 +296,6 @@ class Scheduler:
         budget = self._max_num_batched_tokens
         prefills: list[ScheduledSeq] = []
         decodes: list[ScheduledSeq] = []
-        copies: list[tuple[int, int]] = []
-        preempted: list[Sequence] = []
 
         # One budget token is held back for every decode not yet reached, so a prefill chunk
         # early in the order cannot starve the decodes behind it.
@@ -373,6 +305,7 @@ class Scheduler:
             s = running[k]
             if len(s.all_token_ids) - s.num_computed_tokens == 1:
                 pending += 1
+        step = _Step(window, pending)
 
         available = pool.num_available
         i = 0
@@ -380,11 +313,11 @@ class Scheduler:
             seq = running[i]
             computed = seq.num_computed_tokens
             remaining = len(seq.all_token_ids) - computed
-            table = seq.block_table
             decoding = remaining == 1
             if decoding:
-                pending -= 1
+                step.pending -= 1
                 # Fast path, nearly every decode: room in an unshared last block, or a block free.
+                table = seq.block_table
                 if computed % bs:
                     if ref_counts[table[-1]] == 1:
                         decodes.append(ScheduledSeq(seq, computed, 1, True))
@@ -400,47 +333,20 @@ class Scheduler:
                     continue
                 n = 1
             else:
-                n = min(remaining, budget - pending)
+                n = min(remaining, budget - step.pending)
                 if n <= 0:
                     i += 1
                     continue
-            fits = True
-            while True:
-                cow = computed % bs != 0 and ref_counts[table[-1]] > 1
-                need = (computed + n + bs - 1) // bs - len(table) + cow
-                if need <= available:
-                    break
-                if not decoding:
-                    fit = len(table) * bs - computed + (available - cow) * bs
-                    if fit >= 1:
-                        n = fit
-                        continue
-                victim = running.pop()
-                if victim is not seq and len(running) < window:
-                    window -= 1
-                    if len(victim.all_token_ids) - victim.num_computed_tokens == 1:
-                        pending -= 1
-                self._preempt(victim)
-                preempted.append(victim)
-                available = pool.num_available
-                if victim is seq:
-                    fits = False
-                    break
-            if not fits:
-                break
-            if cow:
-                old = table[-1]
-                table[-1] = pool.copy_on_write(old)
-                copies.append((old, table[-1]))
-                need -= 1
-            for _ in range(need):
-                table.append(allocate())
+            n = self._make_room(seq, n, decoding, step)
+            if n == 0:
+                break  # `seq` itself was preempted: nothing behind it can run either
             available = pool.num_available
             sample = n == remaining
             entry = ScheduledSeq(seq, computed, n, sample)
             (decodes if n == 1 and sample else prefills).append(entry)
             budget -= n
             i += 1
+        preempted = step.preempted
 
         # Admitting right after a preemption would only thrash, unless nothing else can run.
         if self.waiting and (not preempted or not (prefills or decodes)):
@@ -448,7 +354,7 @@ class Scheduler:
 
         out = SchedulerOutput(
             scheduled=prefills + decodes,
-            blocks_to_copy=copies,
+            blocks_to_copy=step.copies,
             preempted=preempted,
             num_prefills=len(prefills),
         )
@@ -457,6 +363,47 @@ class Scheduler:
             self.steps_total += 1
         self.last_step_schedule_seconds = time.perf_counter() - t0
         return out
+
+    def _make_room(self, seq: Sequence, n: int, decoding: bool, step: _Step) -> int:
+        """The slow path, when `seq`'s next `n` tokens need blocks the fast path lacks: shrink
+        a prefill chunk to the room there is, else preempt from the back of the running queue
+        until it fits. Allocates the blocks (copy-on-write of a shared last block first) and
+        returns the tokens scheduled; 0 when `seq` itself had to be preempted."""
+        bs = self.block_size
+        pool = self.pool
+        ref_counts = pool.ref_counts
+        running = self.running
+        table = seq.block_table
+        computed = seq.num_computed_tokens
+        available = pool.num_available
+        while True:
+            cow = computed % bs != 0 and ref_counts[table[-1]] > 1
+            need = (computed + n + bs - 1) // bs - len(table) + cow
+            if need <= available:
+                break
+            if not decoding:
+                fit = len(table) * bs - computed + (available - cow) * bs
+                if fit >= 1:
+                    n = fit
+                    continue
+            victim = running.pop()
+            if victim is not seq and len(running) < step.window:
+                step.window -= 1
+                if len(victim.all_token_ids) - victim.num_computed_tokens == 1:
+                    step.pending -= 1
+            self._preempt(victim)
+            step.preempted.append(victim)
+            available = pool.num_available
+            if victim is seq:
+                return 0
+        if cow:
+            old = table[-1]
+            table[-1] = pool.copy_on_write(old)
+            step.copies.append((old, table[-1]))
+            need -= 1
+        for _ in range(need):
+            table.append(pool.allocate())
+        return n
 
     def _admit(self, budget: int, prefills: list[ScheduledSeq], decodes: list[ScheduledSeq]) -> int:
         bs = self.block_size
