@@ -1,0 +1,149 @@
+"""Where the CUDA kernels come from and how they run: NVRTC-compiled CUBINs cached under
+`$HEADROOM_CACHE/kernels` (keyed by source, flags and NVRTC version), loaded with
+`cupy.RawModule` and launched on torch's current stream; `KernelRuntime` is the seam the CPU
+emulator fills in tests."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from functools import cache
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from headroom.engine.attention.cuda_validate import DECODE_THREADS, _require
+from headroom.engine.kernels import compile as kc
+
+
+@cache
+def cuda_available() -> bool:
+    """True when torch sees a CUDA GPU, CuPy sees one too, and NVRTC loads."""
+    try:
+        import cupy
+    except ImportError:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return False
+        kc.toolchain()
+    except Exception:  # no driver, no device or no toolchain all mean "not available"
+        return False
+    return True
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("HEADROOM_CACHE") or str(Path.home() / ".cache" / "headroom")
+    return Path(root) / "kernels"
+
+
+class KernelRuntime(Protocol):
+    """Where kernels come from and how they run; `CupyRuntime` on a GPU (tests swap in an
+    emulator so the launchers' grids and argument lists are checked on CPU)."""
+
+    def function(self, variant: kc.KernelVariant, device: torch.device) -> Any:
+        """The launchable kernel `variant` for `device`."""
+        ...
+
+    def launch(
+        self,
+        fn: Any,
+        device: torch.device,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: tuple[Any, ...],
+        shared_mem: int = 0,
+    ) -> None:
+        """Launch `fn` with numpy-scalar `args` (np.uint64 addresses, np.int32/np.int64/
+        np.float32 values) on the current stream of `device`."""
+        ...
+
+    def resident_slots(self, fn: Any, device: torch.device) -> int:
+        """How many CTAs of `fn` the whole device holds at once."""
+        ...
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+class CupyRuntime:
+    """NVRTC-compiled CUBINs (cached on disk) loaded with `cupy.RawModule`, launched on
+    torch's current stream through `cupy.cuda.ExternalStream`."""
+
+    def __init__(self) -> None:
+        self._functions: dict[tuple[str, int], Any] = {}
+
+    def function(self, variant: kc.KernelVariant, device: torch.device) -> Any:
+        _require(device.type == "cuda", f"the cuda backend needs CUDA tensors, got {device}")
+        key = (variant.name, _device_index(device))
+        fn = self._functions.get(key)
+        if fn is None:
+            fn = self._load(variant, key[1])
+            self._functions[key] = fn
+        return fn
+
+    def _load(self, variant: kc.KernelVariant, index: int) -> Any:
+        import cupy
+
+        major, minor = torch.cuda.get_device_capability(index)
+        arch = f"sm_{major}{minor}"
+        source = kc.program_source([variant])
+        digest = hashlib.sha256(
+            "\0".join([source, *kc.nvrtc_options(arch), repr(kc.nvrtc_version())]).encode()
+        ).hexdigest()[:24]
+        path = _cache_dir() / f"{variant.name}-{arch}-{digest}.cubin"
+        if not path.is_file():
+            result = kc.compile_program(source, arch, name=variant.source)
+            assert result.cubin is not None
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(result.cubin)
+            tmp.replace(path)  # atomic: concurrent workers never read half a file
+        with cupy.cuda.Device(index):
+            return cupy.RawModule(path=str(path)).get_function(variant.name)
+
+    def launch(
+        self,
+        fn: Any,
+        device: torch.device,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: tuple[Any, ...],
+        shared_mem: int = 0,
+    ) -> None:
+        import cupy
+
+        index = _device_index(device)
+        stream = torch.cuda.current_stream(device)
+        with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
+            fn(grid, block, args, shared_mem=shared_mem)
+
+    def resident_slots(self, fn: Any, device: torch.device) -> int:
+        return _resident_slots(int(fn.num_regs), int(fn.shared_size_bytes), _device_index(device))
+
+
+@cache
+def _resident_slots(fn_regs: int, fn_smem: int, device_index: int) -> int:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device_index)
+    regs_per_warp = -(-max(fn_regs, 1) * 32 // 256) * 256
+    by_regs = int(props["regsPerMultiprocessor"]) // (regs_per_warp * (DECODE_THREADS // 32))
+    by_smem = int(props["sharedMemPerMultiprocessor"]) // max(fn_smem, 1)
+    per_sm = max(1, min(by_regs, by_smem, 32))
+    return per_sm * int(props["multiProcessorCount"])
+
+
+_DEFAULT_RUNTIME: CupyRuntime | None = None
+
+
+def default_runtime() -> CupyRuntime:
+    """The process-wide CuPy runtime (kernels compiled once per process and device)."""
+    global _DEFAULT_RUNTIME
+    if _DEFAULT_RUNTIME is None:
+        _DEFAULT_RUNTIME = CupyRuntime()
+    return _DEFAULT_RUNTIME
