@@ -15,7 +15,7 @@ from packaging.markers import Marker
 from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
-EXTRAS = ("--extra", "dev", "--extra", "cuda")  # what scripts/venv.sh installs
+EXTRAS = ("--extra", "engine", "--extra", "dev", "--extra", "cuda")  # what scripts/venv.sh installs
 
 
 def _uv() -> str:
@@ -138,3 +138,36 @@ def test_two_checkouts_each_import_their_own_files(tmp_path: Path) -> None:
         assert out[0] == clone.name
         for path in out[1:]:
             assert Path(path).resolve().is_relative_to(clone.resolve()), (clone, path)
+
+
+@pytest.mark.slow
+def test_the_operator_and_sidecar_install_without_torch(tmp_path: Path) -> None:
+    """The lock without extras (what an operator or sidecar image installs): no torch, and the
+    operator, the sidecar and the torch-free commands run; `serve` names the missing extra."""
+    clone = _checkout(tmp_path / "slim", "slim")
+    venv = tmp_path / "venv"
+    cache = Path(os.environ.get("HEADROOM_CACHE") or Path.home() / ".cache" / "headroom")
+    env = {**_uv_env(), "UV_CACHE_DIR": str(cache / "uv"), "UV_PROJECT_ENVIRONMENT": str(venv)}
+    env.pop("VIRTUAL_ENV", None)
+    subprocess.run(
+        [_uv(), "sync", "--locked", "--no-dev", "--project", str(clone), "--python", "python3.11"],
+        env=env, check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    python, headroom = venv / "bin" / "python", venv / "bin" / "headroom"
+    probe = (
+        "import importlib.util, headroom.operator.handlers, headroom.sidecar.server;"
+        "print([m for m in ('torch', 'numpy', 'tokenizers', 'cupy')"
+        " if importlib.util.find_spec(m)])"
+    )
+    out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    for args in (["operator", "--help"], ["sidecar", "--help"], ["crd"],
+                 ["plan", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--concurrency", "64",
+                  "--context", "4096"]):  # fmt: skip
+        proc = subprocess.run([str(headroom), *args], capture_output=True, text=True)
+        assert proc.returncode == 0, (args, proc.stderr)
+    served = subprocess.run([str(headroom), "serve", "--model", "tiny"], capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert served.returncode == 2
+    assert "headroom[engine]" in served.stderr and "torch" in served.stderr
+    assert "Traceback" not in served.stderr

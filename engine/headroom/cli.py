@@ -32,6 +32,10 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# What `pip install 'headroom[engine]'` adds: the operator and the sidecar run without them.
+ENGINE_EXTRA = frozenset({"torch", "safetensors", "tokenizers", "numpy", "matplotlib"})
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser, with the real options of `command` and a help line for every other one."""
     parser = argparse.ArgumentParser(
@@ -55,12 +59,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the `headroom` CLI; returns the process exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in args_list if not a.startswith("-")), None)
-    parser = build_parser(command)
-    args = parser.parse_args(args_list)
-    if args.command is None or getattr(args, "func", None) is None:
-        parser.print_help()
+    try:
+        parser = build_parser(command)
+        args = parser.parse_args(args_list)
+        if args.command is None or getattr(args, "func", None) is None:
+            parser.print_help()
+            return 2
+        return int(args.func(args))
+    except ModuleNotFoundError as e:
+        root = (e.name or "").split(".")[0]
+        if root not in ENGINE_EXTRA:
+            raise
+        print(
+            f"headroom {command}: needs {root}, which this install lacks: it comes with the "
+            "engine extra (pip install 'headroom[engine]')",
+            file=sys.stderr,
+        )
         return 2
-    return int(args.func(args))
 
 
 if __name__ == "__main__":
