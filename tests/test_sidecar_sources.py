@@ -7,6 +7,7 @@ import json
 import pytest
 
 from headroom.engine.stats import STATS_SCHEMA_VERSION, TTFT_BUCKETS_S
+from headroom.sidecar.poller import parse_body
 from headroom.sidecar.sources import GarbageError, parse_headroom_stats
 from headroom.sidecar.synthetic import SyntheticEngine
 
@@ -84,3 +85,25 @@ def test_histogram_that_is_not_cumulative_is_garbage() -> None:
     hist["counts"] = [0] * 3
     with pytest.raises(GarbageError, match="buckets but"):
         parse_headroom_stats(json.dumps(doc).encode())
+
+
+@pytest.mark.parametrize(
+    ("source", "body", "reading_source"),
+    [
+        ("headroom", _engine().body(), "headroom"),
+        ("vllm", b"vllm:kv_cache_usage_perc 0.5\n", "vllm"),
+        ("sglang", b"sglang:token_usage 0.5\n", "sglang"),
+    ],
+)
+def test_parse_body_dispatches_on_the_source(source: str, body: bytes, reading_source: str) -> None:
+    assert parse_body(source, body).source == reading_source
+
+
+def test_a_body_for_another_source_is_garbage() -> None:
+    """`--source` set to the wrong engine type reads as garbage, naming what was missing."""
+    with pytest.raises(GarbageError, match="no sglang:token_usage"):
+        parse_body("sglang", b"vllm:kv_cache_usage_perc 0.5\n")
+    with pytest.raises(GarbageError, match="vllm:kv_cache_usage_perc"):
+        parse_body("vllm", b"sglang:token_usage 0.5\n")
+    with pytest.raises(GarbageError, match="not a StatsSnapshot"):
+        parse_body("headroom", b"sglang:token_usage 0.5\n")

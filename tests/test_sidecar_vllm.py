@@ -3,15 +3,35 @@
 The exposition under test is what vLLM itself produces: `VllmExporter` declares the metrics the
 way vLLM v1 does (vllm/v1/metrics/loggers.py: names, help text, `model_name`/`engine` labels,
 histogram buckets, `vllm:cache_config_info` as a gauge at 1) on a prometheus-client registry,
-and the text is prometheus-client's own rendering, `_created` samples and all. The checked-in
-`prometheus/vllm_metrics_dp2.txt` is one such rendering for a data-parallel (2-engine) server
-(`render_dp2_fixture`; run this file as a script to regenerate it).
+and the text is prometheus-client's own rendering, `_created` samples and all. Names changed
+across releases, and the exporter declares each release's set:
+
+- 0.9.1: old names only (`vllm:gpu_cache_usage_perc`, `vllm:gpu_prefix_cache_queries/hits`);
+- 0.10.2: the old names (help text marked DEPRECATED) beside the new ones
+  (`vllm:kv_cache_usage_perc`, `vllm:prefix_cache_queries/hits`);
+- 0.12.0: new names only, and `vllm:inter_token_latency_seconds` in place of the hidden
+  `vllm:time_per_output_token_seconds`.
+
+`vllm:cache_config_info`'s labels are the release's CacheConfig fields plus `engine`, so the set
+grows from release to release; the sets here are modelled on those fields, and the parser reads
+only `block_size`, `num_gpu_blocks`, `enable_prefix_caching` and `engine`.
+
+Checked-in renderings (run this file as a script to regenerate them):
+- `prometheus/vllm_metrics_dp2.txt`: a trimmed 0.10 data-parallel (2-engine) server, equal pools
+  (`render_dp2_fixture`);
+- `prometheus/vllm_metrics_<version>.txt`: one server of each release above; the 0.12.0 one is
+  data-parallel with unequal pools (`render_version_fixture`).
+
+Several engines (`engine` label values) are several KV pools: blocks, requests, counters and
+histogram buckets are summed over them; occupancy is the capacity-weighted mean of their usage
+(the plain mean when their block counts are not all known).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -21,6 +41,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 from headroom.sidecar.config import SidecarConfig
+from headroom.sidecar.poller import parse_body
 from headroom.sidecar.server import build_app
 from headroom.sidecar.sources import GarbageError, parse_vllm_metrics
 
@@ -34,31 +55,105 @@ TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 # fmt: on
 
 
-class VllmExporter:
-    """vLLM v1's Prometheus metrics, declared as vLLM declares them, on a private registry."""
+VLLM_VERSIONS = ("0.9.1", "0.10.2", "0.12.0")
 
-    def __init__(self, model: str, engines: int = 1, num_gpu_blocks: int = 4096) -> None:
+# CacheConfig fields as `vllm:cache_config_info` labels (values as vLLM's str() writes them),
+# less `num_gpu_blocks` and `engine`, which are per engine.
+_CACHE_FIELDS_0_9 = {
+    "block_size": "16",
+    "cache_dtype": "auto",
+    "calculate_kv_scales": "False",
+    "cpu_offload_gb": "0",
+    "enable_prefix_caching": "True",
+    "gpu_memory_utilization": "0.9",
+    "is_attention_free": "False",
+    "num_cpu_blocks": "None",
+    "num_gpu_blocks_override": "None",
+    "prefix_caching_hash_algo": "builtin",
+    "sliding_window": "None",
+    "swap_space": "4",
+    "swap_space_bytes": "4294967296",
+}
+CACHE_FIELDS: dict[str, dict[str, str]] = {
+    "0.9.1": _CACHE_FIELDS_0_9,
+    "0.10.2": {
+        **_CACHE_FIELDS_0_9,
+        "kv_sharing_fast_prefill": "False",
+        "mamba_page_size_padded": "None",
+    },
+    "0.12.0": {
+        "block_size": "16",
+        "cache_dtype": "auto",
+        "calculate_kv_scales": "False",
+        "cpu_kvcache_space_bytes": "None",
+        "cpu_offload_gb": "0.0",
+        "enable_prefix_caching": "True",
+        "gpu_memory_utilization": "0.9",
+        "is_attention_free": "False",
+        "kv_cache_memory_bytes": "None",
+        "kv_offloading_backend": "None",
+        "kv_offloading_size": "None",
+        "kv_sharing_fast_prefill": "False",
+        "mamba_block_size": "None",
+        "mamba_cache_dtype": "auto",
+        "mamba_page_size_padded": "None",
+        "mamba_ssm_cache_dtype": "auto",
+        "num_cpu_blocks": "None",
+        "num_gpu_blocks_override": "None",
+        "prefix_caching_hash_algo": "sha256",
+        "sliding_window": "None",
+        "swap_space": "4",
+    },
+}
+# The label set of the (older, trimmed) dp2 fixture.
+DP2_CACHE_FIELDS = {
+    "block_size": "16",
+    "cache_dtype": "auto",
+    "enable_prefix_caching": "True",
+    "gpu_memory_utilization": "0.9",
+    "num_cpu_blocks": "None",
+}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split("."))
+
+
+class VllmExporter:
+    """vLLM v1's Prometheus metrics, declared as release `version` declares them, on a private
+    registry. `num_gpu_blocks` is one count for every engine or one per engine."""
+
+    def __init__(
+        self,
+        model: str,
+        engines: int = 1,
+        num_gpu_blocks: int | Sequence[int] = 4096,
+        version: str = "0.10.2",
+        cache_fields: dict[str, str] | None = None,
+        deprecated_prefix_counters: bool | None = None,
+    ) -> None:
+        release = _release(version)
+        old_names = release < (0, 12)  # gpu_* names: until 0.11 (hidden there), gone in 0.12
+        new_names = release >= (0, 10)
+        if deprecated_prefix_counters is None:
+            deprecated_prefix_counters = old_names
         self.registry = CollectorRegistry()
         self.model = model
         self.engines = [str(i) for i in range(engines)]
+        blocks = (
+            [num_gpu_blocks] * engines if isinstance(num_gpu_blocks, int) else list(num_gpu_blocks)
+        )
         labels = ["model_name", "engine"]
         r = self.registry
+        fields = CACHE_FIELDS[version] if cache_fields is None else cache_fields
         info = Gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
-            [
-                "block_size",
-                "cache_dtype",
-                "enable_prefix_caching",
-                "gpu_memory_utilization",
-                "num_cpu_blocks",
-                "num_gpu_blocks",
-                "engine",
-            ],
+            [*fields, "num_gpu_blocks", "engine"],
             registry=r,
         )
-        for e in self.engines:
-            info.labels("16", "auto", "True", "0.9", "None", str(num_gpu_blocks), e).set(1)
+        for e, n in zip(self.engines, blocks, strict=True):
+            info.labels(**fields, num_gpu_blocks=str(n), engine=e).set(1)
         self.running = Gauge(
             "vllm:num_requests_running",
             "Number of requests in model execution batches.",
@@ -71,31 +166,55 @@ class VllmExporter:
             labels,
             registry=r,
         )
-        self.gpu_usage = Gauge(
-            "vllm:gpu_cache_usage_perc",
-            "GPU KV-cache usage. 1 means 100 percent usage."
-            "DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
-            labels,
-            registry=r,
-        )
-        self.usage = Gauge(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            labels,
-            registry=r,
-        )
-        self.queries = Counter(
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            labels,
-            registry=r,
-        )
-        self.hits = Counter(
-            "vllm:prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            labels,
-            registry=r,
-        )
+        deprecated = new_names  # from 0.10 the old names' help says so
+        self.gpu_usage = self.gpu_queries = self.gpu_hits = None
+        if old_names:
+            self.gpu_usage = Gauge(
+                "vllm:gpu_cache_usage_perc",
+                "GPU KV-cache usage. 1 means 100 percent usage."
+                + ("DEPRECATED: Use vllm:kv_cache_usage_perc instead." if deprecated else ""),
+                labels,
+                registry=r,
+            )
+        if old_names and deprecated_prefix_counters:
+            self.gpu_queries = Counter(
+                "vllm:gpu_prefix_cache_queries",
+                "GPU prefix cache queries, in terms of number of queried"
+                + (
+                    "tokens. DEPRECATED: Use vllm:prefix_cache_queries instead."
+                    if deprecated
+                    else " tokens."
+                ),
+                labels,
+                registry=r,
+            )
+            self.gpu_hits = Counter(
+                "vllm:gpu_prefix_cache_hits",
+                "GPU prefix cache hits, in terms of number of cached tokens."
+                + (" DEPRECATED: Use vllm:prefix_cache_hits instead." if deprecated else ""),
+                labels,
+                registry=r,
+            )
+        self.usage = self.queries = self.hits = None
+        if new_names:
+            self.usage = Gauge(
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage.",
+                labels,
+                registry=r,
+            )
+            self.queries = Counter(
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                labels,
+                registry=r,
+            )
+            self.hits = Counter(
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                labels,
+                registry=r,
+            )
         self.preemptions = Counter(
             "vllm:num_preemptions",
             "Cumulative number of preemption from the engine.",
@@ -110,31 +229,64 @@ class VllmExporter:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
-        self.tpot = Histogram(
-            "vllm:time_per_output_token_seconds",
-            "Histogram of time per output token in seconds.",
-            labels,
-            buckets=TPOT_BUCKETS,
-            registry=r,
-        )
+        if release < (0, 12):  # deprecated in 0.11, hidden in 0.12
+            self.tpot = Histogram(
+                "vllm:time_per_output_token_seconds",
+                "Histogram of time per output token in seconds.",
+                labels,
+                buckets=TPOT_BUCKETS,
+                registry=r,
+            )
+        else:
+            self.tpot = Histogram(
+                "vllm:inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.",
+                labels,
+                buckets=TPOT_BUCKETS,
+                registry=r,
+            )
+            Histogram(
+                "vllm:request_time_per_output_token_seconds",
+                "Histogram of time_per_output_token_seconds per request.",
+                labels,
+                buckets=TPOT_BUCKETS,
+                registry=r,
+            )
+        metrics = [
+            self.running,
+            self.waiting,
+            self.gpu_usage,
+            self.gpu_queries,
+            self.gpu_hits,
+            self.usage,
+            self.queries,
+            self.hits,
+            self.preemptions,
+            self.ttft,
+            self.tpot,
+        ]
         for e in self.engines:
-            for m in (
-                self.running,
-                self.waiting,
-                self.gpu_usage,
-                self.usage,
-                self.queries,
-                self.hits,
-                self.preemptions,
-                self.ttft,
-                self.tpot,
-            ):
-                m.labels(model, e)
+            for m in metrics:
+                if m is not None:
+                    m.labels(model, e)
 
     def set_usage(self, engine: int, perc: float) -> None:
         e = self.engines[engine]
-        self.usage.labels(self.model, e).set(perc)
-        self.gpu_usage.labels(self.model, e).set(perc)
+        for gauge in (self.usage, self.gpu_usage):
+            if gauge is not None:
+                gauge.labels(self.model, e).set(perc)
+
+    def add_prefix(self, engine: int, queries: float, hits: float) -> None:
+        """Count prefix-cache tokens under every name this release exports."""
+        e = self.engines[engine]
+        for counter, n in (
+            (self.queries, queries),
+            (self.gpu_queries, queries),
+            (self.hits, hits),
+            (self.gpu_hits, hits),
+        ):
+            if counter is not None:
+                counter.labels(self.model, e).inc(n)
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()
@@ -142,7 +294,13 @@ class VllmExporter:
 
 def render_dp2_fixture() -> str:
     """The state behind `prometheus/vllm_metrics_dp2.txt`: two engines of one server."""
-    ex = VllmExporter("Qwen/Qwen3-0.6B", engines=2, num_gpu_blocks=4096)
+    ex = VllmExporter(
+        "Qwen/Qwen3-0.6B",
+        engines=2,
+        num_gpu_blocks=4096,
+        cache_fields=DP2_CACHE_FIELDS,
+        deprecated_prefix_counters=False,
+    )
     m = ex.model
     ex.set_usage(0, 0.25)
     ex.set_usage(1, 0.75)
@@ -157,6 +315,38 @@ def render_dp2_fixture() -> str:
     ex.preemptions.labels(m, "1").inc(7)
     for engine, seconds in (("0", 0.05), ("0", 0.3), ("1", 1.2), ("1", 0.007)):
         ex.ttft.labels(m, engine).observe(seconds)
+    return ex.text()
+
+
+def render_version_fixture(version: str) -> str:
+    """The state behind `prometheus/vllm_metrics_<version>.txt`.
+
+    0.9.1 and 0.10.2: one engine of 2048 blocks at 0.375. 0.12.0: two data-parallel engines of
+    unequal pools, 4000 blocks at 0.5 and 2000 at 0.2 (0.4 together, where a plain mean of the
+    two gauges would say 0.35).
+    """
+    if _release(version) < (0, 12):
+        ex = VllmExporter("meta-llama/Llama-3.1-8B-Instruct", 1, 2048, version=version)
+        ex.set_usage(0, 0.375)
+        ex.running.labels(ex.model, "0").set(6)
+        ex.waiting.labels(ex.model, "0").set(2)
+        ex.add_prefix(0, queries=800, hits=200)
+        ex.preemptions.labels(ex.model, "0").inc(3)
+        observations = [("0", 0.03, 0.02), ("0", 0.6, 0.04)]
+    else:
+        ex = VllmExporter("Qwen/Qwen3-8B", 2, (4000, 2000), version=version)
+        ex.set_usage(0, 0.5)
+        ex.set_usage(1, 0.2)
+        for engine, running, waiting in (("0", 7, 3), ("1", 2, 0)):
+            ex.running.labels(ex.model, engine).set(running)
+            ex.waiting.labels(ex.model, engine).set(waiting)
+        ex.add_prefix(0, queries=5000, hits=4000)
+        ex.add_prefix(1, queries=1000, hits=0)
+        ex.preemptions.labels(ex.model, "0").inc(4)
+        observations = [("0", 0.03, 0.02), ("1", 0.6, 0.04), ("1", 3.0, 0.3)]
+    for engine, ttft, tpot in observations:
+        ex.ttft.labels(ex.model, engine).observe(ttft)
+        ex.tpot.labels(ex.model, engine).observe(tpot)
     return ex.text()
 
 
@@ -226,6 +416,192 @@ vllm:gpu_prefix_cache_queries_total{model_name="m"} 10.0
     assert r.prefix_queries_tokens_total == 10.0 and r.prefix_hits_tokens_total is None
 
 
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
+def test_version_fixture_is_what_the_exporter_renders(version: str) -> None:
+    text = (FIXTURES / f"vllm_metrics_{version}.txt").read_text()
+    assert _without_created(text) == _without_created(render_version_fixture(version))
+
+
+def _names(text: str) -> set[str]:
+    return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_vllm_0_9_1_old_names_only() -> None:
+    text = (FIXTURES / "vllm_metrics_0.9.1.txt").read_text()
+    names = _names(text)
+    assert "vllm:gpu_cache_usage_perc" in names and "vllm:kv_cache_usage_perc" not in names
+    assert "vllm:gpu_prefix_cache_queries_total" in names
+    assert "vllm:prefix_cache_queries_total" not in names
+    r = parse_vllm_metrics(text)
+    assert r.model == "meta-llama/Llama-3.1-8B-Instruct"
+    assert r.occupancy == pytest.approx(0.375)
+    assert (r.capacity_blocks, r.used_blocks, r.free_blocks) == (2048, 768, 1280)
+    assert r.block_size == 16 and r.prefix_cache_enabled is True
+    assert (r.prefix_queries_tokens_total, r.prefix_hits_tokens_total) == (800, 200)
+    assert (r.running, r.waiting, r.swapped, r.preemptions_total) == (6, 2, None, 3)
+    assert r.ttft is not None and r.ttft.count == 2
+    assert r.tpot is not None and r.tpot.count == 2
+    assert r.tpot.bounds == tuple(TPOT_BUCKETS)
+
+
+def test_vllm_0_10_both_names_read_the_new_ones() -> None:
+    text = (FIXTURES / "vllm_metrics_0.10.2.txt").read_text()
+    names = _names(text)
+    for new_name, old_name in (
+        ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+        ("prefix_cache_queries_total", "gpu_prefix_cache_queries_total"),
+        ("prefix_cache_hits_total", "gpu_prefix_cache_hits_total"),
+    ):
+        assert {f"vllm:{new_name}", f"vllm:{old_name}"} <= names
+    assert parse_vllm_metrics(text) == parse_vllm_metrics(
+        (FIXTURES / "vllm_metrics_0.9.1.txt").read_text()
+    )
+    # Where the two disagree, the new name is the one read.
+    ex = VllmExporter("m", 1, 1000, version="0.10.2")
+    assert ex.usage is not None and ex.gpu_usage is not None
+    assert ex.queries is not None and ex.gpu_queries is not None
+    ex.usage.labels("m", "0").set(0.25)
+    ex.gpu_usage.labels("m", "0").set(0.9)
+    ex.queries.labels("m", "0").inc(10)
+    ex.gpu_queries.labels("m", "0").inc(99)
+    r = parse_vllm_metrics(ex.text())
+    assert r.occupancy == pytest.approx(0.25) and r.used_blocks == 250
+    assert r.prefix_queries_tokens_total == 10
+
+
+def test_vllm_0_12_new_names_only_data_parallel_unequal_pools() -> None:
+    text = (FIXTURES / "vllm_metrics_0.12.0.txt").read_text()
+    names = _names(text)
+    assert not any(n.startswith("vllm:gpu_") for n in names)
+    assert "vllm:time_per_output_token_seconds_bucket" not in names
+    assert "vllm:inter_token_latency_seconds_bucket" in names
+    r = parse_vllm_metrics(text)
+    assert r.model == "Qwen/Qwen3-8B"
+    # engines of 4000 blocks at 0.5 and 2000 at 0.2: 2400 of 6000 blocks are used
+    assert r.capacity_blocks == 6000
+    assert r.used_blocks == 2400 and r.free_blocks == 3600
+    assert r.occupancy == pytest.approx(0.4)
+    assert (r.running, r.waiting, r.preemptions_total) == (7 + 2, 3 + 0, 4)
+    assert (r.prefix_queries_tokens_total, r.prefix_hits_tokens_total) == (6000, 4000)
+    assert r.block_size == 16 and r.prefix_cache_enabled is True
+    assert r.ttft is not None and r.ttft.count == 3
+    assert r.ttft.sum == pytest.approx(0.03 + 0.6 + 3.0)
+    # the TPOT histogram is read under its 0.12 name, inter-token latency, summed over engines
+    assert r.tpot is not None and r.tpot.count == 3
+    assert r.tpot.sum == pytest.approx(0.02 + 0.04 + 0.3)
+    assert r.tpot.counts[TPOT_BUCKETS.index(0.025)] == 1
+
+
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
+def test_cache_config_info_label_set_by_version(version: str) -> None:
+    """Whatever else the release puts in cache_config_info, the four labels read are found."""
+    text = (FIXTURES / f"vllm_metrics_{version}.txt").read_text()
+    info = [
+        s.labels
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "vllm:cache_config_info"
+    ]
+    assert info and all(
+        set(labels) == {*CACHE_FIELDS[version], "num_gpu_blocks", "engine"} for labels in info
+    )
+    r = parse_vllm_metrics(text)
+    assert r.block_size == 16 and r.prefix_cache_enabled is True
+    assert r.capacity_blocks == sum(int(labels["num_gpu_blocks"]) for labels in info)
+
+
+def _info(labels: str) -> str:
+    return (
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+        "# TYPE vllm:cache_config_info gauge\n"
+        f"vllm:cache_config_info{{{labels}}} 1.0\n"
+    )
+
+
+_USAGE_TWO_ENGINES = """# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.2
+"""
+
+
+@pytest.mark.parametrize(
+    ("config", "capacity", "occupancy"),
+    [
+        # one config series per engine: pools sized, occupancy weighted by size
+        (
+            'block_size="16",engine="0",num_gpu_blocks="3000"} 1.0\n'
+            'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"',
+            4000,
+            (0.5 * 3000 + 0.2 * 1000) / 4000,
+        ),
+        # no block count for one engine: sizes unknown, the plain mean of the two
+        (
+            'block_size="16",engine="0",num_gpu_blocks="3000"} 1.0\n'
+            'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="None"',
+            None,
+            0.35,
+        ),
+        # one series without an `engine` label for two engines: which pool is it? unknown
+        ('block_size="16",num_gpu_blocks="3000"', None, 0.35),
+        # two series for one engine: ambiguous, unknown
+        (
+            'block_size="16",engine="0",num_gpu_blocks="3000"} 1.0\n'
+            'vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="1000"',
+            None,
+            0.35,
+        ),
+    ],
+)
+def test_engines_pair_with_their_cache_config(
+    config: str, capacity: int | None, occupancy: float
+) -> None:
+    r = parse_vllm_metrics(_USAGE_TWO_ENGINES + _info(config))
+    assert r.capacity_blocks == capacity
+    assert r.occupancy == pytest.approx(occupancy)
+    assert (r.used_blocks is None) == (capacity is None)
+    if capacity is not None:
+        assert r.used_blocks == round(occupancy * capacity)
+
+
+def test_v0_engine_config_without_engine_label_pairs_with_the_one_engine() -> None:
+    """vLLM's v0 engine: no `engine` label anywhere, cache_config_info with its v0 fields."""
+    text = (
+        _info(
+            'block_size="16",cache_dtype="auto",calculate_kv_scales="False",cpu_offload_gb="0",'
+            'enable_prefix_caching="False",gpu_memory_utilization="0.9",'
+            'is_attention_free="False",num_cpu_blocks="9362",num_gpu_blocks="81767",'
+            'num_gpu_blocks_override="None",sliding_window="None",swap_space_bytes="4294967296"'
+        )
+        + '# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{model_name="m"} 0.5\n'
+    )
+    r = parse_vllm_metrics(text)
+    assert (r.capacity_blocks, r.used_blocks) == (81767, round(0.5 * 81767))
+    assert r.prefix_cache_enabled is False
+    # ... and with the v1 label on the usage side only, the single pair still matches
+    r = parse_vllm_metrics(text.replace('{model_name="m"}', '{engine="0",model_name="m"}'))
+    assert r.capacity_blocks == 81767
+
+
+def test_engines_counters_and_histograms_are_summed() -> None:
+    ex = VllmExporter("m", engines=3, num_gpu_blocks=(100, 200, 300), version="0.12.0")
+    for i, (perc, queries, hits, preempted) in enumerate(
+        [(0.1, 10, 1, 0), (0.2, 20, 2, 5), (0.3, 30, 3, 7)]
+    ):
+        ex.set_usage(i, perc)
+        ex.add_prefix(i, queries, hits)
+        ex.preemptions.labels("m", str(i)).inc(preempted)
+        ex.running.labels("m", str(i)).set(i + 1)
+        ex.ttft.labels("m", str(i)).observe(0.05 * (i + 1))
+    r = parse_vllm_metrics(ex.text())
+    assert r.capacity_blocks == 600
+    assert r.used_blocks == 10 + 40 + 90
+    assert r.occupancy == pytest.approx(140 / 600)
+    assert (r.prefix_queries_tokens_total, r.prefix_hits_tokens_total) == (60, 6)
+    assert (r.preemptions_total, r.running, r.waiting) == (12, 6, 0)
+    assert r.ttft is not None and r.ttft.count == 3
+    assert r.ttft.sum == pytest.approx(0.3)
+
+
 @pytest.mark.parametrize(
     "text",
     [
@@ -236,11 +612,26 @@ vllm:gpu_prefix_cache_queries_total{model_name="m"} 10.0
         "vllm:kv_cache_usage_perc NaN\n",
         "vllm:kv_cache_usage_perc -0.5\n",
         'vllm:kv_cache_usage_perc{model_name="m" 0.5\n',  # broken label set
+        "vllm:kv_cache_usage_perc 0.5\nvllm:num_requests_running -3\n",
+        "vllm:kv_cache_usage_perc 0.5\nvllm:prefix_cache_hits_total +Inf\n",
+        "vllm:kv_cache_usage_perc 0.5\n"  # no +Inf bucket
+        'vllm:time_to_first_token_seconds_bucket{le="0.1"} 1\n',
+        "vllm:kv_cache_usage_perc 0.5\n"  # counts that fall
+        'vllm:time_to_first_token_seconds_bucket{le="0.1"} 3\n'
+        'vllm:time_to_first_token_seconds_bucket{le="+Inf"} 1\n',
+        "vllm:kv_cache_usage_perc 0.5\n"  # a bound that is not a number
+        'vllm:time_to_first_token_seconds_bucket{le="soon"} 1\n'
+        'vllm:time_to_first_token_seconds_bucket{le="+Inf"} 1\n',
+        b"\xff\xfe not utf-8",
     ],
 )
-def test_garbage_is_rejected(text: str) -> None:
+def test_garbage_is_rejected(text: str | bytes) -> None:
+    body = text if isinstance(text, bytes) else text.encode()
     with pytest.raises(GarbageError):
-        parse_vllm_metrics(text)
+        parse_body("vllm", body)
+    if isinstance(text, str):
+        with pytest.raises(GarbageError):
+            parse_vllm_metrics(text)
 
 
 async def test_sidecar_in_vllm_mode_exports_headroom_metrics() -> None:
@@ -295,5 +686,8 @@ async def test_sidecar_in_vllm_mode_exports_headroom_metrics() -> None:
     assert report["growth_blocks_per_second"] > 0
 
 
-if __name__ == "__main__":  # regenerate the fixture: .venv/bin/python tests/test_sidecar_vllm.py
+if __name__ == "__main__":  # regenerate the fixtures: .venv/bin/python tests/test_sidecar_vllm.py
+    # (only `_created` timestamps change when the exporter does not)
     (FIXTURES / "vllm_metrics_dp2.txt").write_text(render_dp2_fixture())
+    for v in VLLM_VERSIONS:
+        (FIXTURES / f"vllm_metrics_{v}.txt").write_text(render_version_fixture(v))

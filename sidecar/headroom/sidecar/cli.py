@@ -22,8 +22,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p = subparsers.add_parser(
         "sidecar",
         help="export an engine's KV-cache state and saturation forecast to Prometheus",
-        description="Polls the engine (headroom /stats or vLLM /metrics) and serves /metrics, "
-        "/saturation and /healthz.",
+        description="Polls the engine (headroom /stats, or vLLM or SGLang /metrics) and serves "
+        "/metrics, /saturation and /healthz.",
     )
     configure_parser(p)
 
@@ -36,9 +36,16 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--source",
-        choices=("headroom", "vllm"),
+        choices=("headroom", "vllm", "sglang"),
         default="headroom",
-        help="headroom engine /stats, or a stock vLLM server's /metrics",
+        help="headroom engine /stats, or a stock vLLM or SGLang server's /metrics",
+    )
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=1,
+        help="sglang source: tokens per KV page, as the server's --page-size (default 1, "
+        "SGLang's default); blocks are tokens // page size",
     )
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=9090, help="port to listen on")
@@ -80,6 +87,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
     return SidecarConfig(
         engine_url=args.engine_url,
         source=args.source,
+        page_size=args.page_size,
         host=args.host,
         port=args.port,
         interval=args.interval,

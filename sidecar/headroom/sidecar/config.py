@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from headroom.sidecar.sources import SourceKind
 
-DEFAULT_PATHS: dict[str, str] = {"headroom": "/stats", "vllm": "/metrics"}
+DEFAULT_PATHS: dict[str, str] = {"headroom": "/stats", "vllm": "/metrics", "sglang": "/metrics"}
 
 
 class IdentityLabels(BaseModel):
@@ -30,6 +30,11 @@ class SidecarConfig(BaseModel):
 
     engine_url: str = Field(description="engine base URL; /stats or /metrics is appended")
     source: SourceKind = "headroom"
+    page_size: int = Field(
+        default=1,
+        ge=1,
+        description="tokens per KV page, for the sglang source (SGLang's --page-size)",
+    )
     host: str = "0.0.0.0"
     port: int = Field(default=9090, ge=0, le=65535)
     interval: float = Field(default=1.0, gt=0, le=3600, description="seconds between polls")

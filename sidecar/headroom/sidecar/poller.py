@@ -19,13 +19,15 @@ from headroom.sidecar.sources import (
     EngineReading,
     GarbageError,
     parse_headroom_stats,
+    parse_sglang_metrics,
     parse_vllm_metrics,
 )
 from headroom.sidecar.state import ErrorReason, PollState
 
 log = logging.getLogger("headroom.sidecar")
 
-# A /stats body is a few KiB and a vLLM exposition tens of KiB; anything far larger is not one.
+# A /stats body is a few KiB and a vLLM or SGLang exposition tens of KiB; anything far larger
+# is not one.
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
@@ -37,14 +39,17 @@ class PollFailed(Exception):
         self.reason: ErrorReason = reason
 
 
-def parse_body(source: str, body: bytes) -> EngineReading:
+def parse_body(source: str, body: bytes, page_size: int = 1) -> EngineReading:
     """Parse a response body for `source`; raises GarbageError."""
     if source == "headroom":
         return parse_headroom_stats(body)
+    engine = "SGLang" if source == "sglang" else "vLLM"
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise GarbageError(f"vLLM /metrics is not UTF-8: {exc}") from exc
+        raise GarbageError(f"{engine} /metrics is not UTF-8: {exc}") from exc
+    if source == "sglang":
+        return parse_sglang_metrics(text, page_size)
     return parse_vllm_metrics(text)
 
 
@@ -90,7 +95,7 @@ class Poller:
         except (aiohttp.ClientError, OSError) as exc:
             raise PollFailed("unreachable", f"{type(exc).__name__}: {exc}") from exc
         try:
-            return parse_body(self.cfg.source, body)
+            return parse_body(self.cfg.source, body, self.cfg.page_size)
         except GarbageError as exc:
             raise PollFailed("garbage", str(exc)) from exc
 

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from headroom.sidecar.config import SidecarConfig
+from headroom.sidecar.sources import SourceKind
 from headroom.sidecar.state import Figures, finite_or_none
 
 SATURATION_REPORT_VERSION: Literal[1] = 1
@@ -31,7 +32,7 @@ class SaturationReport(BaseModel):
         default=SATURATION_REPORT_VERSION, description="schema version of this body"
     )
     time: float = Field(description="when this report was made, unix seconds")
-    source: Literal["headroom", "vllm"] = Field(description="what the sidecar polls")
+    source: SourceKind = Field(description="what the sidecar polls")
     pod: str | None = Field(description="pod name (flag or POD_NAME), None when unknown")
     namespace: str | None = Field(description="pod namespace (flag or POD_NAMESPACE)")
     inferencedeployment: str | None = Field(description="owning InferenceDeployment name")

@@ -1,0 +1,589 @@
+"""SGLang mode: a stock SGLang server's `/metrics` (`--enable-metrics`) read as one pod.
+
+The exposition under test is what SGLang itself produces. SGLang runs prometheus-client in
+multiprocess mode: every scheduler process (one per rank) and the tokenizer manager writes its
+metrics to files under `PROMETHEUS_MULTIPROC_DIR`, and `/metrics` is a `MultiProcessCollector`
+over them. `SglangServer` does the same: each `scheduler()` / `tokenizer()` is a process of its
+own (its own multiprocess value class and pid), declaring the metrics the way
+sglang/srt/metrics/collector.py does (names, help text, `multiprocess_mode`, buckets), with
+SGLang's scheduler labels (`model_name`, `engine_type`, `tp_rank`, `pp_rank`, `moe_ep_rank`,
+and `dp_rank` under data-parallel attention). The text is prometheus-client's own rendering:
+no `_created` samples, and a `pid` label on `sglang:num_retracted_reqs`, the one gauge SGLang
+declares without a `multiprocess_mode`.
+
+Checked-in renderings (run this file as a script to regenerate them):
+- `prometheus/sglang_metrics_tp1.txt`: one scheduler (`render_tp1_fixture`);
+- `prometheus/sglang_metrics_dp2_tp4.txt`: data-parallel attention, dp 2 x tp 4 with
+  `--enable-metrics-for-all-schedulers`, four scheduler ranks and two KV pools
+  (`render_dp2_tp4_fixture`);
+- `prometheus/sglang_metrics_legacy.txt`: hand-written after the example in SGLang's
+  production-metrics docs of an early release (`model_name` the only label, no
+  `sglang:max_total_num_tokens`, `sglang:time_per_output_token_seconds`).
+
+The rules under test: blocks = tokens // `--page-size`; ranks of one pool (same labels but for
+`*_rank` other than `dp_rank`, and `pid`) are read from the lowest rank only, never added up;
+distinct `dp_rank` pools are added up, occupancy being their capacity-weighted mean usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import ClientSession, web
+from aiohttp.test_utils import TestServer
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
+
+from headroom.sidecar.cli import config_from_args, configure_parser
+from headroom.sidecar.config import SidecarConfig
+from headroom.sidecar.poller import parse_body
+from headroom.sidecar.server import build_app
+from headroom.sidecar.sources import GarbageError, parse_sglang_metrics
+
+FIXTURES = Path(__file__).parent / "prometheus"
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+# SGLang's TokenizerMetricsCollector defaults.
+# fmt: off
+TTFT_BUCKETS = [0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400]
+ITL_BUCKETS = [0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040,
+               0.060, 0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1.000, 2.000, 4.000, 6.000,
+               8.000]
+E2E_BUCKETS = [0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600,
+               1200, 1800, 2400]
+# fmt: on
+
+# SchedulerMetricsCollector's gauges read here (and two that are not), as SGLang declares them.
+SCHEDULER_GAUGES = {
+    "num_running_reqs": ("sglang:num_running_reqs", "The number of running requests."),
+    "num_used_tokens": ("sglang:num_used_tokens", "The number of used tokens."),
+    "token_usage": ("sglang:token_usage", "The token usage."),
+    "gen_throughput": ("sglang:gen_throughput", "The generation throughput (token/s)."),
+    "num_queue_reqs": ("sglang:num_queue_reqs", "The number of requests in the waiting queue."),
+    "cache_hit_rate": ("sglang:cache_hit_rate", "The prefix cache hit rate."),
+    "max_total_num_tokens": (
+        "sglang:max_total_num_tokens",
+        "Maximum total number of tokens in the KV cache pool.",
+    ),
+}
+
+
+class Scheduler:
+    """One scheduler process's SchedulerMetricsCollector (the part the sidecar reads)."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        names = list(labels)
+        self.gauges = {
+            key: Gauge(name, doc, names, multiprocess_mode="mostrecent", registry=None).labels(
+                **labels
+            )
+            for key, (name, doc) in SCHEDULER_GAUGES.items()
+        }
+        # Declared without a multiprocess_mode, so prometheus-client's default, "all": one
+        # series per process, with a `pid` label.
+        self.retracted_gauge = Gauge(
+            "sglang:num_retracted_reqs",
+            "The number of retracted requests.",
+            names,
+            registry=None,
+        ).labels(**labels)
+        self.retracted = Counter(
+            "sglang:num_retracted_requests_total",
+            "Total number of retracted requests.",
+            names,
+            registry=None,
+        ).labels(**labels)
+
+    def log_stats(self, **stats: float) -> None:
+        """`SchedulerMetricsCollector.log_stats`: every gauge at once, retractions since the
+        last log into the gauge (and the counter)."""
+        for key, value in stats.items():
+            if key == "num_retracted_reqs":
+                self.retracted_gauge.set(value)
+                self.retracted.inc(value)
+            else:
+                self.gauges[key].set(value)
+
+
+class Tokenizer:
+    """The tokenizer manager's TokenizerMetricsCollector (labels: `model_name`)."""
+
+    def __init__(self, model: str, tpot_name: str = "sglang:inter_token_latency_seconds") -> None:
+        labels = {"model_name": model}
+        names = list(labels)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, names, registry=None).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Any:
+            return Histogram(name, doc, names, buckets=buckets, registry=None).labels(**labels)
+
+        self.prompt_tokens = counter(
+            "sglang:prompt_tokens_total", "Number of prefill tokens processed."
+        )
+        self.generation_tokens = counter(
+            "sglang:generation_tokens_total", "Number of generation tokens processed."
+        )
+        self.cached_tokens = counter(
+            "sglang:cached_tokens_total", "Number of cached prompt tokens."
+        )
+        self.requests = counter("sglang:num_requests_total", "Number of requests processed.")
+        self.ttft = histogram(
+            "sglang:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+        )
+        self.itl = histogram(tpot_name, "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = histogram(
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            E2E_BUCKETS,
+        )
+
+    def finish(self, prompt: int, cached: int, generated: int, ttft: float, itl: float) -> None:
+        """One finished request, as `observe_one_finished_request` counts it."""
+        self.prompt_tokens.inc(prompt)
+        self.cached_tokens.inc(cached)
+        self.generation_tokens.inc(generated)
+        self.requests.inc()
+        self.ttft.observe(ttft)
+        self.itl.observe(itl)
+        self.e2e.observe(ttft + generated * itl)
+
+
+class SglangServer:
+    """SGLang's processes writing metrics to one multiprocess directory, and its /metrics."""
+
+    def __init__(self, directory: Path, model: str = MODEL) -> None:
+        self.directory = directory
+        self.model = model
+        self._next_pid = 4100
+
+    @contextlib.contextmanager
+    def _process(self) -> Iterator[None]:
+        """Metrics created inside write to a process's own files, as a separate pid would."""
+        pid = self._next_pid
+        self._next_pid += 1
+        saved = values.ValueClass
+        saved_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        values.ValueClass = values.MultiProcessValue(lambda: pid)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(self.directory)
+        try:
+            yield
+        finally:
+            values.ValueClass = saved
+            if saved_dir is None:
+                del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+            else:
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = saved_dir
+
+    def scheduler(
+        self, tp_rank: int = 0, pp_rank: int = 0, dp_rank: int | None = None, **extra: str
+    ) -> Scheduler:
+        labels = {
+            "model_name": self.model,
+            "engine_type": "unified",
+            "tp_rank": str(tp_rank),
+            "pp_rank": str(pp_rank),
+            **extra,
+        }
+        if dp_rank is not None:
+            labels["dp_rank"] = str(dp_rank)
+        with self._process():
+            return Scheduler(labels)
+
+    def tokenizer(self, **kwargs: Any) -> Tokenizer:
+        with self._process():
+            return Tokenizer(self.model, **kwargs)
+
+    def text(self) -> str:
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(self.directory))
+        return generate_latest(registry).decode()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[SglangServer]:
+    yield SglangServer(tmp_path)
+    values.close_all_multiprocess_files()
+
+
+def render_tp1_fixture(directory: Path) -> str:
+    """One scheduler, 262,144 tokens, a quarter used."""
+    srv = SglangServer(directory)
+    sched = srv.scheduler(moe_ep_rank="0")
+    tok = srv.tokenizer()
+    sched.log_stats(
+        max_total_num_tokens=262144,
+        num_used_tokens=65536,
+        token_usage=0.25,
+        num_running_reqs=12,
+        num_queue_reqs=3,
+        cache_hit_rate=0.4,
+        gen_throughput=1830.5,
+        num_retracted_reqs=2,
+    )
+    sched.log_stats(num_retracted_reqs=0)  # the next log: none retracted since
+    tok.finish(prompt=900, cached=600, generated=120, ttft=0.15, itl=0.012)
+    tok.finish(prompt=1100, cached=0, generated=80, ttft=0.9, itl=0.03)
+    return srv.text()
+
+
+def render_dp2_tp4_fixture(directory: Path) -> str:
+    """dp 2 x tp 4 (attention tp 2), every scheduler exporting. Pool 0 (tp ranks 0, 1) is half
+    full, pool 1 (tp ranks 2, 3) a quarter; tp rank 1 logged a moment after rank 0 and reports
+    slightly different figures for the same pool, which the sidecar must not read."""
+    srv = SglangServer(directory)
+    pools = [
+        (0, [(0, 0.5, 10, 4), (1, 0.52, 11, 5)]),
+        (1, [(2, 0.25, 6, 0), (3, 0.25, 6, 0)]),
+    ]
+    retracted = {0: 3, 1: 1}
+    for dp_rank, ranks in pools:
+        for tp_rank, usage, running, queued in ranks:
+            sched = srv.scheduler(tp_rank=tp_rank, dp_rank=dp_rank, moe_ep_rank=str(tp_rank))
+            sched.log_stats(
+                max_total_num_tokens=131072,
+                num_used_tokens=round(usage * 131072),
+                token_usage=usage,
+                num_running_reqs=running,
+                num_queue_reqs=queued,
+                cache_hit_rate=0.0,
+                gen_throughput=900.0,
+                num_retracted_reqs=retracted[dp_rank],
+            )
+    tok = srv.tokenizer()
+    tok.finish(prompt=4000, cached=3000, generated=200, ttft=0.3, itl=0.02)
+    tok.finish(prompt=2000, cached=1000, generated=100, ttft=0.5, itl=0.025)
+    tok.finish(prompt=1000, cached=0, generated=50, ttft=2.5, itl=0.05)
+    return srv.text()
+
+
+RENDERERS = {
+    "sglang_metrics_tp1.txt": render_tp1_fixture,
+    "sglang_metrics_dp2_tp4.txt": render_dp2_tp4_fixture,
+}
+
+
+def _fixture(name: str) -> str:
+    return (FIXTURES / name).read_text()
+
+
+@pytest.mark.parametrize("name", sorted(RENDERERS))
+def test_fixture_is_what_prometheus_client_renders(name: str, tmp_path: Path) -> None:
+    """The checked-in text is the multiprocess rendering (file order aside)."""
+    try:
+        rendered = RENDERERS[name](tmp_path)
+    finally:
+        values.close_all_multiprocess_files()
+    assert sorted(_fixture(name).splitlines()) == sorted(rendered.splitlines())
+
+
+def test_fixture_has_sglangs_shape() -> None:
+    text = _fixture("sglang_metrics_dp2_tp4.txt")
+    assert "# TYPE sglang:token_usage gauge" in text
+    assert "# HELP sglang:max_total_num_tokens Maximum total number of tokens in the KV" in text
+    assert "_created" not in text  # multiprocess mode has none
+    usage = [
+        s.labels
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "sglang:token_usage"
+    ]
+    assert len(usage) == 4
+    assert {u["tp_rank"] for u in usage} == {"0", "1", "2", "3"}
+    assert {u["dp_rank"] for u in usage} == {"0", "1"}
+    assert all("pid" not in u for u in usage)  # mostrecent gauges merge processes
+    assert 'sglang:num_retracted_reqs{dp_rank="0",engine_type="unified"' in text
+    assert ',pid="' in text  # ... the "all" gauge keeps one series per process
+
+
+def test_parse_single_rank() -> None:
+    r = parse_sglang_metrics(_fixture("sglang_metrics_tp1.txt"))
+    assert r.source == "sglang"
+    assert r.model == MODEL
+    assert r.instance_id is None  # SGLang's multiprocess registry has no process metrics
+    assert r.occupancy == pytest.approx(0.25)
+    assert (r.capacity_blocks, r.used_blocks, r.free_blocks) == (262144, 65536, 196608)
+    assert r.block_size == 1  # the default page size
+    assert r.cached_blocks is None and r.bytes_per_token is None
+    assert r.prefix_cache_enabled is None
+    assert (r.running, r.waiting, r.swapped) == (12, 3, None)
+    assert r.preemptions_total == 2  # the counter; the gauge has gone back to 0
+    assert (r.prefix_queries_tokens_total, r.prefix_hits_tokens_total) == (2000, 600)
+    assert r.ttft is not None
+    assert r.ttft.bounds == tuple(float(b) for b in TTFT_BUCKETS)
+    assert r.ttft.count == 2 and r.ttft.sum == pytest.approx(1.05)
+    assert r.ttft.counts[TTFT_BUCKETS.index(0.2)] == 1
+    assert r.tpot is not None  # from sglang:inter_token_latency_seconds
+    assert r.tpot.count == 2 and r.tpot.sum == pytest.approx(0.042)
+
+
+@pytest.mark.parametrize(("page_size", "capacity"), [(1, 262144), (16, 16384), (64, 4096)])
+def test_blocks_are_tokens_over_page_size(page_size: int, capacity: int) -> None:
+    r = parse_sglang_metrics(_fixture("sglang_metrics_tp1.txt"), page_size=page_size)
+    assert r.block_size == page_size
+    assert r.capacity_blocks == capacity
+    assert r.used_blocks == capacity // 4
+    assert r.occupancy == pytest.approx(0.25)
+
+
+def test_page_size_not_dividing_the_pool_rounds_down(server: SglangServer) -> None:
+    server.scheduler().log_stats(max_total_num_tokens=1000, token_usage=0.5, num_used_tokens=500)
+    r = parse_sglang_metrics(server.text(), page_size=16)
+    assert r.capacity_blocks == 62 and r.used_blocks == 31
+
+
+def test_multi_rank_reads_rank_0_of_each_pool_and_adds_the_pools() -> None:
+    r = parse_sglang_metrics(_fixture("sglang_metrics_dp2_tp4.txt"))
+    # two pools of 131,072 tokens at 0.5 and 0.25 (tp rank 1's 0.52 is not read)
+    assert r.capacity_blocks == 2 * 131072
+    assert r.occupancy == pytest.approx(0.375)
+    assert r.used_blocks == 65536 + 32768
+    # requests: rank 0 of pool 0 plus rank 2 of pool 1, not all four ranks
+    assert (r.running, r.waiting) == (10 + 6, 4 + 0)
+    # each pool's ranks retract the same requests: 3 + 1, not 3 + 3 + 1 + 1
+    assert r.preemptions_total == 4
+    assert (r.prefix_queries_tokens_total, r.prefix_hits_tokens_total) == (7000, 4000)
+    assert r.ttft is not None and r.ttft.count == 3
+
+
+def test_pipeline_ranks_share_one_pool(server: SglangServer) -> None:
+    """Each pipeline stage's scheduler (tp rank 0 of its stage) reports the same token pool."""
+    for pp_rank in (0, 1):
+        server.scheduler(pp_rank=pp_rank).log_stats(
+            max_total_num_tokens=50000, token_usage=0.4 + 0.01 * pp_rank, num_running_reqs=5
+        )
+    r = parse_sglang_metrics(server.text())
+    assert (r.capacity_blocks, r.running) == (50000, 5)
+    assert r.occupancy == pytest.approx(0.4)
+
+
+def test_rank_order_is_numeric(server: SglangServer) -> None:
+    """Of tp ranks 9 and 10 (of one pool), rank 9's series is read: ranks compare as numbers."""
+    for tp_rank in (10, 9):
+        server.scheduler(tp_rank=tp_rank).log_stats(
+            max_total_num_tokens=1000, token_usage=tp_rank / 100, num_retracted_reqs=tp_rank
+        )
+    r = parse_sglang_metrics(server.text())
+    assert r.occupancy == pytest.approx(0.09)
+    assert r.preemptions_total == 9
+
+
+def test_unequal_dp_pools_weight_the_occupancy(server: SglangServer) -> None:
+    for dp_rank, tokens, usage in ((0, 30000, 0.5), (1, 10000, 0.1)):
+        server.scheduler(tp_rank=dp_rank, dp_rank=dp_rank).log_stats(
+            max_total_num_tokens=tokens, token_usage=usage, num_queue_reqs=dp_rank + 1
+        )
+    r = parse_sglang_metrics(server.text())
+    assert r.capacity_blocks == 40000
+    assert r.used_blocks == 15000 + 1000
+    assert r.occupancy == pytest.approx(16000 / 40000)
+    assert r.waiting == 3
+
+
+def test_pool_size_unknown_for_one_pool_gives_the_plain_mean(server: SglangServer) -> None:
+    server.scheduler(dp_rank=0).log_stats(max_total_num_tokens=30000, token_usage=0.5)
+    server.scheduler(tp_rank=1, dp_rank=1).log_stats(token_usage=0.1)
+    r = parse_sglang_metrics(server.text())
+    assert r.capacity_blocks is None and r.used_blocks is None and r.free_blocks is None
+    assert r.occupancy == pytest.approx(0.3)
+
+
+def test_legacy_release() -> None:
+    r = parse_sglang_metrics(_fixture("sglang_metrics_legacy.txt"))
+    assert r.model == MODEL
+    assert r.occupancy == pytest.approx(0.28)
+    assert r.capacity_blocks is None and r.used_blocks is None  # no max_total_num_tokens
+    assert (r.running, r.waiting) == (162, 2826)
+    assert r.preemptions_total is None
+    # prompt tokens but no cached-token counter: no prefix figures at all
+    assert r.prefix_queries_tokens_total is None and r.prefix_hits_tokens_total is None
+    assert r.ttft is not None and r.ttft.count == 11008
+    assert r.tpot is not None and r.tpot.count == 7400757  # sglang:time_per_output_token_seconds
+
+
+_USAGE = '# TYPE sglang:token_usage gauge\nsglang:token_usage{model_name="m",tp_rank="0"} 0.5\n'
+
+
+def test_retracted_reqs_as_gauge_or_counter() -> None:
+    gauge = (
+        _USAGE + "# TYPE sglang:num_retracted_reqs gauge\n"
+        'sglang:num_retracted_reqs{model_name="m",tp_rank="0"} 7.0\n'
+    )
+    # a gauge of retractions since the last stats log is not a running total: not read
+    assert parse_sglang_metrics(gauge).preemptions_total is None
+    counter = (
+        _USAGE + "# TYPE sglang:num_retracted_reqs counter\n"
+        'sglang:num_retracted_reqs_total{model_name="m",tp_rank="0"} 7.0\n'
+        'sglang:num_retracted_reqs_total{model_name="m",tp_rank="1"} 7.0\n'
+    )
+    assert parse_sglang_metrics(counter).preemptions_total == 7
+    both = (
+        gauge + "# TYPE sglang:num_retracted_requests_total counter\n"
+        'sglang:num_retracted_requests_total{model_name="m",tp_rank="0"} 40.0\n'
+    )
+    assert parse_sglang_metrics(both).preemptions_total == 40
+
+
+def test_without_token_usage_used_over_max_is_read() -> None:
+    text = (
+        "# TYPE sglang:num_used_tokens gauge\n"
+        'sglang:num_used_tokens{tp_rank="0"} 300\n'
+        "# TYPE sglang:max_total_num_tokens gauge\n"
+        'sglang:max_total_num_tokens{tp_rank="0"} 1200\n'
+    )
+    r = parse_sglang_metrics(text)
+    assert r.occupancy == pytest.approx(0.25)
+    assert (r.capacity_blocks, r.used_blocks) == (1200, 300)
+
+
+def test_prefix_counters_need_both_names() -> None:
+    queries = "sglang:prompt_tokens_total 100\n"
+    hits = "sglang:cached_tokens_total 40\n"
+    r = parse_sglang_metrics(_USAGE + queries + hits)
+    assert (r.prefix_queries_tokens_total, r.prefix_hits_tokens_total) == (100, 40)
+    for partial in (queries, hits):
+        r = parse_sglang_metrics(_USAGE + partial)
+        assert r.prefix_queries_tokens_total is None and r.prefix_hits_tokens_total is None
+
+
+def test_usage_above_one_is_clamped() -> None:
+    assert parse_sglang_metrics("sglang:token_usage 1.02\n").occupancy == 1.0
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("", "no sglang:token_usage"),
+        ("<html><body>404 Not Found</body></html>", "not Prometheus text"),
+        ('{"detail": "Not Found"}', "not Prometheus text"),
+        # tokenizer metrics only: the schedulers have not logged yet, or another server
+        ("sglang:prompt_tokens_total 10\n", "no sglang:token_usage"),
+        ('vllm:kv_cache_usage_perc{engine="0"} 0.5\n', "no sglang:token_usage"),
+        ("sglang:token_usage NaN\n", "not a fraction"),
+        ("sglang:token_usage -0.1\n", "not a fraction"),
+        ('sglang:token_usage{tp_rank="0" 0.5\n', "not Prometheus text"),
+        (_USAGE + 'sglang:max_total_num_tokens{model_name="m"} -5\n', "max_total_num_tokens"),
+        (_USAGE + "sglang:num_running_reqs -1\n", "running"),
+        (_USAGE + "sglang:cached_tokens_total +Inf\nsglang:prompt_tokens_total 1\n", "cached"),
+        (
+            _USAGE + 'sglang:time_to_first_token_seconds_bucket{le="0.1"} 2\n'
+            'sglang:time_to_first_token_seconds_bucket{le="+Inf"} 1\n',
+            "cumulative",
+        ),
+        (_USAGE + 'sglang:time_to_first_token_seconds_bucket{le="0.1"} 2\n', r"\+Inf"),
+    ],
+)
+def test_garbage_is_rejected(text: str, why: str) -> None:
+    with pytest.raises(GarbageError, match=why):
+        parse_sglang_metrics(text)
+    with pytest.raises(GarbageError, match=why):
+        parse_body("sglang", text.encode())
+
+
+def test_body_that_is_not_utf8_is_garbage() -> None:
+    with pytest.raises(GarbageError, match="SGLang /metrics is not UTF-8"):
+        parse_body("sglang", b"sglang:token_usage \xff\n")
+
+
+def _parse_flags(flags: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    configure_parser(parser)
+    return parser.parse_args(flags)
+
+
+def test_cli_source_sglang_and_page_size() -> None:
+    cfg = config_from_args(
+        _parse_flags(["--engine-url", "http://127.0.0.1:30000", "--source", "sglang"])
+    )
+    assert (cfg.source, cfg.page_size) == ("sglang", 1)
+    assert cfg.poll_url == "http://127.0.0.1:30000/metrics"
+    flags = ["--engine-url", "http://h:30000/", "--source", "sglang", "--page-size", "16"]
+    assert config_from_args(_parse_flags(flags)).page_size == 16
+
+
+def test_page_size_must_be_positive() -> None:
+    with pytest.raises(ValidationError, match="page_size"):
+        SidecarConfig(engine_url="http://h:1", source="sglang", page_size=0)
+    with pytest.raises(ValueError, match="page_size"):
+        parse_sglang_metrics(_USAGE, page_size=0)
+
+
+async def test_sidecar_in_sglang_mode_exports_headroom_metrics(server: SglangServer) -> None:
+    """Sidecar polling a live SGLang-format /metrics (two tp ranks) serves the headroom
+    contract, counting each pool once."""
+    ranks = [server.scheduler(tp_rank=0), server.scheduler(tp_rank=1)]
+    tok = server.tokenizer()
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=server.text().encode(), content_type="text/plain")
+
+    engine_app = web.Application()
+    engine_app.router.add_get("/metrics", metrics)
+    async with TestServer(engine_app) as engine:
+        cfg = SidecarConfig(
+            engine_url=str(engine.make_url("/")),
+            source="sglang",
+            page_size=16,
+            interval=0.05,
+            timeout=0.05,
+            window=5.0,
+            forecast_window=5.0,
+        )
+        async with TestServer(build_app(cfg)) as sidecar, ClientSession() as http:
+            for step in range(12):
+                for sched in ranks:
+                    sched.log_stats(
+                        max_total_num_tokens=32000,
+                        token_usage=0.5 + 0.01 * step,
+                        num_running_reqs=4,
+                        num_retracted_reqs=1 if step == 5 else 0,
+                    )
+                tok.finish(prompt=100, cached=50, generated=10, ttft=0.2, itl=0.02)
+                await asyncio.sleep(0.06)
+            async with http.get(sidecar.make_url("/metrics")) as resp:
+                assert resp.status == 200
+                text = await resp.text()
+            async with http.get(sidecar.make_url("/saturation")) as resp:
+                report = await resp.json()
+
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    model = (("model", MODEL),)
+    assert samples[("headroom_engine_up", model)] == 1.0
+    assert samples[("headroom_kv_blocks_capacity", model)] == 2000  # 32,000 tokens / 16
+    occupancy = samples[("headroom_kv_block_occupancy_ratio", model)]
+    assert 0.5 < occupancy <= 0.62
+    used = samples[("headroom_kv_blocks", (*model, ("state", "used")))]
+    assert used == round(occupancy * 2000)
+    assert ("headroom_kv_blocks", (*model, ("state", "cached"))) not in samples
+    assert samples[("headroom_requests", (*model, ("state", "running")))] == 4  # not 8
+    assert samples[("headroom_preemptions_total", model)] == 1  # not 2
+    assert samples[("headroom_prefix_cache_hit_ratio", model)] == pytest.approx(0.5)
+    assert 0 < samples[("headroom_kv_saturation_eta_seconds", model)] < math.inf
+    assert report["source"] == "sglang" and report["fresh"] is True
+    assert report["capacity_blocks"] == 2000 and report["block_size"] == 16
+    assert report["growth_blocks_per_second"] > 0
+
+
+if __name__ == "__main__":  # regenerate the fixtures: .venv/bin/python tests/test_sidecar_sglang.py
+    import tempfile
+
+    for fixture_name, render in RENDERERS.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            (FIXTURES / fixture_name).write_text(render(Path(tmp)))
+            values.close_all_multiprocess_files()
