@@ -48,8 +48,8 @@ def headroom_argv() -> list[str]:
     return [sys.executable, "-m", "headroom.cli"]
 
 
-def headroom_has(command: str) -> bool:
-    """Whether this build's `headroom` CLI runs `command` (modules land one by one)."""
+def headroom_help_error(command: str) -> str | None:
+    """Why `headroom <command> --help` fails in this checkout's venv; None when it works."""
     out = subprocess.run(
         [*headroom_argv(), command, "--help"],
         capture_output=True,
@@ -57,7 +57,15 @@ def headroom_has(command: str) -> bool:
         timeout=120,
         check=False,
     )
-    return out.returncode == 0
+    if out.returncode == 0:
+        return None
+    tail = "\n".join((out.stderr or out.stdout).strip().splitlines()[-5:])
+    return f"`headroom {command} --help` exited {out.returncode}: {tail}"
+
+
+def headroom_has(command: str) -> bool:
+    """Whether this build's `headroom` CLI runs `command`."""
+    return headroom_help_error(command) is None
 
 
 def wait_until(

@@ -90,6 +90,27 @@ def container_arg(deployment: dict[str, Any], container: str, flag: str) -> str 
     return None
 
 
+def pool_flags(spec: dict[str, Any], plan: dict[str, Any]) -> dict[str, str]:
+    """The engine flags that carry the planned KV pool and sharding, per `engine.runtime`."""
+    runtime = (spec.get("engine") or {}).get("runtime", "headroom")
+    blocks, block = int(plan["kv_blocks_per_pod"]), int(plan["block_size"])
+    if runtime == "vllm":
+        return {
+            "--num-gpu-blocks-override": str(blocks),
+            "--block-size": str(block),
+            "--tensor-parallel-size": str(plan["tp"]),
+            "--pipeline-parallel-size": str(plan["pp"]),
+        }
+    if runtime == "sglang":
+        return {
+            "--max-total-tokens": str(blocks * block),
+            "--page-size": str(block),
+            "--tp-size": str(plan["tp"]),
+            "--pp-size": str(plan["pp"]),
+        }
+    return {"--num-blocks": str(blocks), "--block-size": str(block)}
+
+
 def printer_table(text: str) -> list[dict[str, str]]:
     """Rows of a `kubectl get` table keyed by header, split at the header's column starts."""
     lines = [ln for ln in text.splitlines() if ln.strip()]

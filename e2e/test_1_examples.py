@@ -18,6 +18,7 @@ from e2e.kube import (
     container_arg,
     get_obj,
     headroom_plans,
+    pool_flags,
     printer_table,
 )
 
@@ -85,9 +86,12 @@ def test_budget_matches_headroom_plan(cluster: Cluster, examples: Applied) -> No
         assert feasible is not None and feasible["status"] == "True", feasible
 
         dep = get_obj(cluster, "deployment", name, namespace=ns)
-        # The engine allocates exactly the planned pool.
-        assert container_arg(dep, "engine", "--num-blocks") == str(plan["kv_blocks_per_pod"])
-        assert container_arg(dep, "engine", "--block-size") == str(plan["block_size"])
+        # The engine allocates exactly the planned pool, in its runtime's own flags.
+        for flag, want in pool_flags(m["spec"], plan).items():
+            assert container_arg(dep, "engine", flag) == want, (
+                f"{ns}/{name}: engine {flag} is {container_arg(dep, 'engine', flag)!r}, the "
+                f"plan says {want}"
+            )
         scaling = m["spec"].get("scaling") or {}
         if scaling.get("mode", "auto") == "auto":
             lo, hi = int(scaling.get("minReplicas", 1)), int(scaling.get("maxReplicas", 10))

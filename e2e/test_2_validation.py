@@ -105,6 +105,42 @@ BAD: list[tuple[str, dict[str, Any], str, bool]] = [
         "engine.maxModelLen must be at least traffic.contextTokens",
         True,
     ),
+    (
+        "unknown-runtime",
+        {"engine": {"runtime": "tgi"}},
+        'spec.engine.runtime: Unsupported value: "tgi"',
+        False,
+    ),
+    (
+        "vllm-int8-kv",
+        {"engine": {"runtime": "vllm", "kvCacheDtype": "int8"}},
+        "runtime vllm accepts auto or fp8",
+        True,
+    ),
+    (
+        "sglang-int8-kv",
+        {"engine": {"runtime": "sglang", "kvCacheDtype": "int8"}},
+        "runtime sglang accepts auto or fp8",
+        True,
+    ),
+    (
+        "vllm-attention-backend",
+        {"engine": {"runtime": "vllm", "attentionBackend": "cuda"}},
+        "leave it auto with runtime vllm or sglang",
+        True,
+    ),
+    (
+        "vllm-block-size",
+        {"engine": {"runtime": "vllm", "blockSize": 24}},
+        "runtime vllm takes engine.blockSize 1, 8, 16, 32, 64 or 128",
+        True,
+    ),
+    (
+        "vllm-headroom-image",
+        {"engine": {"runtime": "vllm", "image": "ghcr.io/headroom-dev/headroom:0.1.0"}},
+        "which has no vLLM or SGLang server",
+        True,
+    ),
 ]
 
 

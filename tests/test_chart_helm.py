@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from e2e.cluster.harness import BuildError, Cluster, build
-from e2e.cluster.pytest_plugin import skip_or_fail
+from e2e.cluster.pytest_plugin import missing_piece
 from headroom.operator.rbac import cluster_role_rules
 
 pytest_plugins = ["e2e.cluster.pytest_plugin"]
@@ -38,10 +38,10 @@ def helm() -> Path:
     try:
         result = build()
     except BuildError as exc:
-        skip_or_fail(f"cannot build helm: {exc}")
+        missing_piece(f"cannot build helm: {exc}")
         raise
     if "helm" in result.failed:
-        skip_or_fail(f"helm failed to build (see {result.bin_dir}/.failed)")
+        missing_piece(f"helm failed to build (see {result.bin_dir}/.failed)")
     return result.bin_dir / "helm"
 
 

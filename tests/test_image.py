@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from headroom.operator.models import EngineSpec
+from headroom.operator.models import RUNTIME_IMAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
@@ -94,7 +94,7 @@ def test_every_default_image_is_the_one_this_dockerfile_builds() -> None:
     chart = yaml.safe_load((ROOT / "charts" / "headroom" / "Chart.yaml").read_text())
     values = yaml.safe_load((ROOT / "charts" / "headroom" / "values.yaml").read_text())
     assert chart["appVersion"] == version
-    assert EngineSpec().image == f"{values['image']['repository']}:{version}"
+    assert RUNTIME_IMAGES["headroom"] == f"{values['image']['repository']}:{version}"
     assert f"{values['image']['repository']}:{version}" in DOCKERFILE.read_text()
 
 

@@ -13,7 +13,13 @@ import pytest
 import yaml
 
 from e2e.cluster.harness import Cluster
-from headroom.operator.models import GPUSpec, InferenceDeploymentSpec, ModelSpec, ScalingSpec
+from headroom.operator.models import (
+    EngineSpec,
+    GPUSpec,
+    InferenceDeploymentSpec,
+    ModelSpec,
+    ScalingSpec,
+)
 from headroom.operator.schema import CRD_NAME, crd_yaml
 
 pytest_plugins = ["e2e.cluster.pytest_plugin"]
@@ -49,6 +55,17 @@ CEL_CASES = [
      ScalingSpec.__rules__[2]),
     ("max-model-len", {**VALID, "engine": {"maxModelLen": 1024}},
      InferenceDeploymentSpec.__rules__[0]),
+    ("attention-backend-headroom-only",
+     {**VALID, "engine": {"runtime": "vllm", "attentionBackend": "cuda"}}, EngineSpec.__rules__[0]),
+    ("vllm-no-int8", {**VALID, "engine": {"runtime": "vllm", "kvCacheDtype": "int8"}},
+     EngineSpec.__rules__[1]),
+    ("sglang-no-int8", {**VALID, "engine": {"runtime": "sglang", "kvCacheDtype": "int8"}},
+     EngineSpec.__rules__[2]),
+    ("vllm-block-sizes", {**VALID, "engine": {"runtime": "vllm", "blockSize": 24}},
+     EngineSpec.__rules__[3]),
+    ("stock-runtime-not-headroom-image",
+     {**VALID, "engine": {"runtime": "sglang", "image": "ghcr.io/headroom-dev/headroom:0.1.0"}},
+     EngineSpec.__rules__[4]),
 ]  # fmt: skip
 
 SCHEMA_CASES = [
@@ -57,6 +74,7 @@ SCHEMA_CASES = [
     ("zero-concurrency", {**VALID, "traffic": {"peakConcurrency": 0, "contextTokens": 10}},
      "greater than or equal to 1"),
     ("bad-mode", {**VALID, "scaling": {"mode": "yolo"}}, "Unsupported value"),
+    ("bad-runtime", {**VALID, "engine": {"runtime": "tgi"}}, "Unsupported value"),
     ("missing-traffic", {"model": VALID["model"], "gpu": VALID["gpu"]}, "Required value"),
 ]  # fmt: skip
 
@@ -95,6 +113,7 @@ def test_valid_object_is_accepted_and_defaulted(crd: Cluster, cluster_namespace:
     assert spec["engine"]["blockSize"] == 16 and spec["engine"]["kvCacheDtype"] == "auto"
     assert spec["scaling"]["mode"] == "auto" and spec["scaling"]["targetOccupancy"] == 0.7
     assert spec["gpu"]["countPerPod"] == 1 and spec["model"]["path"] == "tiny"
+    assert spec["engine"]["runtime"] == "headroom" and "image" not in spec["engine"]
     # What the API server stored, the operator's models read back to the same values.
     parsed = InferenceDeploymentSpec.model_validate(spec)
     assert parsed == InferenceDeploymentSpec.model_validate(VALID)

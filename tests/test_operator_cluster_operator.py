@@ -27,11 +27,11 @@ import yaml
 from prometheus_client import generate_latest
 
 from e2e.cluster.harness import Cluster
-from headroom.operator.apply import Kube, load_configuration
 from headroom.operator.children import FIELD_MANAGER
 from headroom.operator.decide import PodSample
 from headroom.operator.exporter import OperatorMetrics
 from headroom.operator.handlers import FINALIZER, Context, Options, operate
+from headroom.operator.kube import Kube, load_configuration
 from headroom.operator.metrics_sources import PodInfo, Target
 from headroom.operator.models import InferenceDeploymentSpec
 from headroom.operator.rbac import cluster_role

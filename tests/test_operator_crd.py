@@ -96,6 +96,7 @@ def test_every_python_rule_is_a_cel_rule_with_its_message() -> None:
     schema = spec_schema()
     by_section = {
         "model": ModelSpec,
+        "engine": EngineSpec,
         "gpu": GPUSpec,
         "scaling": ScalingSpec,
     }

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import replace
 
 import pytest
 
+import headroom.operator.decide as decide_module
 from headroom.operator.decide import (
     Decision,
     Inputs,
@@ -16,6 +18,9 @@ from headroom.operator.decide import (
     ScaleInWindow,
     decide,
 )
+from headroom.operator.models import InferenceDeploymentSpec, ScalingSpec
+from headroom.operator.scaling import policy_for
+from headroom.operator.sizing import size
 
 NOW = 10_000.0
 POLICY = Policy(
@@ -27,10 +32,14 @@ POLICY = Policy(
     scale_out_occupancy=0.85,
     scale_in_hysteresis=0.1,
     lookahead_seconds=120,
+    scale_up_stabilization_seconds=0,
     scale_down_stabilization_seconds=300,
     max_scale_up_pods=8,
     max_scale_down_pods=2,
     metrics_max_age_seconds=60,
+    startup_grace_seconds=900,
+    warmup_seconds=90,
+    growth_window_seconds=90,
 )
 
 
@@ -344,3 +353,44 @@ def test_draining_pods_still_count_as_demand() -> None:
     draining = [pod("x", 0.5, terminating=True), pod("y", 0.5, terminating=True)]
     d = run(3, ready + draining, scale_in=ScaleInWindow(NOW - 1000, ((NOW - 1000, 2),)))
     assert d.replicas == 3 and d.figures.present_blocks == 1900
+
+
+# The one Policy field whose CRD name differs; every other field is named as in ScalingSpec.
+_SPEC_NAME = {"lookahead_seconds": "saturation_lookahead_seconds"}
+_FROM_THE_PLAN = {"blocks_per_pod", "blocks_per_sequence"}
+
+
+def test_every_scaling_default_reaches_decide_unchanged() -> None:
+    """A CR that sets nothing under `scaling` is decided with exactly ScalingSpec's defaults:
+    Policy has none of its own, and policy_for maps every field."""
+    spec = InferenceDeploymentSpec.model_validate(
+        {
+            "model": {"preset": "llama-3.1-8b"},
+            "gpu": {"type": "h100-80gb"},
+            "traffic": {"peakConcurrency": 64, "contextTokens": 4096},
+        }
+    )
+    sizing = size(spec)
+    policy = policy_for(spec, sizing)
+    seen: list[Policy] = []
+    inp = Inputs(now=NOW, current_replicas=spec.scaling.min_replicas, pods=(), policy=policy)
+    with pytest.MonkeyPatch.context() as mp:
+        real = decide_module._rule_bounds
+
+        def spy(inp: Inputs, base: Decision) -> Decision | None:
+            seen.append(inp.policy)
+            return real(inp, base)
+
+        mp.setattr(decide_module, "_rule_bounds", spy)
+        decide(inp)
+    assert seen == [policy]
+    defaults = ScalingSpec()
+    for f in dataclasses.fields(Policy):
+        if f.name in _FROM_THE_PLAN:
+            continue
+        name = _SPEC_NAME.get(f.name, f.name)
+        assert name in ScalingSpec.model_fields, f"Policy.{f.name} has no ScalingSpec field"
+        assert getattr(policy, f.name) == getattr(defaults, name), f.name
+        assert f.default is dataclasses.MISSING, f"Policy.{f.name} has a default of its own"
+    assert policy.blocks_per_pod == sizing.plan.kv_blocks_per_pod
+    assert policy.scale_in_hysteresis == ScalingSpec.model_fields["scale_in_hysteresis"].default

@@ -19,7 +19,6 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from headroom.operator.conditions import parse_time
 from headroom.operator.metrics_sources import (
     MetricsError,
     PodInfo,
@@ -31,6 +30,7 @@ from headroom.operator.metrics_sources import (
     promql,
     sample_from_report,
 )
+from headroom.operator.status import parse_time
 from headroom.sidecar.report import SaturationReport
 from headroom.sidecar.synthetic import SyntheticEngine
 

@@ -68,6 +68,21 @@ INVALID = [
     ("unknown-field", with_("engine.blokSize", 16), "Extra inputs"),
     ("bad-kv-dtype", with_("engine.kvCacheDtype", "fp4"), "auto"),
     ("zero-concurrency", with_("traffic.peakConcurrency", 0), "greater than or equal to 1"),
+    ("unknown-runtime", with_("engine.runtime", "tgi"), "'headroom', 'vllm' or 'sglang'"),
+    ("vllm-int8-kv", with_("engine", {"runtime": "vllm", "kvCacheDtype": "int8"}),
+     "runtime vllm accepts auto or fp8"),
+    ("sglang-int8-kv", with_("engine", {"runtime": "sglang", "kvCacheDtype": "int8"}),
+     "runtime sglang accepts auto or fp8"),
+    ("vllm-attention-backend", with_("engine", {"runtime": "vllm", "attentionBackend": "torch"}),
+     "attentionBackend is the headroom engine's own"),
+    ("sglang-attention-backend",
+     with_("engine", {"runtime": "sglang", "attentionBackend": "cuda"}),
+     "attentionBackend is the headroom engine's own"),
+    ("vllm-block-size", with_("engine", {"runtime": "vllm", "blockSize": 24}),
+     "runtime vllm takes engine.blockSize 1, 8, 16, 32, 64 or 128"),
+    ("vllm-headroom-image",
+     with_("engine", {"runtime": "vllm", "image": "ghcr.io/headroom-dev/headroom:0.2.0"}),
+     "has no vLLM or SGLang server"),
 ]  # fmt: skip
 
 
@@ -115,3 +130,24 @@ def test_examples_are_valid_and_feasible(path: Path) -> None:
 def test_the_three_examples_exist() -> None:
     names = {p.name for p in EXAMPLES}
     assert {"llama-3.1-8b-h100.yaml", "llama-3.1-70b-tp4.yaml", "llama-3.1-8b-fp8kv.yaml"} <= names
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"runtime": "vllm", "kvCacheDtype": "fp8", "blockSize": 32},
+        {"runtime": "sglang", "kvCacheDtype": "fp8", "blockSize": 24},  # SGLang pages any size
+        {"runtime": "sglang", "image": "lmsysorg/sglang:v0.5.4"},
+        {"runtime": "headroom", "kvCacheDtype": "int8", "attentionBackend": "cuda"},
+    ],
+    ids=["vllm-fp8", "sglang-any-page", "sglang-own-image", "headroom-int8"],
+)
+def test_runtime_accepts_what_it_runs(engine: dict[str, Any]) -> None:
+    spec = InferenceDeploymentSpec.model_validate(with_("engine", engine))
+    assert spec.engine.runtime == engine["runtime"]
+
+
+def test_runtime_defaults_to_headroom_and_image_to_the_runtimes() -> None:
+    spec = InferenceDeploymentSpec.model_validate(VALID)
+    assert spec.engine.runtime == "headroom" and spec.engine.image is None
+    assert spec.engine.startup_timeout_seconds == 900

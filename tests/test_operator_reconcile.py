@@ -9,13 +9,13 @@ import pytest
 
 from headroom.engine.budget.memory import activation_reserve_bytes
 from headroom.engine.budget.presets import gpu_preset, model_preset
-from headroom.operator.apply import KubeError
 from headroom.operator.children import FIELD_MANAGER, SELECTOR_LABEL
-from headroom.operator.conditions import get_condition
 from headroom.operator.decide import PodSample
+from headroom.operator.kube import KubeError
 from headroom.operator.metrics_sources import MetricsError, PodInfo, Target
 from headroom.operator.reconcile import HANDOFF_MANAGER, reconcile
 from headroom.operator.scaling import last_changes, tick
+from headroom.operator.status import get_condition
 
 NOW = 1_700_000_000.0
 
@@ -325,7 +325,9 @@ async def test_tick_reports_saturation_at_max() -> None:
 async def test_tick_recreates_a_deleted_deployment_and_skips_infeasible() -> None:
     kube, b = await created(SPEC)
     del kube.objects[("Deployment", "ns", "chat")]
-    await tick(kube, FakeSource(0.5), b, NOW)
+    res = await tick(kube, FakeSource(0.5), b, NOW)
+    assert res.needs_reconcile and kube.applies == []  # the handler reconciles, not the tick
+    reconcile(kube, b, NOW)
     assert kube.kinds_applied()[0] == "Deployment"
     kube.applies.clear()
     res = await tick(kube, FakeSource(0.99, eta=1), body(INFEASIBLE), NOW)

@@ -6,9 +6,10 @@ Register it with ``pytest_plugins = ["e2e.cluster.pytest_plugin"]``.
   uses ``cluster``, outside every test's timeout, so a cold build is not cut off by
   pytest-timeout.
 * The cluster starts once per session on first use and is stopped at the end.
-* If the build is impossible on this machine, the tests that need the cluster are skipped with a
-  loud reason naming the failing piece, repeated in the terminal summary; under ``CI=true``
-  they fail instead. A cluster that was built but does not start is always an error.
+* If the build is impossible on this machine, the tests that need the cluster FAIL (in CI and
+  outside it alike: the control plane is part of the test suite, not an optional extra) with a
+  loud reason naming the failing piece and saying to run ``make cluster-build``, repeated in the
+  terminal summary. A cluster that was built but does not start is an error too.
 * ``HEADROOM_CLUSTER_ENV=/path/to/cluster.env`` uses an already running cluster (from
   ``make cluster-up``) and leaves it running.
 """
@@ -20,6 +21,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import pytest
 
@@ -38,16 +40,12 @@ class _State:
 _state = _State()
 
 
-def in_ci() -> bool:
-    """True when running in CI (``CI=true``), where a missing piece fails instead of skipping."""
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+BUILD_HINT = "run `make cluster-build` (e2e/cluster/build.sh) and see its log"
 
 
-def skip_or_fail(reason: str) -> None:
-    """Skip loudly, or fail under ``CI=true``."""
-    if in_ci():
-        pytest.fail(f"{reason} (CI=true: a missing cluster piece is a failure)", pytrace=False)
-    pytest.skip(reason)
+def missing_piece(reason: str) -> NoReturn:
+    """Fail a test that needs a piece of the test cluster this machine lacks; never skip."""
+    pytest.fail(f"{reason}\n=> {BUILD_HINT}", pytrace=False)
 
 
 def _loud(reason: str) -> str:
@@ -79,7 +77,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         _state.error = exc
         if tr is not None:
             tr.write_line(
-                _loud(f"build impossible here; failing piece(s): {', '.join(exc.pieces)}"),
+                _loud(
+                    f"build impossible here; failing piece(s): {', '.join(exc.pieces)}; "
+                    f"{BUILD_HINT}"
+                ),
                 red=True,
                 bold=True,
             )
@@ -105,10 +106,12 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     tr = terminalreporter
     tr.section("headroom test cluster")
     if _state.error is not None:
-        outcome = "FAILED (CI=true)" if in_ci() else "SKIPPED"
         pieces = ", ".join(_state.error.pieces)
         tr.write_line(
-            _loud(f"build impossible here; failing piece(s): {pieces}; cluster tests {outcome}"),
+            _loud(
+                f"build impossible here; failing piece(s): {pieces}; cluster tests FAILED; "
+                f"{BUILD_HINT}"
+            ),
             red=True,
             bold=True,
         )
@@ -151,7 +154,7 @@ def cluster() -> Iterator[Cluster]:
             _state.error = exc
     if _state.error is not None:
         pieces = ", ".join(_state.error.pieces)
-        skip_or_fail(
+        missing_piece(
             f"headroom test cluster UNAVAILABLE: build impossible; failing piece(s): {pieces}: "
             f"{str(_state.error)[:1500]}"
         )

@@ -1,9 +1,10 @@
 """The objects an InferenceDeployment owns, rendered as plain dicts (pure: no API calls).
 
 A Deployment (engine + sidecar containers, the engine told to allocate exactly the planned KV
-pool), a Service, a PodDisruptionBudget, and, when the Prometheus operator's CRDs exist, a
-ServiceMonitor and a PrometheusRule. Every object carries a controller owner reference, so
-deleting the InferenceDeployment garbage-collects them.
+pool: headroom's own engine, vLLM or SGLang, see runtimes.py), a Service, a
+PodDisruptionBudget, and, when the Prometheus operator's CRDs exist, a ServiceMonitor and a
+PrometheusRule. Every object carries a controller owner reference, so deleting the
+InferenceDeployment garbage-collects them.
 """
 
 from __future__ import annotations
@@ -12,12 +13,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from headroom.operator.models import GROUP, KIND, VERSION, InferenceDeploymentSpec
-from headroom.operator.sizing import Sizing, served_model_name
+from headroom.operator.runtimes import (
+    ENGINE_PORT,
+    STARTUP_PERIOD_SECONDS,
+    engine_command,
+    engine_image,
+    needs_shm,
+    sidecar_image,
+    sidecar_source_args,
+    startup_failure_threshold,
+)
+from headroom.operator.sizing import Sizing
+from headroom.sidecar.config import DEFAULT_PORT as SIDECAR_PORT
 
 FIELD_MANAGER = "headroom-operator"
 SELECTOR_LABEL = f"{GROUP}/inferencedeployment"
-ENGINE_PORT = 8000
-SIDECAR_PORT = 9090
 RUN_AS_USER = 10001
 MODELS_MOUNT = "/models"
 
@@ -74,32 +84,8 @@ def _meta(owner: Owner, name: str | None = None) -> dict[str, Any]:
 
 
 def engine_args(spec: InferenceDeploymentSpec, sizing: Sizing, resource_name: str) -> list[str]:
-    """`headroom serve` flags: the pool is exactly the planned `kv_blocks_per_pod`."""
-    e, p = spec.engine, sizing.plan
-    return [
-        "serve",
-        "--model",
-        spec.model.path,
-        "--served-model-name",
-        served_model_name(spec, resource_name),
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(ENGINE_PORT),
-        "--block-size",
-        str(e.block_size),
-        "--num-blocks",
-        str(p.kv_blocks_per_pod),
-        "--kv-cache-dtype",
-        e.kv_cache_dtype,
-        "--max-model-len",
-        str(sizing.max_model_len),
-        "--max-num-seqs",
-        str(e.max_num_seqs),
-        "--enable-prefix-caching" if e.prefix_caching else "--no-enable-prefix-caching",
-        "--attention-backend",
-        e.attention_backend,
-    ]
+    """The engine container's args for the spec's runtime (the pool is the planned one)."""
+    return engine_command(spec, sizing, resource_name).args
 
 
 _CONTAINER_SECURITY = {
@@ -113,23 +99,25 @@ _CONTAINER_SECURITY = {
 
 def _engine_container(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> dict[str, Any]:
     gpus = str(spec.gpu.count_per_pod)
-    mounts: list[dict[str, Any]] = [
-        {"name": "tmp", "mountPath": "/tmp"},
-        {"name": "shm", "mountPath": "/dev/shm"},
-    ]
+    run = engine_command(spec, sizing, name)
+    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
+    if needs_shm(spec, sizing):
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     if spec.model.volume_claim_name:
         mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
+    env = [
+        # The root filesystem is read-only: caches (torch, Triton, Hugging Face) go to /tmp.
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+    ]
+    env += [{"name": k, "value": v} for k, v in run.env.items()]
     return {
         "name": "engine",
-        "image": spec.engine.image,
+        "image": engine_image(spec),
         "imagePullPolicy": spec.engine.image_pull_policy,
-        "command": ["headroom"],
-        "args": engine_args(spec, sizing, name),
-        "env": [
-            # The root filesystem is read-only: caches (torch, Hugging Face) go to /tmp.
-            {"name": "HOME", "value": "/tmp"},
-            {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
-        ],
+        "command": run.command,
+        "args": run.args,
+        "env": env,
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "resources": {
             "requests": {
@@ -139,11 +127,12 @@ def _engine_container(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) 
             },
             "limits": {"memory": spec.engine.memory, spec.gpu.resource_name: gpus},
         },
-        # Loading weights can take minutes; the startup probe holds liveness off until then.
+        # Loading weights can take minutes; the startup probe holds liveness off until then
+        # (engine.startupTimeoutSeconds in all).
         "startupProbe": {
             "httpGet": {"path": "/health", "port": "http"},
-            "periodSeconds": 10,
-            "failureThreshold": 90,
+            "periodSeconds": STARTUP_PERIOD_SECONDS,
+            "failureThreshold": startup_failure_threshold(spec),
         },
         "livenessProbe": {
             "httpGet": {"path": "/health", "port": "http"},
@@ -152,7 +141,7 @@ def _engine_container(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) 
             "failureThreshold": 6,
         },
         "readinessProbe": {
-            "httpGet": {"path": "/ready", "port": "http"},
+            "httpGet": {"path": run.ready_path, "port": "http"},
             "periodSeconds": 5,
             "timeoutSeconds": 3,
             "failureThreshold": 3,
@@ -168,7 +157,7 @@ def _sidecar_container(spec: InferenceDeploymentSpec, name: str) -> dict[str, An
 
     return {
         "name": "sidecar",
-        "image": spec.engine.sidecar_image or spec.engine.image,
+        "image": sidecar_image(spec),
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["headroom"],
         "args": [
@@ -177,6 +166,7 @@ def _sidecar_container(spec: InferenceDeploymentSpec, name: str) -> dict[str, An
             f"http://127.0.0.1:{ENGINE_PORT}",
             "--port",
             str(SIDECAR_PORT),
+            *sidecar_source_args(spec),
         ],
         "env": [
             {"name": "POD_NAME", "valueFrom": field("metadata.name")},
@@ -199,10 +189,9 @@ def deployment(
     owner: Owner, spec: InferenceDeploymentSpec, sizing: Sizing, replicas: int | None
 ) -> dict[str, Any]:
     """The Deployment; `replicas=None` leaves the field to another owner (advisory mode)."""
-    volumes: list[dict[str, Any]] = [
-        {"name": "tmp", "emptyDir": {}},
-        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
-    ]
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
+    if needs_shm(spec, sizing):
+        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}})
     if spec.model.volume_claim_name:
         volumes.append(
             {

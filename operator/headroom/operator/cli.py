@@ -13,6 +13,8 @@ import sys
 
 from pydantic import ValidationError
 
+from headroom.sidecar.config import DEFAULT_PORT as SIDECAR_PORT
+
 
 def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `headroom operator` and `headroom crd`."""
@@ -40,7 +42,9 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     op.add_argument(
         "--prometheus-url", help="Prometheus base URL for scaling.metricsSource: prometheus"
     )
-    op.add_argument("--sidecar-port", type=int, default=9090, help="sidecar /saturation port")
+    op.add_argument(
+        "--sidecar-port", type=int, default=SIDECAR_PORT, help="sidecar /saturation port"
+    )
     op.add_argument(
         "--tick-seconds", type=float, default=5.0, help="scaling timer granularity (seconds)"
     )

@@ -37,6 +37,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from headroom.sidecar.forecast import least_squares_slope
+
 Action = Literal["scale-out", "scale-in", "hold"]
 MetricsState = Literal["ok", "partial", "missing"]
 
@@ -72,24 +74,25 @@ class PodView:
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """The spec's scaling policy plus the planned pod capacity."""
+    """The spec's scaling policy plus the planned pod capacity. No defaults: the CRD model
+    (models.ScalingSpec) holds them, and `scaling.policy_for` is the one place that builds it."""
 
     min_replicas: int
     max_replicas: int
     blocks_per_pod: int  # the planned pool, used when a pod does not report its capacity
     blocks_per_sequence: float  # what one waiting request will claim
-    target_occupancy: float = 0.7
-    scale_out_occupancy: float = 0.85
-    scale_in_hysteresis: float = 0.1
-    lookahead_seconds: float = 180.0
-    scale_up_stabilization_seconds: float = 0.0
-    scale_down_stabilization_seconds: float = 300.0
-    max_scale_up_pods: int = 8
-    max_scale_down_pods: int = 2
-    metrics_max_age_seconds: float = 60.0
-    startup_grace_seconds: float = 900.0
-    warmup_seconds: float = 90.0
-    growth_window_seconds: float = 90.0
+    target_occupancy: float
+    scale_out_occupancy: float
+    scale_in_hysteresis: float
+    lookahead_seconds: float
+    scale_up_stabilization_seconds: float
+    scale_down_stabilization_seconds: float
+    max_scale_up_pods: int
+    max_scale_down_pods: int
+    metrics_max_age_seconds: float
+    startup_grace_seconds: float
+    warmup_seconds: float
+    growth_window_seconds: float
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -192,36 +195,79 @@ def _growth(sample: PodSample, policy: Policy) -> float:
     return free / sample.eta_seconds
 
 
-def _slope(points: tuple[tuple[float, float], ...]) -> float | None:
-    """Least-squares slope of (time, value) points; None without two distinct times."""
-    if len(points) < 2:
-        return None
-    n = len(points)
-    mt = sum(t for t, _ in points) / n
-    mv = sum(v for _, v in points) / n
-    sxx = sum((t - mt) ** 2 for t, _ in points)
-    if sxx <= 0:
-        return None
-    return sum((t - mt) * (v - mv) for t, v in points) / sxx
-
-
-def _clamp(n: int, policy: Policy) -> int:
-    return max(policy.min_replicas, min(policy.max_replicas, n))
+def clamp(n: int, lo: int, hi: int) -> int:
+    """n within [lo, hi]: the replica bounds, for decide() and for reconcile's first count."""
+    return max(lo, min(hi, n))
 
 
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.0%}"
 
 
+@dataclass(frozen=True, slots=True)
+class _Pods:
+    """The pods as one decision sees them (rules 4 and 6 decide what counts)."""
+
+    ready: int
+    on_the_way: int  # asked for but not ready: loading, scheduling or not yet created
+    samples: list[PodSample]  # fresh samples of ready pods
+    settled: list[PodSample]  # of those, pods whose growth is demand (rule 4)
+    draining: list[PodSample]  # fresh samples of pods being removed (rule 6)
+    redistributing: bool  # within warmup_seconds of a scale-in
+    metrics: MetricsState
+
+
+@dataclass(frozen=True, slots=True)
+class _Demand:
+    """The deployment's KV demand in blocks, from the pods that report."""
+
+    capacity: float  # blocks per pod
+    present: float  # used (incl. draining) + waiting requests' blocks
+    measured: float  # the sidecars' growth, blocks per second, before confirmation
+    growth: float  # confirmed growth, blocks per second, >= 0
+    demand: float  # present + growth over the lookahead
+    mean_occupancy: float
+    min_eta: float | None
+    preempt: float
+    recent: tuple[tuple[float, float], ...]  # the demand history, this decision's included
+
+
 def decide(inp: Inputs) -> Decision:
-    """Decide the replica count for one InferenceDeployment."""
-    p, now, current = inp.policy, inp.now, inp.current_replicas
+    """Decide the replica count for one InferenceDeployment: the rules of the module docstring,
+    in order, the first that decides wins."""
+    pods = _pods(inp)
+    p = inp.policy
+    stuck = sum(
+        1
+        for pod in inp.pods
+        if not pod.terminating
+        and not pod.ready
+        and inp.now - pod.created_at > p.startup_grace_seconds
+    )
+    base = Decision(
+        replicas=inp.current_replicas,
+        action="hold",
+        reason="Hold",
+        message="",
+        figures=Figures(
+            ready=pods.ready, starting=pods.on_the_way, reporting=len(pods.samples), stuck=stuck
+        ),
+        metrics=pods.metrics,
+        scale_in=inp.scale_in,
+    )
+    decided = _rule_bounds(inp, base) or _rule_no_metrics(inp, pods, base)
+    if decided is not None:
+        return decided
+    d = _measure(inp, pods)
+    base = _with_figures(inp, pods, d, base)
+    return _rule_scale_out(inp, pods, d, base) or _rule_scale_in(inp, pods, d, base)
+
+
+def _pods(inp: Inputs) -> _Pods:
+    """Rules 4 and 6: which pods count as ready, starting, settled and draining."""
+    p, now = inp.policy, inp.now
     live = [pod for pod in inp.pods if not pod.terminating]
     ready = [pod for pod in live if pod.ready]
-    not_ready = [pod for pod in live if not pod.ready]
-    stuck = sum(1 for pod in not_ready if now - pod.created_at > p.startup_grace_seconds)
-    # Pods the Deployment asks for but that are not ready: loading, scheduling or not yet created.
-    on_the_way = max(0, current - len(ready))
     fresh = [pod for pod in ready if _fresh(pod, now, p.metrics_max_age_seconds)]
     samples = [pod.sample for pod in fresh if pod.sample is not None]
     draining = [
@@ -244,199 +290,234 @@ def decide(inp: Inputs) -> Decision:
     metrics: MetricsState = (
         "missing" if not samples else "partial" if len(samples) < len(ready) else "ok"
     )
-
-    figures = Figures(ready=len(ready), starting=on_the_way, reporting=len(samples), stuck=stuck)
-    base = Decision(
-        replicas=current,
-        action="hold",
-        reason="Hold",
-        message="",
-        figures=figures,
+    return _Pods(
+        ready=len(ready),
+        on_the_way=max(0, inp.current_replicas - len(ready)),
+        samples=samples,
+        settled=settled,
+        draining=draining,
+        redistributing=redistributing,
         metrics=metrics,
-        scale_in=inp.scale_in,
     )
 
-    bounded = _clamp(current, p)
-    if bounded != current:
-        word = "minReplicas" if bounded > current else "maxReplicas"
+
+def _rule_bounds(inp: Inputs, base: Decision) -> Decision | None:
+    """Rule 1: replicas outside [min, max] go to the nearest bound."""
+    p, current = inp.policy, inp.current_replicas
+    bounded = clamp(current, p.min_replicas, p.max_replicas)
+    if bounded == current:
+        return None
+    word = "minReplicas" if bounded > current else "maxReplicas"
+    return replace(
+        base,
+        replicas=bounded,
+        action="scale-out" if bounded > current else "scale-in",
+        reason="SpecBounds",
+        message=f"{current} replicas is outside [{p.min_replicas}, {p.max_replicas}]; "
+        f"moving to {word} {bounded}",
+        scale_in=None,
+    )
+
+
+def _rule_no_metrics(inp: Inputs, pods: _Pods, base: Decision) -> Decision | None:
+    """Rule 2: no fresh sample from any ready pod: hold (fail static) and say why."""
+    if pods.samples:
+        return None
+    p, current = inp.policy, inp.current_replicas
+    if not pods.ready:
         return replace(
             base,
-            replicas=bounded,
-            action="scale-out" if bounded > current else "scale-in",
-            reason="SpecBounds",
-            message=f"{current} replicas is outside [{p.min_replicas}, {p.max_replicas}]; "
-            f"moving to {word} {bounded}",
+            reason="WaitingForPods",
+            message=f"0/{current} pods ready; {pods.on_the_way} on the way, nothing to measure yet",
             scale_in=None,
         )
+    return replace(
+        base,
+        reason="MetricsUnavailable",
+        message=f"no fresh KV metrics from any of {pods.ready} ready pods "
+        f"(older than {p.metrics_max_age_seconds:.0f} s or absent); holding {current}",
+        limited="MetricsUnavailable",
+        limited_message="scaling holds while KV metrics are missing or stale",
+        scale_in=None,
+    )
 
-    if not samples:
-        if not ready:
-            return replace(
-                base,
-                reason="WaitingForPods",
-                message=f"0/{current} pods ready; {on_the_way} on the way, nothing to measure yet",
-                scale_in=None,
-            )
-        return replace(
-            base,
-            reason="MetricsUnavailable",
-            message=f"no fresh KV metrics from any of {len(ready)} ready pods "
-            f"(older than {p.metrics_max_age_seconds:.0f} s or absent); holding {current}",
-            limited="MetricsUnavailable",
-            limited_message="scaling holds while KV metrics are missing or stale",
-            scale_in=None,
-        )
 
-    # Demand, measured on the reporting pods and extrapolated to the silent ready ones.
+def _measure(inp: Inputs, pods: _Pods) -> _Demand:
+    """Demand, measured on the reporting pods and extrapolated to the silent ready ones, with
+    the growth the deployment's total confirms (rule 3) and draining pods' load (rule 6)."""
+    p, now = inp.policy, inp.now
+    samples, settled, draining = pods.samples, pods.settled, pods.draining
     capacity = sum(_capacity(s, p) for s in samples) / len(samples)
     used = sum(_used(s, p) for s in samples)
     # Net growth of the settled pods, extrapolated to all ready pods: per-pod noise cancels,
     # and a deployment whose pods fill and drain in turn is not growing.
     growth = sum(_growth(s, p) for s in settled) / len(settled) if settled else 0.0
     waiting = sum(s.waiting for s in samples)
-    used_all = used * len(ready) / len(samples) + sum(_used(s, p) for s in draining)
-    measured = growth * len(ready) + sum(_growth(s, p) for s in draining)
+    used_all = used * pods.ready / len(samples) + sum(_used(s, p) for s in draining)
+    measured = growth * pods.ready + sum(_growth(s, p) for s in draining)
     present = used_all + waiting * p.blocks_per_sequence
     # The sidecars fit 30 s; projected over a lookahead of minutes that slope mostly carries
     # arrival noise. Only growth that also shows in the deployment's total demand over the
     # last `growth_window_seconds` of decisions is projected.
     recent = tuple(r for r in inp.recent if r[0] >= now - p.growth_window_seconds and r[0] < now)
     recent += ((now, present),)
-    observed = _slope(recent)
+    observed = least_squares_slope(recent)
     confirmed = measured if observed is None else min(measured, observed)
     growth_all = max(0.0, confirmed)
-    demand = present + growth_all * p.lookahead_seconds
-    occupancies = [s.occupancy for s in samples]
-    mean_occ = sum(occupancies) / len(occupancies)
-    max_occ = max(occupancies)
     etas = [s.eta_seconds for s in settled if s.eta_seconds is not None]
-    min_eta = min(etas) if etas else None
-    preempt = sum(s.preemption_rate for s in samples)
+    return _Demand(
+        capacity=capacity,
+        present=present,
+        measured=measured,
+        growth=growth_all,
+        demand=present + growth_all * p.lookahead_seconds,
+        mean_occupancy=sum(s.occupancy for s in samples) / len(samples),
+        min_eta=min(etas) if etas else None,
+        preempt=sum(s.preemption_rate for s in samples),
+        recent=recent,
+    )
+
+
+def _with_figures(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Decision:
+    """The measured figures, saturation and the demand history on the base decision."""
+    samples = pods.samples
+    max_occ = max(s.occupancy for s in samples)
+    waiting = sum(s.waiting for s in samples)
     hits = [s.hit_ratio for s in samples if s.hit_ratio is not None]
     figures = replace(
-        figures,
-        mean_occupancy=mean_occ,
+        base.figures,
+        mean_occupancy=d.mean_occupancy,
         max_occupancy=max_occ,
-        min_eta_seconds=min_eta,
+        min_eta_seconds=d.min_eta,
         waiting=waiting,
-        preemption_rate=preempt,
+        preemption_rate=d.preempt,
         hit_ratio=sum(hits) / len(hits) if hits else None,
-        demand_blocks=demand,
-        projected_occupancy=demand / (current * capacity),
-        growth_blocks_per_second=measured,
-        present_blocks=present,
+        demand_blocks=d.demand,
+        projected_occupancy=d.demand / (inp.current_replicas * d.capacity),
+        growth_blocks_per_second=d.measured,
+        present_blocks=d.present,
     )
-    saturated = max_occ >= 1.0 or preempt > 0
+    saturated = max_occ >= 1.0 or d.preempt > 0
     sat_msg = (
         f"KV cache full or preempting: max occupancy {max_occ:.0%}, "
-        f"{preempt:.2f} preemptions/s, {waiting} waiting"
+        f"{d.preempt:.2f} preemptions/s, {waiting} waiting"
         if saturated
         else ""
     )
-    base = replace(
-        base, figures=figures, saturated=saturated, saturated_message=sat_msg, recent=recent
+    return replace(
+        base, figures=figures, saturated=saturated, saturated_message=sat_msg, recent=d.recent
     )
 
-    eta_hit = min_eta is not None and min_eta < p.lookahead_seconds
-    occ_hit = mean_occ > p.scale_out_occupancy
-    if eta_hit or occ_hit or preempt > 0:
-        if preempt > 0:
-            reason = "Preempting"
-            why = f"{preempt:.2f} preemptions/s"
-        elif eta_hit:
-            assert min_eta is not None
-            reason = "SaturationSoon"
-            why = f"a pod saturates in {min_eta:.0f} s (lookahead {p.lookahead_seconds:.0f} s)"
-        else:
-            reason = "HighOccupancy"
-            why = f"mean occupancy {mean_occ:.0%} > {p.scale_out_occupancy:.0%}"
-        need = math.ceil(demand / (capacity * p.target_occupancy))
-        wanted = need
-        # Act when the whole deployment's projection crosses the scale-out line: a trigger that
-        # the total does not confirm is one pod (or one burst) running ahead of the rest.
-        if demand <= current * capacity * p.scale_out_occupancy:
-            wanted = current
-        if wanted <= current:
-            if on_the_way > 0:
-                return replace(
-                    base,
-                    reason="CapacityPending",
-                    message=f"{why}; {on_the_way} pod(s) already on the way cover the projected "
-                    f"demand ({demand:.0f} blocks needs {need} at {p.target_occupancy:.0%})",
-                    scale_in=None,
-                )
+
+def _rule_scale_out(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Decision | None:
+    """Rule 3 (with 4's capacity on the way and 7's step caps): scale out on a near
+    saturation ETA, high occupancy or preemption, when the deployment's projection confirms."""
+    p, now, current = inp.policy, inp.now, inp.current_replicas
+    eta_hit = d.min_eta is not None and d.min_eta < p.lookahead_seconds
+    occ_hit = d.mean_occupancy > p.scale_out_occupancy
+    if not (eta_hit or occ_hit or d.preempt > 0):
+        return None
+    if d.preempt > 0:
+        reason, why = "Preempting", f"{d.preempt:.2f} preemptions/s"
+    elif eta_hit:
+        assert d.min_eta is not None
+        reason = "SaturationSoon"
+        why = f"a pod saturates in {d.min_eta:.0f} s (lookahead {p.lookahead_seconds:.0f} s)"
+    else:
+        reason = "HighOccupancy"
+        why = f"mean occupancy {d.mean_occupancy:.0%} > {p.scale_out_occupancy:.0%}"
+    need = math.ceil(d.demand / (d.capacity * p.target_occupancy))
+    # Act when the whole deployment's projection crosses the scale-out line: a trigger that
+    # the total does not confirm is one pod (or one burst) running ahead of the rest.
+    wanted = need if d.demand > current * d.capacity * p.scale_out_occupancy else current
+    if wanted <= current:
+        if pods.on_the_way > 0:
             return replace(
                 base,
-                reason="LoadImbalance",
-                message=f"{why}, but the deployment's projected demand ({demand:.0f} blocks, "
-                f"{figures.projected_occupancy:.0%} of {current} pods) stays under "
-                f"{p.scale_out_occupancy:.0%}: one pod or a burst runs ahead, not the whole",
-                scale_in=None,
-            )
-        if (
-            inp.last_scale_up_at is not None
-            and now - inp.last_scale_up_at < p.scale_up_stabilization_seconds
-        ):
-            return replace(
-                base,
-                reason="Stabilizing",
-                message=f"{why}; the last scale-up was {now - inp.last_scale_up_at:.0f} s ago "
-                f"(scaleUpStabilizationSeconds {p.scale_up_stabilization_seconds:.0f})",
-                limited="RateLimited",
-                limited_message="scale-up deferred by the up-stabilization window",
-                scale_in=None,
-            )
-        target = min(wanted, current + p.max_scale_up_pods)
-        limited, limited_msg = None, ""
-        if target < wanted:
-            limited = "RateLimited"
-            limited_msg = f"wanted {wanted}, capped at +{p.max_scale_up_pods} per step"
-        if target > p.max_replicas:
-            target = p.max_replicas
-            limited = "AtMaxReplicas"
-            limited_msg = f"wanted {wanted} replicas, maxReplicas is {p.max_replicas}"
-        message = (
-            f"{why}; demand {demand:.0f} blocks needs {need} pods at "
-            f"{p.target_occupancy:.0%} (ready {len(ready)}, starting {on_the_way})"
-        )
-        if target <= current:
-            return replace(
-                base,
-                reason="AtMaxReplicas",
-                message=message + f"; already at maxReplicas {p.max_replicas}",
-                limited=limited,
-                limited_message=limited_msg,
+                reason="CapacityPending",
+                message=f"{why}; {pods.on_the_way} pod(s) already on the way cover the "
+                f"projected demand ({d.demand:.0f} blocks needs {need} at "
+                f"{p.target_occupancy:.0%})",
                 scale_in=None,
             )
         return replace(
             base,
-            replicas=target,
-            action="scale-out",
-            reason=reason,
-            message=message + f"; {current} -> {target}",
+            reason="LoadImbalance",
+            message=f"{why}, but the deployment's projected demand ({d.demand:.0f} blocks, "
+            f"{_pct(base.figures.projected_occupancy)} of {current} pods) stays under "
+            f"{p.scale_out_occupancy:.0%}: one pod or a burst runs ahead, not the whole",
+            scale_in=None,
+        )
+    if (
+        inp.last_scale_up_at is not None
+        and now - inp.last_scale_up_at < p.scale_up_stabilization_seconds
+    ):
+        return replace(
+            base,
+            reason="Stabilizing",
+            message=f"{why}; the last scale-up was {now - inp.last_scale_up_at:.0f} s ago "
+            f"(scaleUpStabilizationSeconds {p.scale_up_stabilization_seconds:.0f})",
+            limited="RateLimited",
+            limited_message="scale-up deferred by the up-stabilization window",
+            scale_in=None,
+        )
+    target = min(wanted, current + p.max_scale_up_pods)
+    limited, limited_msg = None, ""
+    if target < wanted:
+        limited = "RateLimited"
+        limited_msg = f"wanted {wanted}, capped at +{p.max_scale_up_pods} per step"
+    if target > p.max_replicas:
+        target = p.max_replicas
+        limited = "AtMaxReplicas"
+        limited_msg = f"wanted {wanted} replicas, maxReplicas is {p.max_replicas}"
+    message = (
+        f"{why}; demand {d.demand:.0f} blocks needs {need} pods at "
+        f"{p.target_occupancy:.0%} (ready {pods.ready}, starting {pods.on_the_way})"
+    )
+    if target <= current:
+        return replace(
+            base,
+            reason="AtMaxReplicas",
+            message=message + f"; already at maxReplicas {p.max_replicas}",
             limited=limited,
             limited_message=limited_msg,
             scale_in=None,
         )
+    return replace(
+        base,
+        replicas=target,
+        action="scale-out",
+        reason=reason,
+        message=message + f"; {current} -> {target}",
+        limited=limited,
+        limited_message=limited_msg,
+        scale_in=None,
+    )
 
-    # Scale in: the fewest replicas that keep today's demand below target - hysteresis and
-    # that the current growth would still not fill within the lookahead. (Adding a noisy 30 s
-    # slope times the whole lookahead to the target test would veto nearly every scale-in.)
+
+def _rule_scale_in(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Decision:
+    """Rule 5 (with 7's step cap and spacing): scale in only when every ready pod reports,
+    nothing is starting, and the lower count held for the whole down-stabilization window."""
+    p, now, current = inp.policy, inp.now, inp.current_replicas
+    # The fewest replicas that keep today's demand below target - hysteresis and that the
+    # current growth would still not fill within the lookahead. (Adding a noisy 30 s slope
+    # times the whole lookahead to the target test would veto nearly every scale-in.)
     floor = p.target_occupancy - p.scale_in_hysteresis
-    recommend = math.ceil(present / (capacity * floor))
-    if growth_all > 0:
-        recommend = max(recommend, math.ceil(demand / capacity))
-    recommend = _clamp(recommend, p)
+    recommend = math.ceil(d.present / (d.capacity * floor))
+    if d.growth > 0:
+        recommend = max(recommend, math.ceil(d.demand / d.capacity))
+    recommend = clamp(recommend, p.min_replicas, p.max_replicas)
     if recommend >= current:
         return replace(
             base,
             reason="WithinTarget",
-            message=f"occupancy {mean_occ:.0%}, projected {_pct(figures.projected_occupancy)} "
-            f"on {current} pods; removing one would exceed {floor:.0%}",
+            message=f"occupancy {d.mean_occupancy:.0%}, projected "
+            f"{_pct(base.figures.projected_occupancy)} on {current} pods; removing one would "
+            f"exceed {floor:.0%}",
             scale_in=None,
         )
-    if metrics != "ok" or on_the_way > 0:
-        why = "some ready pods do not report" if metrics != "ok" else "pods are still starting"
+    if pods.metrics != "ok" or pods.on_the_way > 0:
+        why = "some ready pods do not report" if pods.metrics != "ok" else "pods are still starting"
         return replace(
             base,
             reason="Hold",
@@ -452,7 +533,7 @@ def decide(inp: Inputs) -> Decision:
     )
     since_up = math.inf if inp.last_scale_up_at is None else now - inp.last_scale_up_at
     hold_for = span - min(now - window.since, since_up)
-    if redistributing:
+    if pods.redistributing:
         hold_for = max(hold_for, p.warmup_seconds - (now - (inp.last_scale_down_at or now)))
     if hold_for > 0 or window.replicas >= current:
         wait = f"scale-in in {hold_for:.0f} s" if hold_for > 0 else "waiting for the window"
@@ -469,7 +550,7 @@ def decide(inp: Inputs) -> Decision:
         replicas=target,
         action="scale-in",
         reason="LowOccupancy",
-        message=f"demand {present:.0f} blocks stayed below {floor:.0%} of {window.replicas} "
+        message=f"demand {d.present:.0f} blocks stayed below {floor:.0%} of {window.replicas} "
         f"pods for {span:.0f} s; {current} -> {target}",
         scale_in=window,
     )

@@ -19,13 +19,15 @@ import aiohttp
 import kopf
 from pydantic import BaseModel, ConfigDict, Field
 
-from headroom.operator.apply import Kube, KubeError
-from headroom.operator.conditions import set_condition
 from headroom.operator.exporter import OperatorMetrics
+from headroom.operator.kube import Kube, KubeError
 from headroom.operator.metrics_sources import MetricsSource, PrometheusSource, SidecarSource
 from headroom.operator.models import GROUP, PLURAL, VERSION
-from headroom.operator.reconcile import Outcome, parse, reconcile
+from headroom.operator.reconcile import reconcile
 from headroom.operator.scaling import tick
+from headroom.operator.sizing import parse
+from headroom.operator.status import Outcome, set_condition
+from headroom.sidecar.config import DEFAULT_PORT as SIDECAR_PORT
 
 log = logging.getLogger("headroom.operator")
 FINALIZER = f"{GROUP}/finalizer"
@@ -43,7 +45,7 @@ class Options(BaseModel):
     metrics_port: int = Field(default=8080, ge=0, le=65535, description="0 disables /metrics")
     liveness_port: int = Field(default=0, ge=0, le=65535, description="0 disables /healthz")
     tick_seconds: float = Field(default=5.0, gt=0, le=300, description="timer granularity")
-    sidecar_port: int = Field(default=9090, ge=1, le=65535)
+    sidecar_port: int = Field(default=SIDECAR_PORT, ge=1, le=65535)
     peering: str | None = Field(
         default=None, description="kopf peering name for HA; else standalone"
     )
@@ -185,6 +187,9 @@ def build_registry(options: Options) -> kopf.OperatorRegistry:
         except KubeError as exc:
             logger.warning("scaling tick failed: %s", exc)
             raise _retry(exc) from None
+        if result.needs_reconcile:
+            _write(await asyncio.to_thread(reconcile, ctx.kube, dict(body), now), patch, body)
+            return
         # Windows live in memory: after a restart they refill, which only delays a scale-in.
         memo["scale_in"], memo["recent"] = result.scale_in, result.recent
         if result.decision is not None and result.current is not None:

@@ -17,9 +17,8 @@ import aiohttp
 from pydantic import ValidationError
 
 from headroom.operator.decide import PodSample
+from headroom.sidecar.config import DEFAULT_PORT as SIDECAR_PORT
 from headroom.sidecar.report import SaturationReport
-
-SIDECAR_PORT = 9090
 
 
 class MetricsError(Exception):
@@ -76,7 +75,7 @@ def sample_from_report(report: SaturationReport) -> PodSample | None:
 
 
 class SidecarSource:
-    """GET http://<pod IP>:9090/saturation on every ready pod, concurrently."""
+    """GET http://<pod IP>:<sidecar port>/saturation on every ready pod, concurrently."""
 
     def __init__(
         self, session: aiohttp.ClientSession, port: int = SIDECAR_PORT, timeout: float = 3.0

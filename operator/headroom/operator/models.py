@@ -28,6 +28,7 @@ GPU_TYPE_NAMES = tuple(sorted(GPU_PRESETS)) + tuple(sorted(GPU_ALIASES))
 WeightDtype = Literal["fp32", "bf16", "fp16", "fp8", "int8", "int4"]
 KVCacheDtype = Literal["auto", "fp8", "int8"]
 AttentionBackend = Literal["auto", "torch", "cuda"]
+Runtime = Literal["headroom", "vllm", "sglang"]
 ScalingMode = Literal["auto", "advisory"]
 MetricsSource = Literal["sidecar", "prometheus"]
 ConditionStatus = Literal["True", "False", "Unknown"]
@@ -185,17 +186,116 @@ class ModelSpec(CRDModel):
         return v
 
 
-class EngineSpec(CRDModel):
-    """How each pod's engine runs: image, paged-KV policy and limits."""
+# The image each runtime runs when engine.image is unset (the operator resolves it, so the CRD
+# leaves engine.image without a default: a default cannot depend on another field). The stock
+# images are pinned: their flags and /metrics names change between releases.
+_HEADROOM_REPO = "ghcr.io/headroom-dev/headroom"
+HEADROOM_IMAGE = f"{_HEADROOM_REPO}:0.1.0"
+RUNTIME_IMAGES: dict[str, str] = {
+    "headroom": HEADROOM_IMAGE,
+    "vllm": "vllm/vllm-openai:v0.11.0",
+    "sglang": "lmsysorg/sglang:v0.5.3",
+}
+# vLLM's `--block-size` choices (vllm.config.cache.BlockSize); argparse refuses any other.
+VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 
-    image: str = Field(default="ghcr.io/headroom-dev/headroom:0.1.0", min_length=1, max_length=512)
+
+class EngineSpec(CRDModel):
+    """How each pod's engine runs: runtime, image, paged-KV policy and limits."""
+
+    __rules__ = (
+        Rule(
+            cel="self.runtime == 'headroom' || self.attentionBackend == 'auto'",
+            message=(
+                "engine.attentionBackend is the headroom engine's own: leave it auto with "
+                "runtime vllm or sglang (they pick their attention kernels themselves)"
+            ),
+            check=lambda e: e.runtime == "headroom" or e.attention_backend == "auto",
+            field_path=".attentionBackend",
+        ),
+        Rule(
+            cel="self.runtime != 'vllm' || self.kvCacheDtype != 'int8'",
+            message=(
+                "engine.kvCacheDtype int8 is the headroom engine's own: runtime vllm accepts "
+                "auto or fp8 (vLLM --kv-cache-dtype auto|fp8)"
+            ),
+            check=lambda e: e.runtime != "vllm" or e.kv_cache_dtype != "int8",
+            field_path=".kvCacheDtype",
+        ),
+        Rule(
+            cel="self.runtime != 'sglang' || self.kvCacheDtype != 'int8'",
+            message=(
+                "engine.kvCacheDtype int8 is the headroom engine's own: runtime sglang accepts "
+                "auto or fp8 (passed as SGLang --kv-cache-dtype auto|fp8_e4m3)"
+            ),
+            check=lambda e: e.runtime != "sglang" or e.kv_cache_dtype != "int8",
+            field_path=".kvCacheDtype",
+        ),
+        Rule(
+            cel=(
+                "self.runtime != 'vllm' || self.blockSize in "
+                f"[{', '.join(str(b) for b in VLLM_BLOCK_SIZES)}]"
+            ),
+            message=(
+                "runtime vllm takes engine.blockSize "
+                f"{', '.join(str(b) for b in VLLM_BLOCK_SIZES[:-1])} or {VLLM_BLOCK_SIZES[-1]} "
+                "(vLLM --block-size)"
+            ),
+            check=lambda e: e.runtime != "vllm" or e.block_size in VLLM_BLOCK_SIZES,
+            field_path=".blockSize",
+        ),
+        Rule(
+            cel=(
+                "self.runtime == 'headroom' || !has(self.image) || "
+                f"!self.image.startsWith('{_HEADROOM_REPO}:')"
+            ),
+            message=(
+                "engine.image is the headroom engine's image, which has no vLLM or SGLang "
+                "server: name the runtime's image or remove engine.image for its pinned default "
+                "(objects created before engine.runtime existed stored the headroom image: "
+                "kubectl patch --type json -p "
+                '\'[{"op": "remove", "path": "/spec/engine/image"}]\')'
+            ),
+            check=lambda e: (
+                e.runtime == "headroom"
+                or e.image is None
+                or not e.image.startswith(f"{_HEADROOM_REPO}:")
+            ),
+            field_path=".image",
+        ),
+    )
+
+    runtime: Runtime = Field(
+        default="headroom",
+        description=(
+            "the engine each pod runs: headroom's own, or a stock vLLM or SGLang server told "
+            "the planned KV pool; the sidecar reads its /stats or /metrics"
+        ),
+    )
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=512,
+        description=(
+            f"engine image; defaults by runtime: headroom {RUNTIME_IMAGES['headroom']}, vllm "
+            f"{RUNTIME_IMAGES['vllm']}, sglang {RUNTIME_IMAGES['sglang']}"
+        ),
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     sidecar_image: str | None = Field(
-        default=None, max_length=512, description="defaults to engine.image"
+        default=None,
+        max_length=512,
+        description=(
+            f"defaults to the engine's image with runtime headroom, else to {HEADROOM_IMAGE}"
+        ),
     )
     block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV block")
     kv_cache_dtype: KVCacheDtype = Field(
-        default="auto", description="auto keeps the weights' precision; fp8/int8 halve KV"
+        default="auto",
+        description=(
+            "auto keeps the weights' precision; fp8/int8 halve KV (int8 only with runtime "
+            "headroom; fp8 is fp8_e4m3 on SGLang)"
+        ),
     )
     prefix_caching: bool = Field(default=True, description="reuse KV blocks of shared prefixes")
     max_model_len: int | None = Field(
@@ -209,7 +309,18 @@ class EngineSpec(CRDModel):
     gpu_memory_utilization: float = Field(
         default=0.9, gt=0.0, le=1.0, description="fraction of GPU memory the engine may use"
     )
-    attention_backend: AttentionBackend = "auto"
+    attention_backend: AttentionBackend = Field(
+        default="auto", description="the headroom engine's attention kernels (runtime headroom)"
+    )
+    startup_timeout_seconds: int = Field(
+        default=900,
+        ge=10,
+        le=86400,
+        description=(
+            "how long the engine may take to load its weights and answer /health before the "
+            "kubelet restarts it (the startup probe's failureThreshold x periodSeconds)"
+        ),
+    )
     cpu: str = Field(default="4", max_length=32, description="CPU request of the engine")
     memory: str = Field(default="32Gi", max_length=32, description="memory request and limit")
 
@@ -347,6 +458,28 @@ class ScalingSpec(CRDModel):
         le=86400,
         description="a pod not ready after this long is reported as stuck",
     )
+    warmup_seconds: int = Field(
+        default=90,
+        ge=0,
+        le=3600,
+        description=(
+            "a pod ready for less than this, and every pod for this long after a scale-in, "
+            "fills from redistributed load: its KV growth and saturation ETA are not counted as "
+            "demand growth (its used blocks, occupancy and preemptions are); scale-in steps are "
+            "this far apart"
+        ),
+    )
+    growth_window_seconds: int = Field(
+        default=90,
+        ge=0,
+        le=3600,
+        description=(
+            "the sidecars' KV growth is projected over the lookahead only as far as the "
+            "deployment's total demand over this window of decisions confirms it; a window "
+            "shorter than intervalSeconds holds no earlier decision, so it confirms nothing and "
+            "the sidecars' slope is projected as measured"
+        ),
+    )
 
 
 class InferenceDeploymentSpec(CRDModel):
@@ -461,6 +594,10 @@ class DecisionRecord(CRDModel):
     inputs: DecisionInputs
 
 
+# status.lastDecisions keeps the newest this many (the scaling loop trims to it).
+MAX_DECISIONS = 10
+
+
 class InferenceDeploymentStatus(CRDModel):
     """What the operator observed and decided."""
 
@@ -472,7 +609,7 @@ class InferenceDeploymentStatus(CRDModel):
     budget: Budget | None = None
     kv: KVStatus | None = None
     conditions: list[Condition] = Field(default_factory=list, max_length=16)
-    last_decisions: list[DecisionRecord] = Field(default_factory=list, max_length=10)
+    last_decisions: list[DecisionRecord] = Field(default_factory=list, max_length=MAX_DECISIONS)
 
 
 CONDITION_TYPES = ("Ready", "Feasible", "KVSaturated", "ScalingLimited")

@@ -1,6 +1,6 @@
 """Reconcile one InferenceDeployment: validate, size, render the children, apply them.
 
-A shell around pure parts (models, sizing, children, conditions). It returns the status patch
+A shell around pure parts (models, sizing, children, status). It returns the status patch
 and the Events to post instead of writing them, so the kopf handlers stay a few lines and the
 logic is testable against a fake API. It never writes the resource's spec.
 """
@@ -8,100 +8,31 @@ logic is testable against a fake API. It never writes the resource's spec.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal, Protocol
+from typing import Any
 
-from pydantic import ValidationError
-
-from headroom.operator.apply import KubeError, owns_field, with_retries
 from headroom.operator.children import (
     FIELD_MANAGER,
     Owner,
     render,
     selector_string,
 )
-from headroom.operator.conditions import get_condition, set_condition
+from headroom.operator.decide import clamp
+from headroom.operator.kube import KubeAPI, KubeError, owner_of, owns_field, with_retries
 from headroom.operator.models import InferenceDeploymentSpec
-from headroom.operator.sizing import Sizing, SpecError, budget, size, summary
+from headroom.operator.sizing import Sizing, budget, parse, summary
+from headroom.operator.status import (
+    Event,
+    Outcome,
+    condition_changed,
+    ready_condition,
+    set_status_condition,
+)
 
 log = logging.getLogger("headroom.operator.reconcile")
 HANDOFF_MANAGER = "headroom-operator-handoff"
 MONITORING_GV = "monitoring.coreos.com/v1"
 MONITORING_KINDS = frozenset({"ServiceMonitor", "PrometheusRule"})
-
-EventType = Literal["Normal", "Warning"]
-
-
-class KubeAPI(Protocol):
-    """The calls reconcile and the scaling loop make (apply.Kube, or a fake in tests)."""
-
-    def get(
-        self, api_version: str, kind: str, namespace: str | None, name: str
-    ) -> dict[str, Any] | None: ...
-
-    def list(
-        self, api_version: str, kind: str, namespace: str | None, label_selector: str = ""
-    ) -> list[dict[str, Any]]: ...
-
-    def apply(
-        self, obj: dict[str, Any], *, field_manager: str = FIELD_MANAGER, force: bool = True
-    ) -> dict[str, Any]: ...
-
-    def served_kinds(self, group_version: str, ttl: float | None = None) -> frozenset[str]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """A Kubernetes Event to post on the InferenceDeployment."""
-
-    type: EventType
-    reason: str
-    message: str
-
-
-@dataclass
-class Outcome:
-    """What a reconcile or a scaling tick wants written: a status merge patch and Events."""
-
-    status: dict[str, Any] = field(default_factory=dict)
-    events: list[Event] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class Parsed:
-    """A validated spec and its sizing, or why there is none."""
-
-    spec: InferenceDeploymentSpec | None
-    sizing: Sizing | None
-    error: str | None
-
-
-def parse(raw_spec: dict[str, Any] | None) -> Parsed:
-    """Validate the spec and size it; a bad spec gives `error`, never an exception."""
-    try:
-        spec = InferenceDeploymentSpec.model_validate(raw_spec or {})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"])
-        msg = first["msg"].removeprefix("Value error, ")
-        return Parsed(None, None, f"spec.{where}: {msg}" if where else f"spec: {msg}")
-    try:
-        sizing = size(spec)
-    except SpecError as exc:
-        return Parsed(spec, None, f"spec: {exc}")
-    return Parsed(spec, sizing, None)
-
-
-def owner_of(body: dict[str, Any]) -> Owner:
-    """The owner record of an InferenceDeployment body."""
-    meta = body["metadata"]
-    return Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
-
-
-def clamp(n: int, spec: InferenceDeploymentSpec) -> int:
-    """n within [minReplicas, maxReplicas]."""
-    return max(spec.scaling.min_replicas, min(spec.scaling.max_replicas, n))
 
 
 def replicas_to_apply(
@@ -110,51 +41,12 @@ def replicas_to_apply(
     """The Deployment's replicas: auto keeps the live count (the scaling loop's last decision)
     or starts at the sized count; advisory follows spec.replicas (set through /scale by the
     external autoscaler) or leaves the field to whoever owns it."""
+    lo, hi = spec.scaling.min_replicas, spec.scaling.max_replicas
     if spec.scaling.mode == "advisory":
-        return clamp(spec.replicas, spec) if spec.replicas is not None else None
+        return clamp(spec.replicas, lo, hi) if spec.replicas is not None else None
     if live is not None and live.get("spec", {}).get("replicas") is not None:
-        return clamp(int(live["spec"]["replicas"]), spec)
-    return clamp(sizing.replicas, spec)
-
-
-def ready_condition(
-    deployment: dict[str, Any] | None,
-) -> tuple[Literal["True", "False"], str, str]:
-    """(status, reason, message) of Ready from the owned Deployment."""
-    if deployment is None:
-        return "False", "NoDeployment", "no Deployment exists for this InferenceDeployment"
-    want = int(deployment.get("spec", {}).get("replicas", 1) or 0)
-    st = deployment.get("status", {}) or {}
-    ready = int(st.get("readyReplicas", 0) or 0)
-    if want > 0 and ready >= want:
-        return "True", "AllReplicasReady", f"{ready}/{want} replicas ready"
-    return "False", "ReplicasNotReady", f"{ready}/{want} replicas ready"
-
-
-def _conditions(body: dict[str, Any], status: dict[str, Any]) -> list[dict[str, Any]]:
-    if "conditions" in status:
-        return list(status["conditions"])
-    return list((body.get("status") or {}).get("conditions") or [])
-
-
-def set_status_condition(
-    body: dict[str, Any],
-    status: dict[str, Any],
-    type_: str,
-    st: Literal["True", "False", "Unknown"],
-    reason: str,
-    message: str,
-    now: float,
-) -> None:
-    generation = body.get("metadata", {}).get("generation")
-    status["conditions"] = set_condition(
-        _conditions(body, status), type_, st, reason, message, generation=generation, now=now
-    )
-
-
-def condition_changed(body: dict[str, Any], type_: str, st: str, reason: str) -> bool:
-    cond = get_condition((body.get("status") or {}).get("conditions"), type_)
-    return cond is None or cond.get("status") != st or cond.get("reason") != reason
+        return clamp(int(live["spec"]["replicas"]), lo, hi)
+    return clamp(sizing.replicas, lo, hi)
 
 
 def monitoring_kinds(kube: KubeAPI) -> frozenset[str]:
@@ -260,7 +152,7 @@ def reconcile(kube: KubeAPI, body: dict[str, Any], now: float) -> Outcome:
     st["desiredReplicas"] = (
         replicas if spec.scaling.mode == "auto" and replicas is not None
         else previous if previous is not None
-        else clamp(sizing.replicas, spec)
+        else clamp(sizing.replicas, spec.scaling.min_replicas, spec.scaling.max_replicas)
     )  # fmt: skip
     message = summary(sizing)
     if condition_changed(body, "Feasible", "True", "Sized") or live is None:

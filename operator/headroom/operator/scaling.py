@@ -12,10 +12,9 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
-from headroom.operator.apply import KubeError, with_retries
 from headroom.operator.children import deployment, selector_string
-from headroom.operator.conditions import parse_time, rfc3339
 from headroom.operator.decide import Decision, Inputs, PodView, Policy, ScaleInWindow, decide
+from headroom.operator.kube import KubeAPI, KubeError, owner_of, with_retries
 from headroom.operator.metrics_sources import (
     MetricsError,
     MetricsSource,
@@ -24,26 +23,24 @@ from headroom.operator.metrics_sources import (
     pod_infos,
 )
 from headroom.operator.models import (
+    MAX_DECISIONS,
     DecisionInputs,
     DecisionRecord,
     InferenceDeploymentSpec,
     KVStatus,
 )
-from headroom.operator.reconcile import (
+from headroom.operator.sizing import Sizing, blocks_per_sequence, parse
+from headroom.operator.status import (
     Event,
-    KubeAPI,
     Outcome,
     condition_changed,
-    owner_of,
-    parse,
+    parse_time,
     ready_condition,
-    reconcile,
+    rfc3339,
     set_status_condition,
 )
-from headroom.operator.sizing import Sizing, blocks_per_sequence
 
 log = logging.getLogger("headroom.operator.scaling")
-MAX_DECISIONS = 10
 
 
 def policy_for(spec: InferenceDeploymentSpec, sizing: Sizing) -> Policy:
@@ -64,6 +61,8 @@ def policy_for(spec: InferenceDeploymentSpec, sizing: Sizing) -> Policy:
         max_scale_down_pods=s.max_scale_down_pods,
         metrics_max_age_seconds=float(s.metrics_max_age_seconds),
         startup_grace_seconds=float(s.startup_grace_seconds),
+        warmup_seconds=float(s.warmup_seconds),
+        growth_window_seconds=float(s.growth_window_seconds),
     )
 
 
@@ -156,6 +155,8 @@ class TickResult:
     recent: tuple[tuple[float, float], ...] = ()
     current: int | None = None
     mode: str = "auto"
+    # The Deployment is gone (someone deleted it): the caller reconciles to recreate it.
+    needs_reconcile: bool = False
 
 
 async def tick(
@@ -179,7 +180,7 @@ async def tick(
     live = await asyncio.to_thread(kube.get, "apps/v1", "Deployment", owner.namespace, owner.name)
     if live is None:
         # Someone deleted the Deployment: recreate the children rather than wait for an update.
-        return TickResult(await asyncio.to_thread(reconcile, kube, body, now))
+        return TickResult(Outcome(), needs_reconcile=True)
     current = int(live.get("spec", {}).get("replicas", 1) or 0)
     pods = await asyncio.to_thread(
         kube.list, "v1", "Pod", owner.namespace, selector_string(owner.name)

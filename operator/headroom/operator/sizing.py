@@ -8,6 +8,7 @@ scaling policy's pod capacity all come from `plan(plan_input(spec))`, the same f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -126,6 +127,11 @@ class Sizing:
 
 def size(spec: InferenceDeploymentSpec) -> Sizing:
     """Plan the deployment and decide whether the engine can start with this spec."""
+    if spec.engine.runtime != "headroom" and spec.model.path == "tiny":
+        raise SpecError(
+            f"engine.runtime {spec.engine.runtime} cannot load 'tiny', the headroom engine's "
+            "built-in test model: set model.path to a weights directory (or a Hugging Face id)"
+        )
     inp = plan_input(spec)
     result = plan(inp)
     mml = max_model_len(spec)
@@ -192,3 +198,28 @@ def blocks_per_sequence(spec: InferenceDeploymentSpec) -> float:
     blocks = blocks_for_tokens(spec.traffic.context_tokens, spec.engine.block_size)
     hit = spec.traffic.prefix_hit_ratio if spec.engine.prefix_caching else 0.0
     return max(1.0, blocks * (1.0 - hit))
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A validated spec and its sizing, or why there is none."""
+
+    spec: InferenceDeploymentSpec | None
+    sizing: Sizing | None
+    error: str | None
+
+
+def parse(raw_spec: dict[str, Any] | None) -> Parsed:
+    """Validate the spec and size it; a bad spec gives `error`, never an exception."""
+    try:
+        spec = InferenceDeploymentSpec.model_validate(raw_spec or {})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        msg = first["msg"].removeprefix("Value error, ")
+        return Parsed(None, None, f"spec.{where}: {msg}" if where else f"spec: {msg}")
+    try:
+        sizing = size(spec)
+    except SpecError as exc:
+        return Parsed(spec, None, f"spec: {exc}")
+    return Parsed(spec, sizing, None)

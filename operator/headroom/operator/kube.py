@@ -1,4 +1,6 @@
-"""A thin, synchronous Kubernetes REST shell: server-side apply, get, list, discovery.
+"""The operator's side of the API server: `KubeAPI`, the calls reconcile and the scaling loop
+make, and `Kube`, a thin, synchronous REST shell for them (server-side apply, get, list,
+discovery).
 
 Built on the `kubernetes` client's authenticated transport (kubeconfig or in-cluster service
 account) but speaking plain JSON, so the operator handles manifests as dicts end to end. Calls
@@ -14,12 +16,12 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import kubernetes
 import urllib3
 
-from headroom.operator.children import FIELD_MANAGER
+from headroom.operator.children import FIELD_MANAGER, Owner
 from headroom.operator.models import GROUP, KIND, PLURAL, VERSION
 
 log = logging.getLogger("headroom.operator.kube")
@@ -251,3 +253,27 @@ def owns_field(obj: dict[str, Any], manager: str, path: tuple[str, ...]) -> bool
         else:
             return True
     return False
+
+
+class KubeAPI(Protocol):
+    """The calls reconcile and the scaling loop make (apply.Kube, or a fake in tests)."""
+
+    def get(
+        self, api_version: str, kind: str, namespace: str | None, name: str
+    ) -> dict[str, Any] | None: ...
+
+    def list(
+        self, api_version: str, kind: str, namespace: str | None, label_selector: str = ""
+    ) -> list[dict[str, Any]]: ...
+
+    def apply(
+        self, obj: dict[str, Any], *, field_manager: str = FIELD_MANAGER, force: bool = True
+    ) -> dict[str, Any]: ...
+
+    def served_kinds(self, group_version: str, ttl: float | None = None) -> frozenset[str]: ...
+
+
+def owner_of(body: dict[str, Any]) -> Owner:
+    """The owner record of an InferenceDeployment body."""
+    meta = body["metadata"]
+    return Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])

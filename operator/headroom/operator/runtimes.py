@@ -1,0 +1,201 @@
+"""What the engine container runs, per `engine.runtime`: pure functions of the spec and its plan.
+
+Whatever the runtime, the engine is told the pool the budget planned, so `status.budget` is what
+runs and the scaling loop's pod capacity is the engine's:
+
+- headroom: `headroom serve --num-blocks <kv_blocks_per_pod>`;
+- vllm: `vllm serve <model> --num-gpu-blocks-override <kv_blocks_per_pod>` (vLLM otherwise sizes
+  its pool from a memory profile at start, and every pod would differ a little from the plan);
+- sglang: `python3 -m sglang.launch_server --max-total-tokens <kv_tokens_per_pod>`, with
+  `--page-size` the block size (SGLang counts its pool in tokens; the sidecar reads it back as
+  tokens // page size blocks).
+
+The command is spelled out for the stock images rather than left to their entrypoints, which
+changed across releases. kvCacheDtype fp8 is vLLM's `fp8` (e4m3 on CUDA) and SGLang's
+`fp8_e4m3`; int8 exists only in headroom's engine, and the CRD refuses it for the others.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from headroom.operator.models import HEADROOM_IMAGE, RUNTIME_IMAGES, InferenceDeploymentSpec
+from headroom.operator.sizing import Sizing, served_model_name
+
+ENGINE_PORT = 8000
+STARTUP_PERIOD_SECONDS = 10
+SGLANG_KV_DTYPE = {"auto": "auto", "fp8": "fp8_e4m3"}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCommand:
+    """The engine container's `command` and `args`, and how it says it is ready."""
+
+    command: list[str]
+    args: list[str]
+    ready_path: str  # readiness probe; liveness and startup probe /health on every runtime
+    env: dict[str, str]  # beyond HOME and XDG_CACHE_HOME, which every runtime gets
+
+
+def headroom_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> EngineCommand:
+    """`headroom serve`: the pool is exactly the planned `kv_blocks_per_pod`."""
+    e, p = spec.engine, sizing.plan
+    args = [
+        "serve",
+        "--model",
+        spec.model.path,
+        "--served-model-name",
+        served_model_name(spec, name),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ENGINE_PORT),
+        "--block-size",
+        str(e.block_size),
+        "--num-blocks",
+        str(p.kv_blocks_per_pod),
+        "--kv-cache-dtype",
+        e.kv_cache_dtype,
+        "--max-model-len",
+        str(sizing.max_model_len),
+        "--max-num-seqs",
+        str(e.max_num_seqs),
+        "--enable-prefix-caching" if e.prefix_caching else "--no-enable-prefix-caching",
+        "--attention-backend",
+        e.attention_backend,
+    ]
+    return EngineCommand(command=["headroom"], args=args, ready_path="/ready", env={})
+
+
+# A uid without a passwd entry (the pod runs as 10001 on images built for root) makes
+# getpass.getuser() raise in torch's compile caches unless USER is set.
+_STOCK_ENV = {"USER": "headroom"}
+
+
+def vllm_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> EngineCommand:
+    """`vllm serve`: `--num-gpu-blocks-override` is the planned `kv_blocks_per_pod`."""
+    e, p = spec.engine, sizing.plan
+    args = [
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ENGINE_PORT),
+        "--served-model-name",
+        served_model_name(spec, name),
+        "--num-gpu-blocks-override",
+        str(p.kv_blocks_per_pod),
+        "--block-size",
+        str(e.block_size),
+        "--kv-cache-dtype",
+        e.kv_cache_dtype,  # auto | fp8 (the CRD refuses int8)
+        "--enable-prefix-caching" if e.prefix_caching else "--no-enable-prefix-caching",
+        "--tensor-parallel-size",
+        str(p.tp),
+        "--pipeline-parallel-size",
+        str(p.pp),
+        "--max-model-len",
+        str(sizing.max_model_len),
+        "--max-num-seqs",
+        str(e.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(e.max_num_batched_tokens),
+        "--gpu-memory-utilization",
+        str(e.gpu_memory_utilization),
+    ]
+    return EngineCommand(
+        command=["vllm", "serve", spec.model.path],
+        args=args,
+        ready_path="/health",
+        env={**_STOCK_ENV, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"},
+    )
+
+
+def sglang_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> EngineCommand:
+    """`sglang.launch_server`: `--max-total-tokens` is the planned pool in tokens (blocks x
+    block size), paged by `--page-size` = the block size."""
+    e, p = spec.engine, sizing.plan
+    args = [
+        "--model-path",
+        spec.model.path,
+        "--served-model-name",
+        served_model_name(spec, name),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ENGINE_PORT),
+        "--tp-size",
+        str(p.tp),
+        "--pp-size",
+        str(p.pp),
+        "--max-total-tokens",
+        str(p.kv_blocks_per_pod * p.block_size),
+        "--page-size",
+        str(e.block_size),
+        "--kv-cache-dtype",
+        SGLANG_KV_DTYPE[e.kv_cache_dtype],  # the CRD refuses int8
+        "--context-length",
+        str(sizing.max_model_len),
+        "--max-running-requests",
+        str(e.max_num_seqs),
+        "--chunked-prefill-size",
+        str(e.max_num_batched_tokens),
+        "--mem-fraction-static",
+        str(e.gpu_memory_utilization),
+        "--enable-metrics",
+    ]
+    if not e.prefix_caching:
+        args.append("--disable-radix-cache")
+    return EngineCommand(
+        command=["python3", "-m", "sglang.launch_server"],
+        args=args,
+        ready_path="/health",
+        env=dict(_STOCK_ENV),
+    )
+
+
+RUNTIMES: dict[str, Callable[[InferenceDeploymentSpec, Sizing, str], EngineCommand]] = {
+    "headroom": headroom_command,
+    "vllm": vllm_command,
+    "sglang": sglang_command,
+}
+
+
+def engine_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> EngineCommand:
+    """What the engine container runs for the spec's runtime."""
+    return RUNTIMES[spec.engine.runtime](spec, sizing, name)
+
+
+def engine_image(spec: InferenceDeploymentSpec) -> str:
+    """engine.image, or the runtime's pinned image."""
+    return spec.engine.image or RUNTIME_IMAGES[spec.engine.runtime]
+
+
+def sidecar_image(spec: InferenceDeploymentSpec) -> str:
+    """engine.sidecarImage; else the engine's image for runtime headroom (one image holds both),
+    else headroom's own (the stock images have no `headroom sidecar`)."""
+    if spec.engine.sidecar_image:
+        return spec.engine.sidecar_image
+    return engine_image(spec) if spec.engine.runtime == "headroom" else HEADROOM_IMAGE
+
+
+def sidecar_source_args(spec: InferenceDeploymentSpec) -> list[str]:
+    """How the sidecar reads the engine: headroom's /stats, or vLLM's or SGLang's /metrics."""
+    runtime = spec.engine.runtime
+    if runtime == "vllm":
+        return ["--source", "vllm"]
+    if runtime == "sglang":
+        return ["--source", "sglang", "--page-size", str(spec.engine.block_size)]
+    return []
+
+
+def startup_failure_threshold(spec: InferenceDeploymentSpec) -> int:
+    """Startup probe failures allowed: engine.startupTimeoutSeconds at one probe every 10 s."""
+    return math.ceil(spec.engine.startup_timeout_seconds / STARTUP_PERIOD_SECONDS)
+
+
+def needs_shm(spec: InferenceDeploymentSpec, sizing: Sizing) -> bool:
+    """Several GPU ranks in the pod (tensor or pipeline parallel) talk through NCCL and
+    torch.multiprocessing, which need a /dev/shm larger than the runtime's 64 MiB."""
+    return sizing.plan.tp * sizing.plan.pp > 1

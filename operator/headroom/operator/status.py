@@ -1,0 +1,134 @@
+"""What the operator writes back: metav1.Condition bookkeeping (pure functions over the
+status.conditions list), the Events to post, and the `Outcome` a reconcile or a scaling tick
+returns instead of writing. Both reconcile.py and scaling.py write through here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from headroom.operator.models import CONDITION_TYPES
+
+Status = Literal["True", "False", "Unknown"]
+
+
+def rfc3339(ts: float) -> str:
+    """Unix seconds as the RFC 3339 UTC form Kubernetes stores (second precision)."""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: str | None) -> float | None:
+    """RFC 3339 back to unix seconds; None when absent or unreadable."""
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def set_condition(
+    conditions: list[dict[str, Any]] | None,
+    type_: str,
+    status: Status,
+    reason: str,
+    message: str,
+    *,
+    generation: int | None,
+    now: float,
+) -> list[dict[str, Any]]:
+    """A new list with one condition set; `lastTransitionTime` moves only when status flips."""
+    if type_ not in CONDITION_TYPES:
+        raise ValueError(f"unknown condition type {type_!r}")
+    out: list[dict[str, Any]] = []
+    previous: dict[str, Any] | None = None
+    for cond in conditions or []:
+        if cond.get("type") == type_:
+            previous = cond
+        else:
+            out.append(dict(cond))
+    changed = previous is None or previous.get("status") != status
+    entry: dict[str, Any] = {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message[:32768],
+        "lastTransitionTime": rfc3339(now)
+        if changed or previous is None
+        else previous.get("lastTransitionTime", rfc3339(now)),
+    }
+    if generation is not None:
+        entry["observedGeneration"] = generation
+    out.append(entry)
+    order = {t: i for i, t in enumerate(CONDITION_TYPES)}
+    out.sort(key=lambda c: order.get(str(c.get("type")), len(order)))
+    return out
+
+
+def get_condition(conditions: list[dict[str, Any]] | None, type_: str) -> dict[str, Any] | None:
+    """The condition of this type, if set."""
+    for cond in conditions or []:
+        if cond.get("type") == type_:
+            return cond
+    return None
+
+
+EventType = Literal["Normal", "Warning"]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A Kubernetes Event to post on the InferenceDeployment."""
+
+    type: EventType
+    reason: str
+    message: str
+
+
+@dataclass
+class Outcome:
+    """What a reconcile or a scaling tick wants written: a status merge patch and Events."""
+
+    status: dict[str, Any] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+
+
+def ready_condition(
+    deployment: dict[str, Any] | None,
+) -> tuple[Literal["True", "False"], str, str]:
+    """(status, reason, message) of Ready from the owned Deployment."""
+    if deployment is None:
+        return "False", "NoDeployment", "no Deployment exists for this InferenceDeployment"
+    want = int(deployment.get("spec", {}).get("replicas", 1) or 0)
+    st = deployment.get("status", {}) or {}
+    ready = int(st.get("readyReplicas", 0) or 0)
+    if want > 0 and ready >= want:
+        return "True", "AllReplicasReady", f"{ready}/{want} replicas ready"
+    return "False", "ReplicasNotReady", f"{ready}/{want} replicas ready"
+
+
+def _conditions(body: dict[str, Any], status: dict[str, Any]) -> list[dict[str, Any]]:
+    if "conditions" in status:
+        return list(status["conditions"])
+    return list((body.get("status") or {}).get("conditions") or [])
+
+
+def set_status_condition(
+    body: dict[str, Any],
+    status: dict[str, Any],
+    type_: str,
+    st: Literal["True", "False", "Unknown"],
+    reason: str,
+    message: str,
+    now: float,
+) -> None:
+    generation = body.get("metadata", {}).get("generation")
+    status["conditions"] = set_condition(
+        _conditions(body, status), type_, st, reason, message, generation=generation, now=now
+    )
+
+
+def condition_changed(body: dict[str, Any], type_: str, st: str, reason: str) -> bool:
+    cond = get_condition((body.get("status") or {}).get("conditions"), type_)
+    return cond is None or cond.get("status") != st or cond.get("reason") != reason
