@@ -223,6 +223,36 @@ def processes(log_dir: Path) -> Iterator[Processes]:
         group.stop_all()
 
 
+def start_sidecar(
+    group: Processes,
+    engine_url: str,
+    *,
+    pod: str,
+    namespace: str,
+    inferencedeployment: str,
+    source: Sequence[str] = (),
+) -> tuple[Proc, int]:
+    """A `headroom sidecar` on 127.0.0.1 for one pod at e2e speed (0.5 s polls, 10 s windows),
+    returned with its port once `/healthz` answers; `source` adds `--source`-style flags."""
+    port = free_port()
+    proc = group.start(
+        "sidecar",
+        [
+            *headroom_argv(), "sidecar", "--engine-url", engine_url, *source,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--interval", "0.5", "--timeout", "0.4", "--forecast-window", "10", "--window", "10",
+            "--pod", pod, "--namespace", namespace, "--inferencedeployment", inferencedeployment,
+        ],
+    )  # fmt: skip
+    wait_until(
+        lambda: http_ok(f"http://127.0.0.1:{port}/healthz"),
+        timeout=120,
+        what="sidecar /healthz",
+        alive=proc.check_alive,
+    )
+    return proc, port
+
+
 class Prometheus:
     """Debian's Prometheus on 127.0.0.1 with a free port, temp storage and static targets."""
 

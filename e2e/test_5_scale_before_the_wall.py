@@ -50,6 +50,7 @@ from e2e.helpers import (
     http_json,
     http_ok,
     processes,
+    start_sidecar,
     wait_until,
 )
 from e2e.kube import CRDS, SELECTOR_LABEL, get_obj
@@ -253,7 +254,7 @@ def _ready_pod(cluster: Cluster, ns: str) -> str | None:
 
 def _start_stand_in(group: Processes, pod: str, ns: str) -> tuple[str, int, list[Proc]]:
     """The engine and its sidecar on 127.0.0.1; returns (engine URL, sidecar port, procs)."""
-    engine_port, sidecar_port = free_port(), free_port()
+    engine_port = free_port()
     engine = group.start(
         "engine",
         [
@@ -279,38 +280,8 @@ def _start_stand_in(group: Processes, pod: str, ns: str) -> tuple[str, int, list
     wait_until(
         lambda: http_ok(f"{url}/ready"), timeout=300, what="engine /ready", alive=engine.check_alive
     )
-    sidecar = group.start(
-        "sidecar",
-        [
-            *headroom_argv(),
-            "sidecar",
-            "--engine-url",
-            url,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(sidecar_port),
-            "--interval",
-            "0.5",
-            "--timeout",
-            "0.4",
-            "--forecast-window",
-            "10",
-            "--window",
-            "10",
-            "--pod",
-            pod,
-            "--namespace",
-            ns,
-            "--inferencedeployment",
-            NAME,
-        ],
-    )
-    wait_until(
-        lambda: http_ok(f"http://127.0.0.1:{sidecar_port}/healthz"),
-        timeout=120,
-        what="sidecar /healthz",
-        alive=sidecar.check_alive,
+    sidecar, sidecar_port = start_sidecar(
+        group, url, pod=pod, namespace=ns, inferencedeployment=NAME
     )
     return url, sidecar_port, [engine, sidecar]
 

@@ -41,10 +41,9 @@ from e2e.helpers import (
     Prometheus,
     Timings,
     free_port,
-    headroom_argv,
     http_json,
-    http_ok,
     processes,
+    start_sidecar,
     wait_until,
 )
 from e2e.kube import CRDS, SELECTOR_LABEL, container_arg, get_obj, headroom_plan, pool_flags
@@ -359,42 +358,11 @@ def _run_rising(
     )
     stand_in = StandIn(runtime, blocks, block).start()
     try:
-        sidecar_port = free_port()
-        sidecar = group.start(
-            "sidecar",
-            [
-                *headroom_argv(),
-                "sidecar",
-                "--engine-url",
-                stand_in.url,
-                *source,  # what the operator told the pod's sidecar: --source, --page-size
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(sidecar_port),
-                "--interval",
-                "0.5",
-                "--timeout",
-                "0.4",
-                "--forecast-window",
-                "10",
-                "--window",
-                "10",
-                "--pod",
-                pod,
-                "--namespace",
-                ns,
-                "--inferencedeployment",
-                name,
-            ],
+        # --source (and --page-size) as the operator told the pod's sidecar.
+        sidecar, sidecar_port = start_sidecar(
+            group, stand_in.url, pod=pod, namespace=ns, inferencedeployment=name, source=source
         )
         sidecar_url = f"http://127.0.0.1:{sidecar_port}"
-        wait_until(
-            lambda: http_ok(f"{sidecar_url}/healthz"),
-            timeout=120,
-            what="sidecar /healthz",
-            alive=sidecar.check_alive,
-        )
 
         def fresh_report() -> dict[str, Any] | None:
             rep: dict[str, Any] = http_json(f"{sidecar_url}/saturation")

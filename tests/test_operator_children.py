@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
+from rendered import containers, flags
 
 from headroom.operator.children import (
     FIELD_MANAGER,
@@ -35,23 +36,6 @@ def spec(**sections: Any) -> InferenceDeploymentSpec:
     }
     raw.update(sections)
     return InferenceDeploymentSpec.model_validate(raw)
-
-
-def flags(args: list[str]) -> dict[str, str | bool]:
-    out: dict[str, str | bool] = {}
-    i = 1  # args[0] is the subcommand
-    while i < len(args):
-        if i + 1 < len(args) and not args[i + 1].startswith("--"):
-            out[args[i]] = args[i + 1]
-            i += 2
-        else:
-            out[args[i]] = True
-            i += 1
-    return out
-
-
-def containers(dep: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {c["name"]: c for c in dep["spec"]["template"]["spec"]["containers"]}
 
 
 def test_engine_allocates_exactly_the_planned_pool() -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
+from rendered import containers, flags
 
 from headroom.operator.children import Owner, deployment
 from headroom.operator.models import HEADROOM_IMAGE, RUNTIME_IMAGES, InferenceDeploymentSpec
@@ -33,24 +34,6 @@ def spec(engine: dict[str, Any] | None = None, **sections: Any) -> InferenceDepl
     }
     raw.update(sections)
     return InferenceDeploymentSpec.model_validate(raw)
-
-
-def flags(args: list[str]) -> dict[str, str | bool]:
-    """`--flag value` pairs and bare `--flag`s (positional words before the first flag skipped)."""
-    out: dict[str, str | bool] = {}
-    i = next((n for n, a in enumerate(args) if a.startswith("--")), len(args))
-    while i < len(args):
-        if i + 1 < len(args) and not args[i + 1].startswith("--"):
-            out[args[i]] = args[i + 1]
-            i += 2
-        else:
-            out[args[i]] = True
-            i += 1
-    return out
-
-
-def containers(dep: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {c["name"]: c for c in dep["spec"]["template"]["spec"]["containers"]}
 
 
 def pool(s: InferenceDeploymentSpec) -> tuple[Sizing, int, int]:

@@ -210,6 +210,7 @@ class _Pods:
 
     ready: int
     on_the_way: int  # asked for but not ready: loading, scheduling or not yet created
+    stuck: int  # not ready after the startup grace
     samples: list[PodSample]  # fresh samples of ready pods
     settled: list[PodSample]  # of those, pods whose growth is demand (rule 4)
     draining: list[PodSample]  # fresh samples of pods being removed (rule 6)
@@ -229,6 +230,7 @@ class _Demand:
     mean_occupancy: float
     min_eta: float | None
     preempt: float
+    waiting: int  # requests queued at the reporting pods
     recent: tuple[tuple[float, float], ...]  # the demand history, this decision's included
 
 
@@ -236,21 +238,16 @@ def decide(inp: Inputs) -> Decision:
     """Decide the replica count for one InferenceDeployment: the rules of the module docstring,
     in order, the first that decides wins."""
     pods = _pods(inp)
-    p = inp.policy
-    stuck = sum(
-        1
-        for pod in inp.pods
-        if not pod.terminating
-        and not pod.ready
-        and inp.now - pod.created_at > p.startup_grace_seconds
-    )
     base = Decision(
         replicas=inp.current_replicas,
         action="hold",
         reason="Hold",
         message="",
         figures=Figures(
-            ready=pods.ready, starting=pods.on_the_way, reporting=len(pods.samples), stuck=stuck
+            ready=pods.ready,
+            starting=pods.on_the_way,
+            reporting=len(pods.samples),
+            stuck=pods.stuck,
         ),
         metrics=pods.metrics,
         scale_in=inp.scale_in,
@@ -293,6 +290,9 @@ def _pods(inp: Inputs) -> _Pods:
     return _Pods(
         ready=len(ready),
         on_the_way=max(0, inp.current_replicas - len(ready)),
+        stuck=sum(
+            1 for pod in live if not pod.ready and now - pod.created_at > p.startup_grace_seconds
+        ),
         samples=samples,
         settled=settled,
         draining=draining,
@@ -374,6 +374,7 @@ def _measure(inp: Inputs, pods: _Pods) -> _Demand:
         mean_occupancy=sum(s.occupancy for s in samples) / len(samples),
         min_eta=min(etas) if etas else None,
         preempt=sum(s.preemption_rate for s in samples),
+        waiting=waiting,
         recent=recent,
     )
 
@@ -382,14 +383,13 @@ def _with_figures(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Decis
     """The measured figures, saturation and the demand history on the base decision."""
     samples = pods.samples
     max_occ = max(s.occupancy for s in samples)
-    waiting = sum(s.waiting for s in samples)
     hits = [s.hit_ratio for s in samples if s.hit_ratio is not None]
     figures = replace(
         base.figures,
         mean_occupancy=d.mean_occupancy,
         max_occupancy=max_occ,
         min_eta_seconds=d.min_eta,
-        waiting=waiting,
+        waiting=d.waiting,
         preemption_rate=d.preempt,
         hit_ratio=sum(hits) / len(hits) if hits else None,
         demand_blocks=d.demand,
@@ -400,7 +400,7 @@ def _with_figures(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Decis
     saturated = max_occ >= 1.0 or d.preempt > 0
     sat_msg = (
         f"KV cache full or preempting: max occupancy {max_occ:.0%}, "
-        f"{d.preempt:.2f} preemptions/s, {waiting} waiting"
+        f"{d.preempt:.2f} preemptions/s, {d.waiting} waiting"
         if saturated
         else ""
     )
