@@ -19,6 +19,7 @@ RUN pip install --no-cache-dir --require-hashes -r scripts/uv-requirements.txt
 # Dependencies first (they change rarely; this layer is the big one, torch), then the project.
 COPY pyproject.toml uv.lock setup.py README.md ./
 RUN uv sync --locked --no-install-project --no-dev --extra engine --extra cuda
+COPY contract contract
 COPY engine engine
 COPY sidecar sidecar
 COPY operator operator

@@ -27,9 +27,9 @@ demo: venv
 	@$(PY) scripts/demo.py
 
 lint: venv
-	$(VENV)/bin/ruff check engine sidecar operator tests bench e2e scripts
-	$(VENV)/bin/ruff format --check engine sidecar operator tests bench e2e scripts
-	$(VENV)/bin/mypy engine/headroom sidecar/headroom operator/headroom scripts/demo.py
+	$(VENV)/bin/ruff check contract engine sidecar operator tests bench e2e scripts
+	$(VENV)/bin/ruff format --check contract engine sidecar operator tests bench e2e scripts
+	$(VENV)/bin/mypy contract/headroom engine/headroom sidecar/headroom operator/headroom scripts/demo.py
 
 # Debian packages the tests use (Prometheus and promtool, etcd); idempotent and quiet when present.
 tools:

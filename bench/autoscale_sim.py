@@ -74,7 +74,9 @@ from pathlib import Path
 import numpy as np
 from verdicts import Verdicts
 
-from headroom.operator.decide import (
+from headroom.operator.crd.models import InferenceDeploymentSpec
+from headroom.operator.reconcile.sizing import Sizing, size
+from headroom.operator.scaling.decide import (
     Decision,
     Inputs,
     PodSample,
@@ -82,9 +84,7 @@ from headroom.operator.decide import (
     ScaleInWindow,
     decide,
 )
-from headroom.operator.models import InferenceDeploymentSpec
-from headroom.operator.scaling import policy_for
-from headroom.operator.sizing import Sizing, size
+from headroom.operator.scaling.loop import policy_for
 
 DT = 2.0  # simulation step, seconds
 TICK = 15.0  # autoscaler period

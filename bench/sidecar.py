@@ -36,9 +36,9 @@ from aiohttp import ClientSession, web
 from prometheus_client import generate_latest
 from verdicts import Verdicts
 
+from headroom.contract.forecast import forecast_saturation
 from headroom.sidecar.collector import SidecarCollector, make_registry
 from headroom.sidecar.config import SidecarConfig
-from headroom.sidecar.forecast import forecast_saturation
 from headroom.sidecar.sources import parse_headroom_stats, parse_vllm_metrics
 from headroom.sidecar.state import PollState, figures
 from headroom.sidecar.synthetic import SyntheticEngine

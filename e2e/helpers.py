@@ -45,7 +45,7 @@ def headroom_argv() -> list[str]:
     script = VENV_BIN / "headroom"
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-m", "headroom.cli"]
+    return [sys.executable, "-m", "headroom.contract.cli"]
 
 
 def headroom_help_error(command: str) -> str | None:

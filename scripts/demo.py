@@ -25,7 +25,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-from headroom.engine.budget import (
+from headroom.contract.budget import (
     ModelArch,
     Plan,
     PlanInput,
@@ -34,19 +34,19 @@ from headroom.engine.budget import (
     model_preset,
     plan,
 )
+from headroom.contract.plan_cli import render_plan
+from headroom.contract.report import SaturationReport
 from headroom.engine.loadgen.client import LoadResult, Target, run_load
 from headroom.engine.loadgen.progress import ProgressBar
 from headroom.engine.loadgen.stats import LoadSummary, render_summary, summarize
 from headroom.engine.loadgen.workload import LengthDist, WorkloadSpec
 from headroom.engine.model.tiny import build_tiny
-from headroom.engine.plan_cli import render_plan
 from headroom.engine.server.testing import ServerProcess, free_port
-from headroom.operator.decide import Inputs, PodView, decide
-from headroom.operator.metrics_sources import sample_from_report
-from headroom.operator.models import InferenceDeploymentSpec
-from headroom.operator.scaling import policy_for
-from headroom.operator.sizing import Sizing
-from headroom.sidecar.report import SaturationReport
+from headroom.operator.crd.models import InferenceDeploymentSpec
+from headroom.operator.reconcile.sizing import Sizing
+from headroom.operator.scaling.decide import Inputs, PodView, decide
+from headroom.operator.scaling.loop import policy_for
+from headroom.operator.scaling.metrics_sources import sample_from_report
 
 # The demo pod: a pool that holds about 7 of the ramp's sequences, so the ramp to 24 hits it.
 BLOCK_SIZE = 16

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from headroom.engine.budget import (
+from headroom.contract.budget import (
     GIB,
     GPU_PRESETS,
     MODEL_PRESETS,
@@ -194,7 +194,7 @@ def test_from_hf_config_reads_a_local_config(tmp_path: object) -> None:
 
 
 def test_budget_never_imports_torch() -> None:
-    code = "import sys, headroom.engine.budget; assert 'torch' not in sys.modules"
+    code = "import sys, headroom.contract.budget; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -264,7 +264,7 @@ def test_replicas_cover_the_peak(
 
 @given(arch=arch_st, tp=st.integers(1, 64))
 def test_tp_never_increases_per_rank_kv_heads(arch: object, tp: int) -> None:
-    from headroom.engine.budget import ModelArch
+    from headroom.contract.budget import ModelArch
 
     assert isinstance(arch, ModelArch)
     assert kv_heads_per_rank(arch, tp) <= kv_heads_per_rank(arch, max(1, tp - 1))

@@ -129,7 +129,7 @@ def _exported_metric_names() -> set[str]:
     names: set[str] = set()
     for src in (
         REPO / "sidecar" / "headroom" / "sidecar" / "collector.py",
-        REPO / "operator" / "headroom" / "operator" / "exporter.py",
+        REPO / "operator" / "headroom" / "operator" / "scaling" / "exporter.py",
     ):
         names.update(re.findall(r'"(headroom_[a-z_]+)"', src.read_text()))
     return names

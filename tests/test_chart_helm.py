@@ -170,7 +170,7 @@ def test_operator_deployment_follows_the_values(helm: Path) -> None:
 
 
 def test_the_operator_cli_accepts_the_rendered_flags(helm: Path) -> None:
-    from headroom.cli import build_parser
+    from headroom.contract.cli import build_parser
 
     for sets in [(), ("operator.peering=p", "operator.replicas=2", "operator.verbose=true")]:
         (c,) = one(render(helm, *sets), "Deployment")["spec"]["template"]["spec"]["containers"]

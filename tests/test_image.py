@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from headroom.operator.models import RUNTIME_IMAGES
+from headroom.operator.crd.models import RUNTIME_IMAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"

@@ -7,7 +7,7 @@ import random
 import pytest
 from test_kv_model_sim import VOCAB, KVSimulator, drive, random_prompts, sample
 
-from headroom.engine.budget import PlanInput, gpu_preset, model_preset, plan
+from headroom.contract.budget import PlanInput, gpu_preset, model_preset, plan
 from headroom.engine.errors import RequestRejected
 from headroom.engine.scheduled import SchedulerOutput
 from headroom.engine.scheduler import Scheduler, SchedulerConfig

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_stdlib_operator_survives_the_repo_root_on_sys_path() -> None:
     code = (
         "import operator, kopf, headroom.operator, headroom.engine, headroom.sidecar\n"
+        "import headroom.contract\n"
         "assert operator.__file__.endswith('lib/python3.%d/operator.py' % __import__('sys')"
         ".version_info[1]), operator.__file__\n"
         "assert hasattr(operator, 'itemgetter')\n"
@@ -22,7 +23,7 @@ def test_stdlib_operator_survives_the_repo_root_on_sys_path() -> None:
 
 
 def test_component_folders_are_source_roots_not_packages() -> None:
-    for root in ("engine", "sidecar", "operator"):
+    for root in ("contract", "engine", "sidecar", "operator"):
         assert not (ROOT / root / "__init__.py").exists()
         assert not (ROOT / root / "headroom" / "__init__.py").exists()
         assert (ROOT / root / "headroom" / root / "__init__.py").exists()

@@ -104,7 +104,7 @@ def test_venv_holds_exactly_the_lock() -> None:
 def _checkout(dest: Path, marker: str) -> Path:
     """A second checkout: the project's tracked layout, with one file that tells it apart."""
     _project_copy(dest)
-    for root in ("engine", "sidecar", "operator", "scripts"):
+    for root in ("contract", "engine", "sidecar", "operator", "scripts"):
         shutil.copytree(
             REPO / root, dest / root, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
         )
@@ -120,10 +120,10 @@ def test_two_checkouts_each_import_their_own_files(tmp_path: Path) -> None:
     for clone in clones:  # one after the other: the second must not re-point the first
         subprocess.run([str(clone / "scripts" / "venv.sh")], env=env, check=True, timeout=600)
     probe = (
-        "import headroom.engine, headroom.sidecar, headroom.operator, shutil;"
+        "import headroom.contract, headroom.engine, headroom.sidecar, headroom.operator, shutil;"
         "from headroom.engine import _checkout;"
         "print(_checkout.NAME, headroom.engine.__file__, headroom.sidecar.__file__,"
-        " headroom.operator.__file__, shutil.which('headroom'))"
+        " headroom.operator.__file__, headroom.contract.__file__, shutil.which('headroom'))"
     )
     for clone in clones:
         venv_bin = clone / ".venv" / "bin"

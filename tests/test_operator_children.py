@@ -11,7 +11,8 @@ import pytest
 import yaml
 from rendered import containers, flags
 
-from headroom.operator.children import (
+from headroom.operator.crd.models import InferenceDeploymentSpec
+from headroom.operator.reconcile.children import (
     FIELD_MANAGER,
     SELECTOR_LABEL,
     Owner,
@@ -21,8 +22,7 @@ from headroom.operator.children import (
     render,
     selector_string,
 )
-from headroom.operator.models import InferenceDeploymentSpec
-from headroom.operator.sizing import size
+from headroom.operator.reconcile.sizing import size
 
 OWNER = Owner(name="chat", namespace="team-a", uid="1234-abcd")
 ALL_MONITORING = frozenset({"ServiceMonitor", "PrometheusRule"})

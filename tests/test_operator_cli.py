@@ -8,8 +8,8 @@ import pytest
 from prometheus_client import generate_latest
 
 from headroom.operator import cli
-from headroom.operator.exporter import OperatorMetrics
 from headroom.operator.rbac import cluster_role, cluster_role_rules
+from headroom.operator.scaling.exporter import OperatorMetrics
 from headroom.operator.status import get_condition, parse_time, rfc3339, set_condition
 
 

@@ -13,14 +13,14 @@ import pytest
 import yaml
 
 from e2e.cluster.harness import Cluster
-from headroom.operator.models import (
+from headroom.operator.crd.models import (
     EngineSpec,
     GPUSpec,
     InferenceDeploymentSpec,
     ModelSpec,
     ScalingSpec,
 )
-from headroom.operator.schema import CRD_NAME, crd_yaml
+from headroom.operator.crd.schema import CRD_NAME, crd_yaml
 
 pytest_plugins = ["e2e.cluster.pytest_plugin"]
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]

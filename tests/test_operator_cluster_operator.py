@@ -27,16 +27,16 @@ import yaml
 from prometheus_client import generate_latest
 
 from e2e.cluster.harness import Cluster
-from headroom.operator.children import FIELD_MANAGER
-from headroom.operator.decide import PodSample
-from headroom.operator.exporter import OperatorMetrics
+from headroom.operator.crd.models import InferenceDeploymentSpec
+from headroom.operator.crd.schema import CRD_NAME, crd_yaml
 from headroom.operator.handlers import FINALIZER, Context, Options, operate
 from headroom.operator.kube import Kube, load_configuration
-from headroom.operator.metrics_sources import PodInfo, Target
-from headroom.operator.models import InferenceDeploymentSpec
 from headroom.operator.rbac import cluster_role
-from headroom.operator.schema import CRD_NAME, crd_yaml
-from headroom.operator.sizing import budget, size
+from headroom.operator.reconcile.children import FIELD_MANAGER
+from headroom.operator.reconcile.sizing import budget, size
+from headroom.operator.scaling.decide import PodSample
+from headroom.operator.scaling.exporter import OperatorMetrics
+from headroom.operator.scaling.metrics_sources import PodInfo, Target
 
 pytest_plugins = ["e2e.cluster.pytest_plugin"]
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from headroom.operator.__main__ import main as operator_main
-from headroom.operator.models import (
+from headroom.operator.crd.models import (
     EngineSpec,
     GPUSpec,
     InferenceDeploymentSpec,
@@ -19,7 +19,7 @@ from headroom.operator.models import (
     ScalingSpec,
     TrafficSpec,
 )
-from headroom.operator.schema import crd, crd_yaml, spec_schema, status_schema
+from headroom.operator.crd.schema import crd, crd_yaml, spec_schema, status_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "crds" / "inferencedeployment.yaml"
@@ -38,7 +38,8 @@ def walk(node: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]
 
 def test_committed_crd_matches_generated() -> None:
     assert COMMITTED.read_text() == crd_yaml(), (
-        "crds/inferencedeployment.yaml is out of date with headroom.operator.models: run `make crd`"
+        "crds/inferencedeployment.yaml is out of date with headroom.operator.crd.models: "
+        "run `make crd`"
     )
 
 
@@ -137,7 +138,7 @@ def test_names_subresources_and_columns() -> None:
 
 
 def test_presets_and_enums_come_from_the_budget_model() -> None:
-    from headroom.engine.budget import GPU_PRESETS, MODEL_PRESETS
+    from headroom.contract.budget import GPU_PRESETS, MODEL_PRESETS
 
     props = spec_schema()["properties"]
     assert set(props["model"]["properties"]["preset"]["enum"]) == set(MODEL_PRESETS)

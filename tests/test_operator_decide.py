@@ -8,8 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-import headroom.operator.decide as decide_module
-from headroom.operator.decide import (
+import headroom.operator.scaling.decide as decide_module
+from headroom.operator.crd.models import InferenceDeploymentSpec, ScalingSpec
+from headroom.operator.reconcile.sizing import size
+from headroom.operator.scaling.decide import (
     Decision,
     Inputs,
     PodSample,
@@ -18,9 +20,7 @@ from headroom.operator.decide import (
     ScaleInWindow,
     decide,
 )
-from headroom.operator.models import InferenceDeploymentSpec, ScalingSpec
-from headroom.operator.scaling import policy_for
-from headroom.operator.sizing import size
+from headroom.operator.scaling.loop import policy_for
 
 NOW = 10_000.0
 POLICY = Policy(

@@ -19,7 +19,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from headroom.operator.metrics_sources import (
+from headroom.contract.report import SaturationReport
+from headroom.operator.scaling.metrics_sources import (
     MetricsError,
     PodInfo,
     PrometheusSource,
@@ -31,7 +32,6 @@ from headroom.operator.metrics_sources import (
     sample_from_report,
 )
 from headroom.operator.status import parse_time
-from headroom.sidecar.report import SaturationReport
 from headroom.sidecar.synthetic import SyntheticEngine
 
 PROMETHEUS = shutil.which("prometheus")

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from headroom.operator.models import InferenceDeploymentSpec
+from headroom.operator.crd.models import InferenceDeploymentSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -117,7 +117,7 @@ def test_invalid_spec_is_refused_with_a_message(raw: dict[str, Any], message: st
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_examples_are_valid_and_feasible(path: Path) -> None:
-    from headroom.operator.sizing import size
+    from headroom.operator.reconcile.sizing import size
 
     doc = yaml.safe_load(path.read_text())
     assert doc["apiVersion"] == "headroom.dev/v1alpha1" and doc["kind"] == "InferenceDeployment"

@@ -7,14 +7,14 @@ from typing import Any
 
 import pytest
 
-from headroom.engine.budget.memory import activation_reserve_bytes
-from headroom.engine.budget.presets import gpu_preset, model_preset
-from headroom.operator.children import FIELD_MANAGER, SELECTOR_LABEL
-from headroom.operator.decide import PodSample
+from headroom.contract.budget.memory import activation_reserve_bytes
+from headroom.contract.budget.presets import gpu_preset, model_preset
 from headroom.operator.kube import KubeError
-from headroom.operator.metrics_sources import MetricsError, PodInfo, Target
-from headroom.operator.reconcile import HANDOFF_MANAGER, reconcile
-from headroom.operator.scaling import last_changes, tick
+from headroom.operator.reconcile.children import FIELD_MANAGER, SELECTOR_LABEL
+from headroom.operator.reconcile.loop import HANDOFF_MANAGER, reconcile
+from headroom.operator.scaling.decide import PodSample
+from headroom.operator.scaling.loop import last_changes, tick
+from headroom.operator.scaling.metrics_sources import MetricsError, PodInfo, Target
 from headroom.operator.status import get_condition
 
 NOW = 1_700_000_000.0

@@ -10,15 +10,15 @@ import pytest
 import yaml
 from rendered import containers, flags
 
-from headroom.operator.children import Owner, deployment
-from headroom.operator.models import HEADROOM_IMAGE, RUNTIME_IMAGES, InferenceDeploymentSpec
-from headroom.operator.runtimes import (
+from headroom.operator.crd.models import HEADROOM_IMAGE, RUNTIME_IMAGES, InferenceDeploymentSpec
+from headroom.operator.reconcile.children import Owner, deployment
+from headroom.operator.reconcile.runtimes import (
     RUNTIMES,
     engine_command,
     sglang_command,
     vllm_command,
 )
-from headroom.operator.sizing import Sizing, SpecError, size
+from headroom.operator.reconcile.sizing import Sizing, SpecError, size
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_EXAMPLE = ROOT / "examples" / "llama-3.1-70b-vllm-tp4.yaml"

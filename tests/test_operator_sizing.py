@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from headroom.engine import plan_cli
-from headroom.engine.budget import GIB, plan
-from headroom.operator.models import InferenceDeploymentSpec
-from headroom.operator.sizing import (
+from headroom.contract.budget import GIB, plan
+from headroom.contract import plan_cli
+from headroom.operator.crd.models import InferenceDeploymentSpec
+from headroom.operator.reconcile.sizing import (
     blocks_per_sequence,
     budget,
     plan_input,

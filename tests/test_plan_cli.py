@@ -7,12 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from headroom.cli import main
+from headroom.contract.cli import main
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "headroom.cli", "plan", *args], capture_output=True, text=True
+        [sys.executable, "-m", "headroom.contract.cli", "plan", *args],
+        capture_output=True,
+        text=True,
     )
 
 

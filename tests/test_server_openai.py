@@ -232,7 +232,7 @@ def test_oversized_body_through_the_client(client: openai.OpenAI) -> None:
 
 
 def test_stats_is_the_versioned_snapshot(server: ServerProcess) -> None:
-    from headroom.engine.stats import STATS_SCHEMA_VERSION, StatsSnapshot
+    from headroom.contract.stats import STATS_SCHEMA_VERSION, StatsSnapshot
 
     with urllib.request.urlopen(server.url + "/stats", timeout=10) as resp:
         snap = StatsSnapshot.model_validate_json(resp.read())

@@ -7,7 +7,7 @@ from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from headroom.engine.stats import TTFT_BUCKETS_S
+from headroom.contract.stats import TTFT_BUCKETS_S
 from headroom.sidecar.collector import SidecarCollector, make_registry
 from headroom.sidecar.config import IdentityLabels, SidecarConfig
 from headroom.sidecar.sources import parse_headroom_stats

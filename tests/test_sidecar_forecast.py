@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from headroom.sidecar.forecast import (
+from headroom.contract.forecast import (
     counter_increase,
     counter_rate,
     forecast_saturation,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from headroom.engine.stats import STATS_SCHEMA_VERSION, TTFT_BUCKETS_S
+from headroom.contract.stats import STATS_SCHEMA_VERSION, TTFT_BUCKETS_S
 from headroom.sidecar.poller import parse_body
 from headroom.sidecar.sources import GarbageError, parse_headroom_stats
 from headroom.sidecar.synthetic import SyntheticEngine

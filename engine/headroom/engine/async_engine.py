@@ -40,6 +40,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
+from headroom.contract.stats import StatsSnapshot
 from headroom.engine.config import EngineConfig
 from headroom.engine.engine import Engine, StepFailed
 from headroom.engine.errors import RequestFailed, RequestRejected
@@ -47,7 +48,6 @@ from headroom.engine.health import EngineHealth
 from headroom.engine.model.tokenizer import Tokenizer
 from headroom.engine.outputs import RequestOutput
 from headroom.engine.sampling import SamplingParams
-from headroom.engine.stats import StatsSnapshot
 
 log = logging.getLogger(__name__)
 

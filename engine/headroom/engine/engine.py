@@ -31,6 +31,12 @@ from typing import cast
 
 import torch
 
+from headroom.contract.stats import (
+    TPOT_BUCKETS_S,
+    TTFT_BUCKETS_S,
+    Histogram,
+    StatsSnapshot,
+)
 from headroom.engine.attention import select_backend
 from headroom.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from headroom.engine.errors import RequestFailed, RequestRejected
@@ -42,12 +48,6 @@ from headroom.engine.sampling import SamplingParams, completion_seed, make_gener
 from headroom.engine.scheduled import SchedulerOutput
 from headroom.engine.scheduler import Scheduler, SchedulerConfig
 from headroom.engine.sequence import Sequence
-from headroom.engine.stats import (
-    TPOT_BUCKETS_S,
-    TTFT_BUCKETS_S,
-    Histogram,
-    StatsSnapshot,
-)
 from headroom.engine.validation import check_prompt, resolve_max_tokens
 
 log = logging.getLogger(__name__)
@@ -578,7 +578,7 @@ def _resolve_device(name: str) -> torch.device:
 def _default_kv_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.8)  # headroom.engine.budget sizes production pods; this is a fallback
+        return int(free * 0.8)  # headroom.contract.budget sizes production pods; this is a fallback
     return DEFAULT_CPU_KV_BYTES
 
 

@@ -27,8 +27,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from headroom.contract.budget import KVCacheDtype, ModelArch, Plan, kv_bytes_per_block
+from headroom.contract.stats import KVBlockStats, PrefixCacheStats, RequestStats, SchedulerStats
 from headroom.engine.block_pool import BlockPool
-from headroom.engine.budget import KVCacheDtype, ModelArch, Plan, kv_bytes_per_block
 from headroom.engine.errors import RequestRejected
 from headroom.engine.prefix_cache import (
     ROOT_REF,
@@ -38,7 +39,6 @@ from headroom.engine.prefix_cache import (
 )
 from headroom.engine.scheduled import ScheduledSeq, SchedulerOutput
 from headroom.engine.sequence import Sequence, SequenceStatus
-from headroom.engine.stats import KVBlockStats, PrefixCacheStats, RequestStats, SchedulerStats
 from headroom.engine.validation import resolve_max_tokens
 
 _WAITING = SequenceStatus.WAITING
@@ -70,7 +70,7 @@ class SchedulerConfig(BaseModel):
 
     @classmethod
     def from_plan(cls, plan: Plan, max_model_len: int, **overrides: Any) -> SchedulerConfig:
-        """A pod's pool as `headroom.engine.budget.plan` sized it."""
+        """A pod's pool as `headroom.contract.budget.plan` sized it."""
         if plan.kv_blocks_per_pod < 1:
             raise ValueError(f"the plan leaves no KV blocks per pod: {plan.reason or 'no memory'}")
         values: dict[str, Any] = {
@@ -529,7 +529,7 @@ class Scheduler:
     # -- observability --------------------------------------------------------------------
 
     def stats(self) -> SchedulerStats:
-        """A snapshot for `/stats` (see `headroom.engine.stats`)."""
+        """A snapshot for `/stats` (see `headroom.contract.stats`)."""
         pool = self.pool
         cache = pool.prefix_cache
         return SchedulerStats(

@@ -13,7 +13,7 @@ import sys
 
 from pydantic import ValidationError
 
-from headroom.sidecar.config import DEFAULT_PORT as SIDECAR_PORT
+from headroom.contract.ports import SIDECAR_PORT
 
 
 def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -64,7 +64,7 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def run_crd(args: argparse.Namespace) -> int:
     """Print the CRD YAML to stdout."""
-    from headroom.operator.schema import crd_yaml
+    from headroom.operator.crd.schema import crd_yaml
 
     sys.stdout.write(crd_yaml())
     return 0
@@ -74,8 +74,8 @@ def run_operator(args: argparse.Namespace) -> int:
     """Run the operator in the foreground until SIGINT/SIGTERM."""
     import kopf
 
-    from headroom.operator.exporter import OperatorMetrics
     from headroom.operator.handlers import Options, operate
+    from headroom.operator.scaling.exporter import OperatorMetrics
 
     try:
         options = Options(

@@ -19,15 +19,15 @@ import aiohttp
 import kopf
 from pydantic import BaseModel, ConfigDict, Field
 
-from headroom.operator.exporter import OperatorMetrics
+from headroom.contract.ports import SIDECAR_PORT
+from headroom.operator.crd.models import GROUP, PLURAL, VERSION
 from headroom.operator.kube import Kube, KubeError
-from headroom.operator.metrics_sources import MetricsSource, PrometheusSource, SidecarSource
-from headroom.operator.models import GROUP, PLURAL, VERSION
-from headroom.operator.reconcile import reconcile
-from headroom.operator.scaling import tick
-from headroom.operator.sizing import parse
+from headroom.operator.reconcile.loop import reconcile
+from headroom.operator.reconcile.sizing import parse
+from headroom.operator.scaling.exporter import OperatorMetrics
+from headroom.operator.scaling.loop import tick
+from headroom.operator.scaling.metrics_sources import MetricsSource, PrometheusSource, SidecarSource
 from headroom.operator.status import Outcome, set_condition
-from headroom.sidecar.config import DEFAULT_PORT as SIDECAR_PORT
 
 log = logging.getLogger("headroom.operator")
 FINALIZER = f"{GROUP}/finalizer"

@@ -21,8 +21,8 @@ from typing import Any, Protocol, TypeVar
 import kubernetes
 import urllib3
 
-from headroom.operator.children import FIELD_MANAGER, Owner
-from headroom.operator.models import GROUP, KIND, PLURAL, VERSION
+from headroom.operator.crd.models import GROUP, KIND, PLURAL, VERSION
+from headroom.operator.reconcile.children import FIELD_MANAGER, Owner
 
 log = logging.getLogger("headroom.operator.kube")
 T = TypeVar("T")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from headroom.operator.models import GROUP, PLURAL
+from headroom.operator.crd.models import GROUP, PLURAL
 
 Rule = dict[str, Any]
 

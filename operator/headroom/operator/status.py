@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from headroom.operator.models import CONDITION_TYPES
+from headroom.operator.crd.models import CONDITION_TYPES
 
 Status = Literal["True", "False", "Unknown"]
 

@@ -12,7 +12,8 @@ import sys
 
 from pydantic import ValidationError
 
-from headroom.sidecar.config import DEFAULT_PORT, IdentityLabels, SidecarConfig
+from headroom.contract.ports import SIDECAR_PORT
+from headroom.sidecar.config import IdentityLabels, SidecarConfig
 
 log = logging.getLogger("headroom.sidecar")
 
@@ -48,7 +49,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "SGLang's default); blocks are tokens // page size",
     )
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
+    p.add_argument("--port", type=int, default=SIDECAR_PORT, help="port to listen on")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between polls")
     p.add_argument("--timeout", type=float, default=0.8, help="seconds before a poll is abandoned")
     p.add_argument(

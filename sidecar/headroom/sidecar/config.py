@@ -7,14 +7,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from headroom.sidecar.sources import SourceKind
+from headroom.contract.ports import SIDECAR_PORT
+from headroom.contract.report import SourceKind
 
 DEFAULT_PATHS: dict[str, str] = {"headroom": "/stats", "vllm": "/metrics", "sglang": "/metrics"}
-
-
-# The sidecar listens here unless told otherwise; the operator's pod template and its sidecar
-# metrics source use the same constant.
-DEFAULT_PORT = 9090
 
 
 class IdentityLabels(BaseModel):
@@ -41,7 +37,7 @@ class SidecarConfig(BaseModel):
         description="tokens per KV page, for the sglang source (SGLang's --page-size)",
     )
     host: str = "0.0.0.0"
-    port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
+    port: int = Field(default=SIDECAR_PORT, ge=0, le=65535)
     interval: float = Field(default=1.0, gt=0, le=3600, description="seconds between polls")
     timeout: float = Field(default=0.8, gt=0, description="seconds before a poll is abandoned")
     window: float = Field(default=60.0, gt=0, description="hit-ratio / rate window, seconds")

@@ -19,7 +19,7 @@ from prometheus_client.exposition import generate_latest
 from headroom.sidecar.collector import SidecarCollector, make_registry
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.poller import Poller
-from headroom.sidecar.report import build_report
+from headroom.sidecar.saturation import build_report
 from headroom.sidecar.state import PollState, figures
 
 log = logging.getLogger("headroom.sidecar")

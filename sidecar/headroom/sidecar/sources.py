@@ -14,15 +14,13 @@ import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from headroom.engine.stats import STATS_SCHEMA_VERSION, Histogram, StatsSnapshot
-
-SourceKind = Literal["headroom", "vllm", "sglang"]
+from headroom.contract.report import SourceKind
+from headroom.contract.stats import STATS_SCHEMA_VERSION, Histogram, StatsSnapshot
 
 
 class GarbageError(ValueError):

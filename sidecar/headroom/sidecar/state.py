@@ -12,8 +12,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from headroom.contract.forecast import counter_rate, forecast_saturation, windowed_ratio
 from headroom.sidecar.config import SidecarConfig
-from headroom.sidecar.forecast import counter_rate, forecast_saturation, windowed_ratio
 from headroom.sidecar.sources import EngineReading
 
 ErrorReason = Literal["unreachable", "timeout", "http_status", "garbage", "internal"]

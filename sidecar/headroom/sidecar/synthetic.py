@@ -16,7 +16,7 @@ from typing import Literal
 
 from aiohttp import web
 
-from headroom.engine.stats import (
+from headroom.contract.stats import (
     TPOT_BUCKETS_S,
     TTFT_BUCKETS_S,
     Histogram,

@@ -68,7 +68,7 @@ async def handle_ready(request: web.Request) -> web.Response:
 
 
 async def handle_stats(request: web.Request) -> web.Response:
-    """The engine's `StatsSnapshot` (headroom.engine.stats), the sidecar's input."""
+    """The engine's `StatsSnapshot` (headroom.contract.stats), the sidecar's input."""
     st = state_of(request)
     if st.engine is None:
         raise APIError(503, st.load_error or "model is still loading", code="not_ready")

@@ -1,13 +1,13 @@
 """The startup budget: what the weights take, how big the KV pool is in blocks and tokens, and
 how many max-length sequences fit, as one readable line; and the fail-fast check that the pool
 holds at least one `max_model_len` sequence (instead of a cryptic error on the first request).
-Pure arithmetic over `headroom.engine.budget`."""
+Pure arithmetic over `headroom.contract.budget`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from headroom.engine.budget import (
+from headroom.contract.budget import (
     KVCacheDtype,
     ModelArch,
     blocks_for_tokens,

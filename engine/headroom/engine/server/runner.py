@@ -18,8 +18,8 @@ from typing import Any, TextIO
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from headroom.contract.budget import ModelArch
 from headroom.engine.async_engine import AsyncEngine
-from headroom.engine.budget import ModelArch
 from headroom.engine.config import EngineConfig
 from headroom.engine.server.app import ServerSettings, ServerState, create_app
 from headroom.engine.server.budget_report import BudgetReport, budget_kv_dtype

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from headroom.engine.budget.arch import ModelArch
+from headroom.contract.budget.arch import ModelArch
 
 _L31 = {"vocab_size": 128256, "max_position_embeddings": 131072, "num_kv_heads": 8}
 

@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from headroom.engine.budget.arch import ModelArch
-from headroom.engine.budget.memory import (
+from headroom.contract.budget.arch import ModelArch
+from headroom.contract.budget.memory import (
     GIB,
     KVCacheDtype,
     activation_reserve_bytes,

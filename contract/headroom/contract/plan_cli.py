@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from headroom.engine.budget import (
+from headroom.contract.budget import (
     GIB,
     GPU_PRESETS,
     MODEL_PRESETS,
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     result = plan(inp)
     print(result.model_dump_json(indent=2) if args.json else render_plan(result))
     if args.plot is not None:
-        from headroom.engine.budget.chart import draw_memory_chart
+        from headroom.contract.budget.chart import draw_memory_chart
 
         draw_memory_chart(inp, result, args.plot)
         print(f"chart written to {args.plot}", file=sys.stderr)

@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from headroom.sidecar.forecast import least_squares_slope
+from headroom.contract.forecast import least_squares_slope
 
 Action = Literal["scale-out", "scale-in", "hold"]
 MetricsState = Literal["ok", "partial", "missing"]

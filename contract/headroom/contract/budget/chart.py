@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from headroom.engine.budget.memory import GIB, blocks_for_tokens
-from headroom.engine.budget.plan import Plan, PlanInput
+from headroom.contract.budget.memory import GIB, blocks_for_tokens
+from headroom.contract.budget.plan import Plan, PlanInput
 
 
 def draw_memory_chart(inp: PlanInput, p: Plan, path: Path) -> None:

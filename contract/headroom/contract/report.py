@@ -1,19 +1,17 @@
-"""`GET /saturation`: the sidecar's figures as JSON, for the operator's direct-scrape mode.
+"""The sidecar -> operator report: the body of the sidecar's `GET /saturation`.
 
-The operator reads this instead of Prometheus when `scaling.metricsSource` is `sidecar`. The
-numbers are the same ones `/metrics` exports at the same instant.
+The operator reads this instead of Prometheus when `scaling.metricsSource` is `sidecar`; the
+numbers are the ones the sidecar's `/metrics` exports at the same instant.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from headroom.sidecar.config import SidecarConfig
-from headroom.sidecar.sources import SourceKind
-from headroom.sidecar.state import Figures, finite_or_none
+# What a sidecar can poll: headroom's /stats, or a stock vLLM or SGLang server's /metrics.
+SourceKind = Literal["headroom", "vllm", "sglang"]
 
 SATURATION_REPORT_VERSION: Literal[1] = 1
 
@@ -82,47 +80,3 @@ class SaturationReport(BaseModel):
     window_seconds: float = Field(description="window of hit_ratio and preemption rate")
     forecast_window_seconds: float = Field(description="window of the slope fit")
     engine_restarts_total: int = Field(description="engine restarts this sidecar has seen")
-
-
-def build_report(
-    fig: Figures, cfg: SidecarConfig, now_unix: float | None = None
-) -> SaturationReport:
-    """Render `fig` as the `/saturation` body."""
-    r = fig.reading
-    ready = fig.eta_seconds is not None
-    return SaturationReport(
-        time=time.time() if now_unix is None else now_unix,
-        source=cfg.source,
-        pod=cfg.labels.pod or None,
-        namespace=cfg.labels.namespace or None,
-        inferencedeployment=cfg.labels.inferencedeployment or None,
-        model=fig.model,
-        engine_up=fig.engine_up,
-        fresh=fig.fresh,
-        age_seconds=fig.age_seconds,
-        stale_after_seconds=cfg.stale_after,
-        last_error=fig.last_error,
-        occupancy=r.occupancy if r else None,
-        used_blocks=r.used_blocks if r else None,
-        capacity_blocks=r.capacity_blocks if r else None,
-        cached_blocks=r.cached_blocks if r else None,
-        block_size=r.block_size if r else None,
-        bytes_per_token=r.bytes_per_token if r else None,
-        growth_blocks_per_second=fig.growth_blocks_per_second,
-        growth_ratio_per_second=fig.growth_ratio_per_second,
-        eta_seconds=finite_or_none(fig.eta_seconds),
-        forecast_ready=ready,
-        forecast_points=fig.forecast_points,
-        fit_points=fig.fit_points,
-        hit_ratio=fig.hit_ratio,
-        prefix_cache_enabled=r.prefix_cache_enabled if r else None,
-        running=r.running if r else None,
-        waiting=r.waiting if r else None,
-        preemptions_total=round(r.preemptions_total)
-        if r and r.preemptions_total is not None
-        else None,
-        preemption_rate_per_second=fig.preemption_rate_per_second,
-        window_seconds=cfg.window,
-        forecast_window_seconds=cfg.forecast_window,
-        engine_restarts_total=fig.restarts_total,
-    )

@@ -108,8 +108,22 @@ class StatsSnapshot(_Model):
     requests: RequestStats
     preemptions_total: int = Field(ge=0)
     steps_total: int = Field(ge=0)
-    requests_finished_total: int = Field(ge=0, default=0)
+    requests_finished_total: int = Field(
+        ge=0, default=0, description="requests that left the engine: finished, aborted or failed"
+    )
     prompt_tokens_total: int = Field(ge=0, default=0)
+    # The demand signals (Little's law): what has arrived at the door, and the KV that finished
+    # requests held over their lives. Occupancy lags a change of traffic by one request lifetime;
+    # arrivals x block-seconds per request does not.
+    requests_arrived_total: int = Field(
+        ge=0, default=0, description="requests accepted by the engine (admitted or queued)"
+    )
+    prompt_tokens_arrived_total: int = Field(
+        ge=0, default=0, description="prompt tokens of the requests counted in requests_arrived"
+    )
+    kv_block_seconds_total: float = Field(
+        ge=0, default=0.0, description="integral of used KV blocks over time, block-seconds"
+    )
     generation_tokens_total: int = Field(ge=0, default=0)
     time_to_first_token_seconds: Histogram | None = None
     time_per_output_token_seconds: Histogram | None = None

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from headroom.engine.budget import (
+from headroom.contract.budget import (
     GIB,
     ModelArch,
     Plan,
@@ -23,7 +23,7 @@ from headroom.engine.budget import (
     model_preset,
     plan,
 )
-from headroom.operator.models import Budget, InferenceDeploymentSpec, ModelSpec
+from headroom.operator.crd.models import Budget, InferenceDeploymentSpec, ModelSpec
 
 
 class SpecError(ValueError):

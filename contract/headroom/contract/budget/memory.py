@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable
 from typing import Literal
 
-from headroom.engine.budget.arch import ModelArch
+from headroom.contract.budget.arch import ModelArch
 
 KVCacheDtype = Literal["bf16", "fp16", "fp8", "int8", "fp32"]
 KV_ELEMENT_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}

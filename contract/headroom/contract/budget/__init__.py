@@ -1,14 +1,14 @@
 """The KV memory model shared by the engine (how many blocks fit), the operator (how many pods)
 and `headroom plan`. Pure Python: importing it never imports torch."""
 
-from headroom.engine.budget.arch import (
+from headroom.contract.budget.arch import (
     WEIGHT_BYTES,
     AttentionKind,
     ModelArch,
     estimate_parameters,
     from_hf_config,
 )
-from headroom.engine.budget.memory import (
+from headroom.contract.budget.memory import (
     GIB,
     KV_ELEMENT_BYTES,
     KVCacheDtype,
@@ -26,8 +26,8 @@ from headroom.engine.budget.memory import (
     weights_bytes,
     weights_bytes_per_gpu,
 )
-from headroom.engine.budget.plan import Alternative, Plan, PlanInput, plan
-from headroom.engine.budget.presets import (
+from headroom.contract.budget.plan import Alternative, Plan, PlanInput, plan
+from headroom.contract.budget.presets import (
     GPU,
     GPU_PRESETS,
     MODEL_PRESETS,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 # set its own `func` default runs its module's `run(args)`.
 _COMMANDS: dict[str, tuple[str, str, str]] = {
     "plan": (
-        "headroom.engine.plan_cli",
+        "headroom.contract.plan_cli",
         "add_parser",
         "size a deployment from KV-cache arithmetic",
     ),

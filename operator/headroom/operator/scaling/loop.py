@@ -12,24 +12,31 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
-from headroom.operator.children import deployment, selector_string
-from headroom.operator.decide import Decision, Inputs, PodView, Policy, ScaleInWindow, decide
-from headroom.operator.kube import KubeAPI, KubeError, owner_of, with_retries
-from headroom.operator.metrics_sources import (
-    MetricsError,
-    MetricsSource,
-    PodInfo,
-    Target,
-    pod_infos,
-)
-from headroom.operator.models import (
+from headroom.operator.crd.models import (
     MAX_DECISIONS,
     DecisionInputs,
     DecisionRecord,
     InferenceDeploymentSpec,
     KVStatus,
 )
-from headroom.operator.sizing import Sizing, blocks_per_sequence, parse
+from headroom.operator.kube import KubeAPI, KubeError, owner_of, with_retries
+from headroom.operator.reconcile.children import deployment, selector_string
+from headroom.operator.reconcile.sizing import Sizing, blocks_per_sequence, parse
+from headroom.operator.scaling.decide import (
+    Decision,
+    Inputs,
+    PodView,
+    Policy,
+    ScaleInWindow,
+    decide,
+)
+from headroom.operator.scaling.metrics_sources import (
+    MetricsError,
+    MetricsSource,
+    PodInfo,
+    Target,
+    pod_infos,
+)
 from headroom.operator.status import (
     Event,
     Outcome,
@@ -40,7 +47,7 @@ from headroom.operator.status import (
     set_status_condition,
 )
 
-log = logging.getLogger("headroom.operator.scaling")
+log = logging.getLogger("headroom.operator.scaling.loop")
 
 
 def policy_for(spec: InferenceDeploymentSpec, sizing: Sizing) -> Policy:

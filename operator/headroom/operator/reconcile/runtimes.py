@@ -21,10 +21,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from headroom.operator.models import HEADROOM_IMAGE, RUNTIME_IMAGES, InferenceDeploymentSpec
-from headroom.operator.sizing import Sizing, served_model_name
+from headroom.contract.ports import ENGINE_PORT
+from headroom.operator.crd.models import HEADROOM_IMAGE, RUNTIME_IMAGES, InferenceDeploymentSpec
+from headroom.operator.reconcile.sizing import Sizing, served_model_name
 
-ENGINE_PORT = 8000
 STARTUP_PERIOD_SECONDS = 10
 SGLANG_KV_DTYPE = {"auto": "auto", "fp8": "fp8_e4m3"}
 

@@ -11,16 +11,16 @@ import logging
 from functools import partial
 from typing import Any
 
-from headroom.operator.children import (
+from headroom.operator.crd.models import InferenceDeploymentSpec
+from headroom.operator.kube import KubeAPI, KubeError, owner_of, owns_field, with_retries
+from headroom.operator.reconcile.children import (
     FIELD_MANAGER,
     Owner,
     render,
     selector_string,
 )
-from headroom.operator.decide import clamp
-from headroom.operator.kube import KubeAPI, KubeError, owner_of, owns_field, with_retries
-from headroom.operator.models import InferenceDeploymentSpec
-from headroom.operator.sizing import Sizing, budget, parse, summary
+from headroom.operator.reconcile.sizing import Sizing, budget, parse, summary
+from headroom.operator.scaling.decide import clamp
 from headroom.operator.status import (
     Event,
     Outcome,
@@ -29,7 +29,7 @@ from headroom.operator.status import (
     set_status_condition,
 )
 
-log = logging.getLogger("headroom.operator.reconcile")
+log = logging.getLogger("headroom.operator.reconcile.loop")
 HANDOFF_MANAGER = "headroom-operator-handoff"
 MONITORING_GV = "monitoring.coreos.com/v1"
 MONITORING_KINDS = frozenset({"ServiceMonitor", "PrometheusRule"})

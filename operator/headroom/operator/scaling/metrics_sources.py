@@ -16,9 +16,9 @@ from typing import Any, Protocol
 import aiohttp
 from pydantic import ValidationError
 
-from headroom.operator.decide import PodSample
-from headroom.sidecar.config import DEFAULT_PORT as SIDECAR_PORT
-from headroom.sidecar.report import SaturationReport
+from headroom.contract.ports import SIDECAR_PORT
+from headroom.contract.report import SaturationReport
+from headroom.operator.scaling.decide import PodSample
 
 
 class MetricsError(Exception):

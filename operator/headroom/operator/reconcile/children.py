@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from headroom.operator.models import GROUP, KIND, VERSION, InferenceDeploymentSpec
-from headroom.operator.runtimes import (
-    ENGINE_PORT,
+from headroom.contract.ports import ENGINE_PORT, SIDECAR_PORT
+from headroom.operator.crd.models import GROUP, KIND, VERSION, InferenceDeploymentSpec
+from headroom.operator.reconcile.runtimes import (
     STARTUP_PERIOD_SECONDS,
     engine_command,
     engine_image,
@@ -23,8 +23,7 @@ from headroom.operator.runtimes import (
     sidecar_source_args,
     startup_failure_threshold,
 )
-from headroom.operator.sizing import Sizing
-from headroom.sidecar.config import DEFAULT_PORT as SIDECAR_PORT
+from headroom.operator.reconcile.sizing import Sizing
 
 FIELD_MANAGER = "headroom-operator"
 SELECTOR_LABEL = f"{GROUP}/inferencedeployment"

@@ -10,9 +10,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from headroom.engine.budget import GPU_PRESETS, MODEL_PRESETS
-from headroom.engine.budget.presets import GPU_ALIASES
-from headroom.operator.rules import CRDModel, Rule
+from headroom.contract.budget import GPU_PRESETS, MODEL_PRESETS
+from headroom.contract.budget.presets import GPU_ALIASES
+from headroom.operator.crd.rules import CRDModel, Rule
 
 GROUP = "headroom.dev"
 VERSION = "v1alpha1"

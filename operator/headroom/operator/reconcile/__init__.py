@@ -1,0 +1,1 @@
+"""The reconcile loop: spec -> sizing -> children (per runtime) -> server-side apply -> status."""

@@ -1,0 +1,1 @@
+"""The scaling loop: pods and KV metrics -> `decide()` -> replicas, status and Events."""
