@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from headroom.contract.budget import GIB, plan
 from headroom.contract import plan_cli
+from headroom.contract.budget import GIB, plan
 from headroom.operator.crd.models import InferenceDeploymentSpec
 from headroom.operator.reconcile.sizing import (
     blocks_per_sequence,
