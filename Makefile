@@ -8,12 +8,13 @@ CACHE ?= $(HOME)/.cache/headroom
 export HEADROOM_CACHE := $(CACHE)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv lock demo test lint unit bench crd tools e2e
+.PHONY: help venv lock demo test lint unit bench crd tools e2e image
 help:
 	@echo "make demo   run the planner, the CPU engine with the tiny model, the sidecar and the autoscaler"
 	@echo "make test   lint, type-check and run every test (builds the test control plane on first run)"
 	@echo "make bench  run the benchmarks under bench/ and print their tables"
 	@echo "make e2e    end-to-end scenarios on the real control plane"
+	@echo "make image  build the headroom and headroom-engine images here (no registry), run and export them"
 	@echo "make lock   re-resolve uv.lock after editing the ranges in pyproject.toml"
 
 venv:
@@ -49,6 +50,12 @@ bench: venv
 		if [ $$rc = 77 ]; then echo "(skipped: $$b needs a GPU)"; \
 		elif [ $$rc != 0 ]; then failed="$$failed $$b"; fi; done; \
 	if [ -n "$$failed" ]; then echo "MISS in:$$failed" >&2; exit 1; fi
+
+# Both images, built with no registry (mmdebstrap, buildah and podman from Debian: see
+# scripts/image.sh), run (the engine answers /health) and exported as OCI archives under
+# $(CACHE)/images. `make test` builds and runs the small one (tests/test_image.py).
+image: venv
+	@scripts/image.sh all
 
 # The chart ships its own copy (Helm installs charts/<name>/crds/); a test keeps them identical.
 crd: venv

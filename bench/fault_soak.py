@@ -133,7 +133,7 @@ async def soak_one(seed: int, requests: int, concurrency: int, p: float) -> Soak
         deadline = time.monotonic() + 30
         while engine.has_unfinished() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        pool = engine.scheduler.pool
+        pool = engine.scheduler.kv.pool
         # Free and parked prefix blocks add up to the pool when nothing holds a block.
         leaked = pool.num_blocks - pool.num_free - pool.num_cached
         after = await run_load(WorkloadSpec(num_requests=1, seed=seed), target, tokens_per_word=tpw)

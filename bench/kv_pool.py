@@ -17,8 +17,9 @@ from collections.abc import Callable
 from verdicts import Verdicts
 
 from headroom.engine.block_pool import BlockPool
-from headroom.engine.prefix_cache import ROOT_REF, extend_block_hashes
-from headroom.engine.scheduler import Scheduler, SchedulerConfig
+from headroom.engine.config import EngineConfig
+from headroom.engine.prefix_cache import ROOT_REF, PrefixCache, extend_block_hashes
+from headroom.engine.scheduler import Scheduler
 from headroom.engine.sequence import Sequence
 
 BLOCK_SIZE = 16
@@ -37,8 +38,12 @@ def best_rate(fn: Callable[[], int], repeats: int) -> float:
     return best
 
 
+def caching_pool(num_blocks: int = 4096) -> BlockPool:
+    return BlockPool(num_blocks, PrefixCache(num_blocks))
+
+
 def alloc_free_pairs(n: int = 500_000) -> Callable[[], int]:
-    pool = BlockPool(4096, BLOCK_SIZE)
+    pool = caching_pool()
     allocate, free = pool.allocate, pool.free
 
     def run() -> int:
@@ -51,12 +56,14 @@ def alloc_free_pairs(n: int = 500_000) -> Callable[[], int]:
 
 def alloc_free_batched(n: int = 20_000, batch: int = 16) -> Callable[[], int]:
     """A whole prompt's worth of blocks at a time, freed tail first as the scheduler does."""
-    pool = BlockPool(4096, BLOCK_SIZE)
+    pool = caching_pool()
+    allocate, free = pool.allocate, pool.free
 
     def run() -> int:
         for _ in range(n):
-            blocks = pool.allocate_many(batch)
-            pool.free_many(reversed(blocks))
+            blocks = [allocate() for _ in range(batch)]
+            for b in reversed(blocks):
+                free(b)
         return n * batch
 
     return run
@@ -64,13 +71,14 @@ def alloc_free_batched(n: int = 20_000, batch: int = 16) -> Callable[[], int]:
 
 def cached_revive_pairs(n: int = 200_000) -> Callable[[], int]:
     """A prefix hit on a parked block and its release: the LRU list's remove-from-the-middle."""
-    pool = BlockPool(4096, BLOCK_SIZE)
-    cache = pool.prefix_cache
+    pool = caching_pool()
+    cache = pool.cache
     assert cache is not None
-    blocks = pool.allocate_many(1024)
+    blocks = [pool.allocate() for _ in range(1024)]
     for i, b in enumerate(blocks):
         cache.insert(b, i, ROOT_REF, [i] * BLOCK_SIZE, None)
-    pool.free_many(blocks)
+    for b in blocks:
+        pool.free(b)
     rng = random.Random(0)
     order = [rng.choice(blocks) for _ in range(n)]
     share, free = pool.share, pool.free
@@ -85,8 +93,8 @@ def cached_revive_pairs(n: int = 200_000) -> Callable[[], int]:
 
 
 def prefix_setup(prompt_blocks: int) -> tuple[BlockPool, list[int], list[int]]:
-    pool = BlockPool(4096, BLOCK_SIZE)
-    cache = pool.prefix_cache
+    pool = caching_pool()
+    cache = pool.cache
     assert cache is not None
     rng = random.Random(1)
     tokens = [rng.randrange(32000) for _ in range(prompt_blocks * BLOCK_SIZE + 1)]
@@ -105,7 +113,7 @@ def prefix_lookups(prompt_blocks: int, hashing: bool, n: int) -> Callable[[], in
     """Full-hit lookups of a cached prompt; with `hashing`, chain-hash the prompt first (what a
     new request pays once)."""
     pool, tokens, hashes = prefix_setup(prompt_blocks)
-    cache = pool.prefix_cache
+    cache = pool.cache
     assert cache is not None
     match = cache.match
 
@@ -123,7 +131,7 @@ def prefix_lookups(prompt_blocks: int, hashing: bool, n: int) -> Callable[[], in
 
 
 def scheduler_steps(steps: int = 400) -> tuple[Callable[[], int], Scheduler]:
-    cfg = SchedulerConfig(
+    cfg = EngineConfig(
         num_blocks=RUNNING * 192,  # room for every sequence to grow: no preemption
         block_size=BLOCK_SIZE,
         max_model_len=4096,
@@ -134,7 +142,7 @@ def scheduler_steps(steps: int = 400) -> tuple[Callable[[], int], Scheduler]:
     rng = random.Random(2)
     for i in range(RUNNING):
         prompt = [rng.randrange(32000) for _ in range(rng.randrange(64, 512))]
-        sched.add(Sequence.new(f"r{i}", prompt, max_tokens=3000))
+        sched.add(Sequence(f"r{i}", prompt, max_tokens=3000))
     while sched.waiting or any(not s.output_token_ids for s in sched.running):
         out = sched.schedule()
         sched.update(out, {e.seq.seq_id: 1 for e in out.scheduled if e.sample})
@@ -171,7 +179,7 @@ def main() -> int:
     rows = [
         ("allocate + free, one block", f"{pairs:,.0f} pairs/s",
          f">= {TARGET_PAIRS_PER_S:,} pairs/s: {pairs_ok}"),
-        ("allocate_many(16) + free_many", f"{batched:,.0f} pairs/s", ""),
+        ("allocate 16 + free them", f"{batched:,.0f} pairs/s", ""),
         ("prefix hit revive + release", f"{revive:,.0f} pairs/s", "parked LRU, O(1) unlink"),
         ("prefix lookup, 4-block prompt", f"{look4:,.0f} lookups/s", f"{look4 * 4:,.0f} blocks/s"),
         ("prefix lookup, 64-block prompt", f"{look64:,.0f} lookups/s",

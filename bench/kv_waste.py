@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from verdicts import Verdicts
 
-from headroom.engine.scheduler import Scheduler, SchedulerConfig
+from headroom.engine.config import EngineConfig
+from headroom.engine.scheduler import Scheduler
 from headroom.engine.sequence import Sequence
 
 # The vLLM paper's ShareGPT figures (Kwon et al. 2023, section 6.1): mean input 161.31 tokens,
@@ -105,7 +106,7 @@ def run_naive(trace: list[Request]) -> Result:
 def run_paged(trace: list[Request], seed: int, watermark: float = 0.01) -> Result:
     """The real scheduler over the block pool."""
     t0 = time.perf_counter()
-    cfg = SchedulerConfig(
+    cfg = EngineConfig(
         num_blocks=KV_BLOCKS,
         block_size=BLOCK_SIZE,
         max_model_len=MAX_MODEL_LEN,
@@ -118,7 +119,7 @@ def run_paged(trace: list[Request], seed: int, watermark: float = 0.01) -> Resul
     rng = random.Random(seed)
     for i, r in enumerate(trace):
         prompt = [rng.randrange(32000) for _ in range(r.prompt_len)]
-        sched.add(Sequence.new(f"r{i}", prompt, r.output_len))
+        sched.add(Sequence(f"r{i}", prompt, r.output_len))
     waste_sum = conc_sum = 0.0
     steps = peak = computed = 0
     while sched.has_unfinished():
@@ -127,7 +128,7 @@ def run_paged(trace: list[Request], seed: int, watermark: float = 0.01) -> Resul
         sched.update(out, {e.seq.seq_id: 0 for e in out.scheduled if e.sample})
         # Measured after the step, like the naive side: KV stored vs slots held by blocks.
         stored = sum(s.num_computed_tokens for s in sched.running)
-        reserved = sched.pool.num_used * BLOCK_SIZE
+        reserved = sched.kv.pool.num_used * BLOCK_SIZE
         if reserved:
             waste_sum += 1 - stored / reserved
         conc_sum += len(out.scheduled)

@@ -39,11 +39,15 @@ from verdicts import Verdicts
 from headroom.contract.forecast import forecast_saturation
 from headroom.sidecar.collector import SidecarCollector, make_registry
 from headroom.sidecar.config import SidecarConfig
-from headroom.sidecar.sources import parse_headroom_stats, parse_vllm_metrics
+from headroom.sidecar.sources import parse_headroom_stats
 from headroom.sidecar.state import PollState, figures
-from headroom.sidecar.synthetic import SyntheticEngine
+from headroom.sidecar.vllm_source import parse_vllm_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
+# The scriptable /stats engine is a test double: it lives with the tests.
+sys.path.insert(0, str(ROOT / "tests"))
+from synthetic_engine import SyntheticEngine  # noqa: E402
+
 VLLM_TEXT = (ROOT / "tests" / "prometheus" / "vllm_metrics_dp2.txt").read_text()
 RENDER_TARGET_MS = 5.0
 CPU_TARGET_PCT = 2.0

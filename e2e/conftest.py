@@ -10,7 +10,6 @@ chart's RBAC.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -32,8 +31,6 @@ pytest_plugins = ["e2e.cluster.pytest_plugin"]
 CHART = REPO / "charts" / "headroom"
 RELEASE = "headroom"
 RELEASE_NAMESPACE = "headroom-system"
-# Fast loops for tests: the scaling timer's granularity (a spec's intervalSeconds still applies).
-OPERATOR_TICK_SECONDS = float(os.environ.get("HEADROOM_E2E_TICK", "0.5"))
 
 _timings = Timings()
 
@@ -113,7 +110,7 @@ def operator_kubeconfig(cluster: Cluster, release: Release) -> Path:
 def operator(operator_kubeconfig: Path, log_dir: Path, timings: Timings) -> Iterator[Operator]:
     """One operator for the session (scenario 4 restarts it); stopped at the end."""
     group = Processes(log_dir)
-    op = Operator(group, operator_kubeconfig, tick=OPERATOR_TICK_SECONDS)
+    op = Operator(group, operator_kubeconfig)
     try:
         with timings.phase("setup: start headroom operator"):
             op.start()

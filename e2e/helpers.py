@@ -369,10 +369,9 @@ def table_of(rows: list[tuple[str, float]], *, total: bool = True) -> str:
 class Operator:
     """`headroom operator` as a local process, cluster-wide, authenticated by one kubeconfig."""
 
-    def __init__(self, group: Processes, kubeconfig: Path, *, tick: float) -> None:
+    def __init__(self, group: Processes, kubeconfig: Path) -> None:
         self.group = group
         self.kubeconfig = kubeconfig
-        self.tick = tick
         self.metrics_port = 0
         self.proc: Proc | None = None
         self.starts = 0
@@ -388,8 +387,6 @@ class Operator:
             "--all-namespaces",
             "--kubeconfig",
             str(self.kubeconfig),
-            "--tick-seconds",
-            str(self.tick),
             "--metrics-port",
             str(self.metrics_port),
             "--liveness-port",

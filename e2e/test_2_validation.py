@@ -132,13 +132,97 @@ BAD: list[tuple[str, dict[str, Any], str, bool]] = [
     (
         "vllm-block-size",
         {"engine": {"runtime": "vllm", "blockSize": 24}},
-        "runtime vllm takes engine.blockSize 1, 8, 16, 32, 64 or 128",
+        "runtime vllm takes engine.blockSize 16, 32, 64 or 128",
         True,
+    ),
+    # Issue 22: three specs vLLM 0.11's and SGLang 0.5.3's own code refuse at start, so the pod
+    # would crash-loop. vLLM's attention backends need a block size that is a multiple of 16.
+    (
+        "vllm-block-size-1",
+        {"engine": {"runtime": "vllm", "blockSize": 1}},
+        "runtime vllm takes engine.blockSize 16, 32, 64 or 128",
+        True,
+    ),
+    (
+        "vllm-block-size-8",
+        {"engine": {"runtime": "vllm", "blockSize": 8}},
+        "runtime vllm takes engine.blockSize 16, 32, 64 or 128",
+        True,
+    ),
+    (
+        "vllm-batched-below-seqs",
+        {"engine": {"runtime": "vllm", "maxNumBatchedTokens": 256, "maxNumSeqs": 512}},
+        "runtime vllm needs engine.maxNumBatchedTokens (vLLM --max-num-batched-tokens) of at "
+        "least engine.maxNumSeqs",
+        True,
+    ),
+    (
+        "sglang-page-48",
+        {"engine": {"runtime": "sglang", "blockSize": 48}},
+        "runtime sglang needs engine.maxNumBatchedTokens (SGLang --chunked-prefill-size) to be "
+        "a multiple of engine.blockSize",
+        True,
+    ),
+    (
+        "sglang-chunk-1000",
+        {"engine": {"runtime": "sglang", "blockSize": 64, "maxNumBatchedTokens": 1000}},
+        "runtime sglang needs engine.maxNumBatchedTokens (SGLang --chunked-prefill-size) to be "
+        "a multiple of engine.blockSize",
+        True,
+    ),
+    # Issue 24: specs that pass the CRD and then can never be applied or run.
+    (
+        "memory-lots",
+        {"engine": {"memory": "lots"}},
+        'spec.engine.memory: Invalid value: "lots": spec.engine.memory in body should match',
+        False,
+    ),
+    (
+        "cpu-four",
+        {"engine": {"cpu": "four"}},
+        'spec.engine.cpu: Invalid value: "four": spec.engine.cpu in body should match',
+        False,
+    ),
+    (
+        "gpu-resource-memory",
+        {"gpu": {"resourceName": "memory"}},
+        "gpu.resourceName must be an extended resource",
+        True,
+    ),
+    (
+        "gpu-resource-cpu",
+        {"gpu": {"resourceName": "cpu"}},
+        "gpu.resourceName must be an extended resource",
+        True,
+    ),
+    (
+        "path-is-a-flag",
+        {"model": {"path": "--trust-remote-code"}},
+        "spec.model.path in body should match '^[^-\\s]'",
+        False,
+    ),
+    (
+        "served-name-is-a-flag",
+        {"model": {"servedModelName": "--trust-remote-code"}},
+        "spec.model.servedModelName in body should match '^[^-\\s]'",
+        False,
     ),
     (
         "vllm-headroom-image",
         {"engine": {"runtime": "vllm", "image": "ghcr.io/headroom-dev/headroom:0.1.0"}},
-        "which has no vLLM or SGLang server",
+        "which have no vLLM or SGLang server",
+        True,
+    ),
+    (
+        "sglang-headroom-engine-image",
+        {"engine": {"runtime": "sglang", "image": "ghcr.io/headroom-dev/headroom-engine:0.1.0"}},
+        "which have no vLLM or SGLang server",
+        True,
+    ),
+    (
+        "headroom-runtime-small-image",
+        {"engine": {"image": "ghcr.io/headroom-dev/headroom:0.1.0"}},
+        "is the small image (operator and sidecar, no torch)",
         True,
     ),
 ]
@@ -227,6 +311,23 @@ def test_api_server_rejects_bad_spec(
     assert fragment in out.stderr, f"{case}: expected {fragment!r} in:\n{out.stderr}"
     listed = cluster.kubectl("get", "infd", "-n", cluster_namespace, "-o", "name").stdout
     assert f"bad-{case}" not in listed
+
+
+# Names the children cannot take: the Service refuses dots, labels stop at 63 characters, and a
+# Service name starts with a letter.
+BAD_NAMES = [("dotted", "a.b"), ("seventy", "x" * 70), ("digit-first", "7b-chat")]
+
+
+@pytest.mark.parametrize(("case", "name"), BAD_NAMES, ids=[b[0] for b in BAD_NAMES])
+def test_api_server_rejects_names_the_children_cannot_take(
+    cluster: Cluster, cluster_namespace: str, crd_installed: None, case: str, name: str
+) -> None:
+    out = cluster.kubectl(
+        "apply", "-f", "-", input=_manifest(name, cluster_namespace, BASE), check=False
+    )
+    assert out.returncode != 0, f"{case}: {name!r} was accepted"
+    assert "metadata.name must be a DNS-1035 label" in out.stderr, out.stderr
+    assert any("metadata.name must be a DNS-1035 label" in m for m in _crd_messages())
 
 
 def test_infeasible_spec_is_accepted_and_reported(

@@ -1,4 +1,4 @@
-"""Scenario 5: scale before the wall, on the forecast.
+"""Scenario 5: scale before the wall, on the demand signal.
 
 A real engine (the built-in tiny model on CPU, a deliberately small KV pool) and its sidecar run
 as local processes standing in for the InferenceDeployment's one pod (kwok pods run nothing; the
@@ -6,18 +6,18 @@ sidecar carries the kwok pod's name, so the series match the pod the operator se
 Prometheus scrapes the sidecar, the load generator ramps concurrency, and the operator, reading
 Prometheus, must scale the Deployment out before the engine hits the wall.
 
-What makes this a test of the forecast and not of a threshold: scaleOutOccupancy is 0.9, so the
-occupancy trigger alone would fire only at the wall's edge. The scenario requires the first
-scale-out to be a `SaturationSoon` decision (the sidecars' time-to-saturation inside the
-lookahead), made while the mean occupancy the operator read was still below 0.9, and decided
+What makes this a test of the demand signal and not of a threshold: scaleOutOccupancy is 0.9,
+so the occupancy trigger alone would fire only at the wall's edge. The scenario requires the
+first scale-out to be a `DemandForecast` decision (the engine's arrivals x block-seconds per
+request, Little's law, forecast over the pod start time), made while the mean occupancy the
+operator read was still below 0.9 and the demand it read was above the KV in use, and decided
 before the engine's own occupancy first reached 0.9, before its KV pool was first full and before
 its first preemption, all measured on one timeline that a thread samples from the engine four
 times a second. The lead times are printed; the assertion is that they are positive (their size
 depends on the machine).
 
-The operator ignores the growth of a pod that became ready less than `warmupSeconds` ago and
-projects growth only as far as the last `growthWindowSeconds` of decisions confirm it (see
-decide.py); the kwok pod became ready seconds before the ramp, so the scenario shortens both.
+The operator fits the demand trend over `growthWindowSeconds` of decisions; the scenario
+shortens it to 10 s, as it decides every second.
 """
 
 from __future__ import annotations
@@ -69,10 +69,7 @@ PROMPT_LEN, OUTPUT_LEN = 64, 448
 # The threshold trigger sits at the wall's edge: a scale-out before it is the forecast's doing.
 SCALE_OUT_OCCUPANCY = 0.9
 TARGET_OCCUPANCY = 0.7
-LOOKAHEAD_SECONDS = 60
-# The kwok pod became ready seconds before the ramp: count its growth after 5 s, not 90 s, and
-# confirm the sidecar's slope against 10 s of the operator's own demand figures.
-WARMUP_SECONDS = 5
+# Decisions every second: fit the demand trend over the last 10 of them.
 GROWTH_WINDOW_SECONDS = 10
 SAMPLE_SECONDS = 0.25
 
@@ -107,13 +104,11 @@ def _spec(prometheus_url: str) -> dict[str, Any]:
             "metricsSource": "prometheus",
             "prometheusURL": prometheus_url,
             "intervalSeconds": 1,
-            "saturationLookaheadSeconds": LOOKAHEAD_SECONDS,
             "scaleUpStabilizationSeconds": 0,
             "metricsMaxAgeSeconds": 10,
             "targetOccupancy": TARGET_OCCUPANCY,
             "scaleOutOccupancy": SCALE_OUT_OCCUPANCY,
             "scaleInHysteresis": 0.1,
-            "warmupSeconds": WARMUP_SECONDS,
             "growthWindowSeconds": GROWTH_WINDOW_SECONDS,
         },
     }
@@ -326,7 +321,7 @@ def _run(
     cluster.apply(yaml.safe_dump(cr))
     # The API server kept the knobs (a field the CRD lacks would be pruned without a word).
     stored = get_obj(cluster, "inferencedeployment", NAME, namespace=ns)["spec"]["scaling"]
-    for key in ("warmupSeconds", "growthWindowSeconds", "scaleOutOccupancy"):
+    for key in ("growthWindowSeconds", "scaleOutOccupancy"):
         assert stored.get(key) == spec["scaling"][key], (key, stored)
     pod = wait_until(
         lambda: _ready_pod(cluster, ns),
@@ -466,15 +461,15 @@ def _run(
     assert first is not None, f"no scale-out in status.lastDecisions: {status.get('lastDecisions')}"
     assert first["applied"] is True
     assert first["from"] == 1 and first["to"] == trace.scaled_to, first
-    assert first["reason"] == "SaturationSoon", (
-        f"the first scale-out must come from the saturation forecast, not {first['reason']}: "
-        f"{first}"
+    assert first["reason"] == "DemandForecast", (
+        f"the first scale-out must come from the demand signal, not {first['reason']}: {first}"
     )
     inputs = first["inputs"]
     assert inputs["podsReporting"] >= 1 and inputs["readyReplicas"] >= 1, inputs
-    assert inputs["demandBlocks"] is not None, inputs
-    assert inputs["minEtaSeconds"] is not None, inputs
-    assert inputs["minEtaSeconds"] < LOOKAHEAD_SECONDS, inputs
+    assert inputs["demandBlocks"] is not None and inputs["presentBlocks"] is not None, inputs
+    assert inputs["demandBlocks"] > inputs["presentBlocks"], (
+        f"the demand the operator read did not lead the KV in use: {inputs}"
+    )
     assert inputs["meanOccupancy"] is not None, inputs
     assert inputs["meanOccupancy"] < SCALE_OUT_OCCUPANCY, (
         f"the operator read occupancy {inputs['meanOccupancy']:.0%} at the decision: the "

@@ -11,8 +11,9 @@ small aiohttp app in this test serves the `/metrics` exposition a vLLM (SGLang) 
 with the Deployment's own args would serve (its pool is the `--num-gpu-blocks-override` /
 `--max-total-tokens` the operator wrote), with a KV usage gauge that idles, then rises steadily
 to full. Prometheus scrapes the sidecar and the operator, reading Prometheus, must scale out on
-the saturation forecast (`SaturationSoon`) while the usage is still under the 0.9
-`scaleOutOccupancy` line, i.e. before the fill. The stand-in's usage is a function of time, so
+its forecast of the KV in use (`KVForecast`: the stand-ins serve no request counters to derive
+demand from) while the usage is still under the 0.9 `scaleOutOccupancy` line, i.e. before the
+fill. The stand-in's usage is a function of time, so
 the lead times are exact: they are printed and asserted positive.
 """
 
@@ -62,8 +63,6 @@ RISE_SECONDS = 100.0
 FILL_GRACE_SECONDS = 30.0
 SCALE_OUT_OCCUPANCY = 0.9  # the threshold line sits at the fill's edge (as in scenario 5)
 TARGET_OCCUPANCY = 0.7
-LOOKAHEAD_SECONDS = 60
-WARMUP_SECONDS = 5
 GROWTH_WINDOW_SECONDS = 10
 MODEL = "llama-3.2-1b"
 
@@ -271,13 +270,11 @@ def _rising_spec(runtime: str, prometheus_url: str) -> dict[str, Any]:
             "metricsSource": "prometheus",
             "prometheusURL": prometheus_url,
             "intervalSeconds": 1,
-            "saturationLookaheadSeconds": LOOKAHEAD_SECONDS,
             "scaleUpStabilizationSeconds": 0,
             "metricsMaxAgeSeconds": 10,
             "targetOccupancy": TARGET_OCCUPANCY,
             "scaleOutOccupancy": SCALE_OUT_OCCUPANCY,
             "scaleInHysteresis": 0.1,
-            "warmupSeconds": WARMUP_SECONDS,
             "growthWindowSeconds": GROWTH_WINDOW_SECONDS,
         },
     }
@@ -436,11 +433,11 @@ def _run_rising(
           f"to the fill: {t_fill - decided_by:.1f} s")  # fmt: skip
     timings.figure(f"scenario 7 {runtime}: lead time, decision -> fill", t_fill - decided_by)
     assert first["applied"] is True and first["from"] == 1, first
-    assert first["reason"] == "SaturationSoon", (
-        f"the first scale-out must come from the saturation forecast, not {first['reason']}"
+    assert first["reason"] in ("KVForecast", "DemandForecast"), (
+        f"the first scale-out must come from the forecast, not {first['reason']}"
     )
     inputs = first["inputs"]
-    assert inputs["minEtaSeconds"] is not None and inputs["minEtaSeconds"] < LOOKAHEAD_SECONDS
+    assert inputs["forecastBlocks"] is not None and inputs["neededReplicas"] > 1, inputs
     assert inputs["meanOccupancy"] is not None
     assert inputs["meanOccupancy"] < SCALE_OUT_OCCUPANCY, inputs
     assert decided_by < t_line, (

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TextIO
 
 from headroom.contract.budget import (
     ModelArch,
@@ -40,11 +41,10 @@ from headroom.engine.loadgen.client import LoadResult, Target, run_load
 from headroom.engine.loadgen.progress import ProgressBar
 from headroom.engine.loadgen.stats import LoadSummary, render_summary, summarize
 from headroom.engine.loadgen.workload import LengthDist, WorkloadSpec
-from headroom.engine.model.tiny import build_tiny
-from headroom.engine.server.testing import ServerProcess, free_port
+from headroom.engine.model.tiny import tiny_config
 from headroom.operator.crd.models import InferenceDeploymentSpec
 from headroom.operator.reconcile.sizing import Sizing
-from headroom.operator.scaling.decide import Inputs, PodView, decide
+from headroom.operator.scaling.decide import Decision, Inputs, Memory, PodView, decide
 from headroom.operator.scaling.loop import policy_for
 from headroom.operator.scaling.metrics_sources import sample_from_report
 
@@ -106,18 +106,21 @@ def _wait_ready(url: str, proc: subprocess.Popen[str], what: str, timeout: float
 
 
 @contextlib.contextmanager
-def _process(args: list[str]) -> Iterator[subprocess.Popen[str]]:
+def _process(
+    args: list[str], env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[str], TextIO]]:
     """A helper process whose output goes to a temporary log (printed if the step fails)."""
-    with tempfile.TemporaryFile(mode="w+") as log:
+    # Append mode: reading the log moves the offset the process shares, not where it writes.
+    with tempfile.TemporaryFile(mode="a+") as log:
         proc = subprocess.Popen(
             [sys.executable, *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         try:
-            yield proc
+            yield proc, log
         except BaseException:
             log.seek(0)
             print(log.read()[-2000:], file=sys.stderr)
@@ -132,24 +135,28 @@ def _process(args: list[str]) -> Iterator[subprocess.Popen[str]]:
                     proc.wait()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _serve(args: list[str]) -> Iterator[tuple[str, list[str]]]:
+    """`headroom serve` on a free port, once ready: its URL and the lines it printed by then."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = ["-m", "headroom.engine.server", "--host", "127.0.0.1", "--port", str(port), *args]
+    # One torch thread: on a small shared CPU intra-op threads spin against the load client.
+    with _process(argv, {"OMP_NUM_THREADS": "1"}) as (proc, log):
+        _wait_ready(url + "/ready", proc, "headroom serve", timeout=180)
+        log.seek(0)
+        yield url, log.read().splitlines()
+
+
 def tiny_arch() -> ModelArch:
     """The built-in tiny model's architecture, as the budget model sees it."""
-    model, _ = build_tiny()
-    cfg = model.config
-    params = sum(p.numel() for p in model.parameters())
-    return ModelArch(
-        name="tiny",
-        num_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        vocab_size=cfg.vocab_size,
-        max_position_embeddings=cfg.max_position_embeddings,
-        num_parameters=params,
-        weight_dtype="fp32",
-    )
+    return tiny_config()
 
 
 def pod_plan(peak_concurrency: int) -> Plan:
@@ -196,18 +203,35 @@ def demo_spec(peak_concurrency: int) -> InferenceDeploymentSpec:
     )
 
 
-def autoscaling_decision(report: dict[str, Any], pod: Plan, peak_concurrency: int) -> str:
-    """The operator's decision on the sidecar's `/saturation` report, as its scaling loop makes
-    it: the same parsing, the policy of a CR with default scaling, and `decide()`."""
-    sample = sample_from_report(SaturationReport.model_validate(report))
-    if sample is None:
-        raise RuntimeError(f"the sidecar's report carries no occupancy: {report}")
+def autoscaling_decisions(
+    reports: list[dict[str, Any]], pod: Plan, peak_concurrency: int
+) -> tuple[Decision, dict[str, Any]]:
+    """The operator's decisions on the sidecar's `/saturation` reports, one per report, as its
+    scaling loop makes them: the same parsing, the policy of a CR with default scaling, and
+    `decide()` with the memory one decision hands the next. Returns the decision taken at the
+    report with the highest occupancy (the peak of the ramp), and that report."""
     sizing = Sizing(plan=pod, feasible=True, reason=None, max_model_len=MAX_MODEL_LEN)
     policy = policy_for(demo_spec(peak_concurrency), sizing)
-    now = time.time()
-    view = PodView(name="demo-0", ready=True, created_at=now - 600, sample=sample)
-    dec = decide(Inputs(now=now, current_replicas=1, pods=(view,), policy=policy))
-    return f"decide(): {dec.action} to {dec.replicas} replicas ({dec.reason}): {dec.message}"
+    memory = Memory()
+    at_peak: tuple[float, Decision, dict[str, Any]] | None = None
+    for report in reports:
+        sample = sample_from_report(SaturationReport.model_validate(report))
+        if sample is None:
+            continue
+        view = PodView(name="demo-0", ready=True, created_at=sample.sampled_at - 600,
+                       sample=sample)  # fmt: skip
+        dec = decide(Inputs(sample.sampled_at, 1, (view,), policy, memory))
+        memory = dec.memory
+        if at_peak is None or sample.occupancy >= at_peak[0]:
+            at_peak = (sample.occupancy, dec, report)
+    if at_peak is None:
+        raise RuntimeError("the sidecar's reports carry no occupancy")
+    return at_peak[1], at_peak[2]
+
+
+def in_flight(report: dict[str, Any]) -> int:
+    """The sequences the engine held at that report: running plus waiting."""
+    return int(report.get("running") or 0) + int(report.get("waiting") or 0)
 
 
 async def _ramp(url: str, sidecar_url: str) -> tuple[LoadResult, list[dict[str, Any]]]:
@@ -287,18 +311,17 @@ def main() -> int:
         "--shutdown-grace", "5",
     ]  # fmt: skip
     print("$ headroom serve " + " ".join(serve_args), flush=True)
-    with ServerProcess(*serve_args) as server:
-        url = server.url
-        for line in server.lines:
+    with _serve(serve_args) as (url, lines):
+        for line in lines:
             print("  " + line, flush=True)
-        budget = next((ln for ln in server.lines if "budget:" in ln), "")
+        budget = next((ln for ln in lines if "budget:" in ln), "")
         pod = pod_plan(RAMP[1])
 
         _section("3. sidecar and autoscaler")
         stack = contextlib.ExitStack()
-        sport = free_port()
+        sport = _free_port()
         sidecar_url = f"http://127.0.0.1:{sport}"
-        side = stack.enter_context(
+        side, _ = stack.enter_context(
             _process(["-m", "headroom.sidecar", "--engine-url", url, "--host", "127.0.0.1",
                       "--port", str(sport), "--interval", "0.5",
                       "--timeout", "0.4", "--forecast-window", "10"])
@@ -316,15 +339,25 @@ def main() -> int:
 
             if not reports:
                 raise RuntimeError(f"the sidecar at {sidecar_url} answered no /saturation poll")
-            peak = max(reports, key=lambda r: r.get("occupancy") or 0.0)
+            dec, peak = autoscaling_decisions(reports, pod, RAMP[1])
             eta = peak.get("eta_seconds")
+            demand = peak.get("kv_demand_blocks")
             print(
                 f"\n  sidecar at the peak: occupancy {(peak.get('occupancy') or 0):.0%}, "
-                f"growth {peak.get('growth_blocks_per_second') or 0:.1f} blocks/s, "
+                f"{in_flight(peak)} sequences in flight, demand "
+                f"{'-' if demand is None else f'{demand:.0f} blocks'}, "
                 f"saturation ETA {'-' if eta is None else f'{eta:.0f}s'}",
                 flush=True,
             )
-            print("  " + autoscaling_decision(peak, pod, RAMP[1]), flush=True)
+            print(f"  decide(): {dec.action} to {dec.replicas} replicas ({dec.reason}): "
+                  f"{dec.message}", flush=True)  # fmt: skip
+            planned = pod_plan(max(1, in_flight(peak))).replicas or 1
+            verdict = "PASS" if dec.replicas <= 1.5 * planned else "MISS"
+            print(f"  the plan for those {in_flight(peak)} sequences: {planned} replica(s); "
+                  f"decide() asked {dec.replicas} = {dec.replicas / planned:.2f}x "
+                  f"(<= 1.5x: {verdict})", flush=True)  # fmt: skip
+            if verdict == "MISS":
+                raise RuntimeError("decide() asked more than 1.5x the plan at the ramp's peak")
 
     _section("5. the plan for this pod, and what the run measured")
     print("  " + budget.strip(), flush=True)

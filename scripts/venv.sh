@@ -15,7 +15,7 @@ export UV_CACHE_DIR="$cache/uv" UV_PYTHON_DOWNLOADS=never UV_PROJECT_ENVIRONMENT
 [ -d "$root/.venv" ] || echo "headroom: installing uv.lock into .venv (a cold cache downloads torch: minutes)" >&2
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-if ! "$uv" sync --project "$root" --locked --extra engine --extra dev --extra cuda \
+if ! "$uv" sync --project "$root" --locked --extra engine --extra sim --extra dev --extra cuda \
     --python "${HEADROOM_PYTHON:-python3.11}" >"$log" 2>&1; then
   cat "$log" >&2
   if grep -q "needs to be updated" "$log"; then

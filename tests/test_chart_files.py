@@ -182,3 +182,11 @@ def test_dashboard_queries_parse_as_promql(tmp_path: Path) -> None:
         [promtool, "check", "rules", str(path)], capture_output=True, text=True, check=False
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_readme_says_how_to_free_a_namespace_the_finalizer_holds() -> None:
+    readme = (CHART / "README.md").read_text()
+    assert "headroom.dev/finalizer" in readme
+    # The way out when the operator is gone: remove the finalizer by hand.
+    assert "kubectl patch" in readme and '"finalizers": null' in readme
+    # e2e/test_uninstall_finalizer.py runs that snippet against a namespace stuck by it.

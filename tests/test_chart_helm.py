@@ -139,7 +139,6 @@ def test_operator_deployment_follows_the_values(helm: Path) -> None:
             helm,
             "operator.watchNamespaces={team-a,team-b}",
             "operator.prometheusUrl=http://prom.monitoring:9090",
-            "operator.tickSeconds=2",
             "operator.healthPort=9000",
             "image.tag=9.9.9",
         ),
@@ -154,8 +153,9 @@ def test_operator_deployment_follows_the_values(helm: Path) -> None:
     assert "--namespace=team-a" in args and "--namespace=team-b" in args
     assert "--all-namespaces" not in args
     assert "--prometheus-url=http://prom.monitoring:9090" in args
-    assert "--tick-seconds=2" in args
     assert "--liveness-port=9000" in args
+    # In a pod the kubelet probes, and the Service scrapes, the pod IP: bind all by default.
+    assert "--metrics-host=0.0.0.0" in args and "--liveness-host=0.0.0.0" in args
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert {"name": "health", "containerPort": 9000, "protocol": "TCP"} in c["ports"]
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
@@ -169,10 +169,21 @@ def test_operator_deployment_follows_the_values(helm: Path) -> None:
     )
 
 
+def test_bind_addresses_follow_the_values(helm: Path) -> None:
+    dep = one(render(helm, "operator.metricsHost=127.0.0.1", "operator.healthHost=::"),
+              "Deployment")  # fmt: skip
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert "--metrics-host=127.0.0.1" in c["args"] and "--liveness-host=::" in c["args"]
+
+
 def test_the_operator_cli_accepts_the_rendered_flags(helm: Path) -> None:
     from headroom.contract.cli import build_parser
 
-    for sets in [(), ("operator.peering=p", "operator.replicas=2", "operator.verbose=true")]:
+    for sets in [
+        (),
+        ("operator.peering=p", "operator.replicas=2", "operator.verbose=true"),
+        ("operator.metricsHost=127.0.0.1", "operator.healthHost=::1"),
+    ]:
         (c,) = one(render(helm, *sets), "Deployment")["spec"]["template"]["spec"]["containers"]
         args = build_parser("operator").parse_args([*c["command"][1:], *c["args"]])
         assert args.command == "operator"
@@ -321,3 +332,100 @@ def test_template_applies_with_server_dry_run(
         lower = obj["kind"].lower()
         assert f"{lower}" in applied.lower() and obj["metadata"]["name"] in applied
     assert applied.count("(server dry run)") == len([d for d in yaml.safe_load_all(manifest) if d])
+
+
+# ---------------------------------------------------------------------------- NetworkPolicy
+
+
+def test_network_policy_is_off_by_default(helm: Path) -> None:
+    assert "NetworkPolicy" not in kinds(render(helm))
+    assert "NetworkPolicy" not in kinds(render(helm, "operator.watchNamespaces={team-a}"))
+
+
+def test_network_policy_needs_namespaces(helm: Path) -> None:
+    out = _run(helm, "template", "x", str(CHART), "--set", "networkPolicy.enabled=true",
+               check=False)  # fmt: skip
+    assert out.returncode != 0
+    assert "networkPolicy.namespaces" in out.stderr
+
+
+def _policies(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["namespace"]: o for o in objs if o["kind"] == "NetworkPolicy"}
+
+
+def test_network_policy_admits_only_the_gateway_and_the_scrapes(helm: Path) -> None:
+    from headroom.contract.ports import ENGINE_PORT, SIDECAR_PORT
+    from headroom.operator.crd.models import InferenceDeploymentSpec
+    from headroom.operator.reconcile.children import Owner, deployment, labels
+    from headroom.operator.reconcile.sizing import size
+
+    objs = render(helm, "networkPolicy.enabled=true", "operator.watchNamespaces={team-a,team-b}")
+    policies = _policies(objs)
+    assert set(policies) == {"team-a", "team-b"}
+    spec = policies["team-a"]["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    # It selects every InferenceDeployment's pods, whatever the name, and nothing else.
+    selector = spec["podSelector"]
+    assert selector["matchLabels"].items() <= labels("any-name").items()
+    assert {"key": "headroom.dev/inferencedeployment", "operator": "Exists"} in selector[
+        "matchExpressions"
+    ]
+    # Its named ports are the containers' ports.
+    s = InferenceDeploymentSpec.model_validate(
+        {"model": {"preset": "llama-3.1-8b"}, "gpu": {"type": "h100"},
+         "traffic": {"peakConcurrency": 1, "contextTokens": 128}}
+    )  # fmt: skip
+    pod = deployment(Owner("x", "team-a", "u"), s, size(s), 1)["spec"]["template"]["spec"]
+    ports = {p["name"]: p["containerPort"] for c in pod["containers"] for p in c["ports"]}
+    assert ports == {"http": ENGINE_PORT, "metrics": SIDECAR_PORT}
+    by_port = {r["ports"][0]["port"]: r["from"] for r in spec["ingress"]}
+    assert set(by_port) == {"http", "metrics"}
+    # The OpenAI API: only the namespace's gateway pods (no namespaceSelector: same namespace).
+    assert by_port["http"] == [
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "gateway"}}}
+    ]
+    # The sidecars: the monitoring namespace's Prometheus, and the operator's direct scrape.
+    metrics_from = by_port["metrics"]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {}} in metrics_from  # fmt: skip
+    operator_pod = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    (op,) = [f for f in metrics_from if f["namespaceSelector"]["matchLabels"].get(
+        "kubernetes.io/metadata.name") == NAMESPACE]  # fmt: skip
+    assert op["podSelector"]["matchLabels"].items() <= operator_pod.items()
+
+
+def test_network_policy_selectors_follow_the_values(helm: Path) -> None:
+    objs = render(
+        helm, "networkPolicy.enabled=true", "networkPolicy.namespaces={serving}",
+        "networkPolicy.gateway.podSelector.matchLabels.app=envoy",
+        "networkPolicy.gateway.namespaceSelector.matchLabels.role=ingress",
+        "networkPolicy.monitoring.namespaceSelector.matchLabels.team=obs",
+        "networkPolicy.monitoring.podSelector.matchLabels.app=prometheus",
+    )  # fmt: skip
+    (policy,) = _policies(objs).values()
+    assert policy["metadata"]["namespace"] == "serving"
+    by_port = {r["ports"][0]["port"]: r["from"] for r in policy["spec"]["ingress"]}
+    (gateway,) = by_port["http"]
+    assert gateway["podSelector"]["matchLabels"]["app"] == "envoy"
+    assert gateway["namespaceSelector"] == {"matchLabels": {"role": "ingress"}}
+    # --set merges into the default selector's labels.
+    monitoring = {"kubernetes.io/metadata.name": "monitoring", "team": "obs"}
+    assert {
+        "namespaceSelector": {"matchLabels": monitoring},
+        "podSelector": {"matchLabels": {"app": "prometheus"}},
+    } in by_port["metrics"]
+
+
+def test_network_policy_applies_with_server_dry_run(
+    cluster: Cluster, cluster_namespace: str
+) -> None:
+    manifest = cluster.helm(
+        "template", "headroom", str(CHART), "--namespace", cluster_namespace,
+        "--kube-version", cluster.version, "--set", "networkPolicy.enabled=true",
+        "--set", f"networkPolicy.namespaces={{{cluster_namespace}}}",
+        "--show-only", "templates/networkpolicy.yaml",
+    ).stdout  # fmt: skip
+    out = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=manifest)
+    assert "networkpolicy.networking.k8s.io/headroom-inference created (server dry run)" in (
+        out.stdout
+    ), out.stdout

@@ -1,13 +1,16 @@
 """Smoke test of the real control plane that e2e/cluster builds and starts.
 
-CEL validation on a CRD, scheduling of GPU pods onto kwok nodes, garbage collection, helm, and a
-ServiceAccount kubeconfig under RBAC. Timings are printed (run with ``-s``), never asserted.
+CEL validation on a CRD, scheduling of GPU pods onto kwok nodes, garbage collection, helm, a
+ServiceAccount kubeconfig under RBAC, and pod IPs that are loopback addresses. Timings are
+printed (run with ``-s``), never asserted.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import time
+from typing import Any
 
 import pytest
 
@@ -218,3 +221,82 @@ def test_service_account_kubeconfig_obeys_rbac(cluster: Cluster, cluster_namespa
         ),
         timeout=30,
     )
+
+
+LOOPBACK = ipaddress.IPv4Network("127.0.0.0/8")
+
+POD = """
+apiVersion: v1
+kind: Pod
+metadata:
+  name: {name}
+  labels: {{app: ip-check}}
+spec:
+  nodeName: {node}
+  hostNetwork: {host_network}
+  containers:
+  - name: c
+    image: registry.invalid/headroom/ip-check:smoke
+"""
+
+
+def _pod_ips(pod: dict[str, Any]) -> list[str]:
+    status = pod.get("status") or {}
+    ips = [status.get("podIP"), status.get("hostIP")]
+    ips += [x.get("ip") for x in status.get("podIPs") or []]
+    ips += [x.get("ip") for x in status.get("hostIPs") or []]
+    return [ip for ip in ips if ip]
+
+
+def test_every_pod_and_node_ip_is_a_loopback_address(
+    cluster: Cluster, cluster_namespace: str
+) -> None:
+    """Anything that talks to a pod (the operator polls <pod IP>:9090) must stay on the machine."""
+    ns = cluster_namespace
+    items: Any = cluster.get("nodes")["items"]
+    nodes = sorted(
+        n["metadata"]["name"] for n in items if n["metadata"]["labels"]["type"] == "kwok"
+    )
+    manifests = [
+        POD.format(name=f"ip-{i}-{k}", node=node, host_network="false")
+        for i, node in enumerate(nodes)
+        for k in range(2)
+    ]
+    manifests.append(POD.format(name="ip-host", node=nodes[0], host_network="true"))
+    cluster.apply("---".join(manifests), namespace=ns)
+    cluster.wait("--for=jsonpath={.status.phase}=Running", "pod", "-l", "app=ip-check", "-n", ns)
+
+    # Every pod of the cluster, not only this test's: any address outside 127/8 fails.
+    everywhere = json.loads(cluster.kubectl("get", "pods", "-A", "-o", "json").stdout)["items"]
+    outside = {
+        f"{p['metadata']['namespace']}/{p['metadata']['name']} {ip}"
+        for p in everywhere
+        for ip in _pod_ips(p)
+        if ipaddress.ip_address(ip) not in LOOPBACK
+    }
+    assert not outside, f"pod addresses outside 127.0.0.0/8: {sorted(outside)}"
+
+    # Each node hands out its own /24 of the cluster's /16; no two pods share an IP.
+    net = cluster.pod_network
+    assert net.subnet_of(LOOPBACK), net
+    cidrs: dict[str, ipaddress.IPv4Network] = {}
+    for n in items:
+        if n["metadata"]["name"] not in nodes:
+            continue
+        cidrs[n["metadata"]["name"]] = cidr = ipaddress.IPv4Network(n["spec"]["podCIDR"])
+        assert cidr.subnet_of(net), (n["metadata"]["name"], cidr, net)
+        for addr in n["status"]["addresses"]:
+            if addr["type"] in ("InternalIP", "ExternalIP"):
+                assert ipaddress.ip_address(addr["address"]) in net, addr
+    assert len(set(cidrs.values())) == len(nodes), f"nodes share a podCIDR: {cidrs}"
+    mine: Any = cluster.get("pods", namespace=ns)["items"]
+    assert len(mine) == 2 * len(nodes) + 1
+    pod_ips = [
+        ipaddress.ip_address(p["status"]["podIP"]) for p in mine if not p["spec"].get("hostNetwork")
+    ]
+    for p in mine:
+        ip = ipaddress.ip_address(p["status"]["podIP"])
+        if not p["spec"].get("hostNetwork"):
+            assert ip in cidrs[p["spec"]["nodeName"]], (p["metadata"]["name"], ip)
+    assert len(set(pod_ips)) == len(pod_ips), f"two pods got the same IP: {pod_ips}"
+    print(f"\n[cluster] pod IPs in {net}: {sorted(str(ip) for ip in pod_ips)}")

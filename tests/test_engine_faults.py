@@ -34,7 +34,7 @@ PROMPTS = [[256, *range(65, 65 + n)] for n in (20, 37, 5)]
 
 
 def _pool_is_whole(engine: Engine) -> bool:
-    pool = engine.scheduler.pool
+    pool = engine.scheduler.kv.pool
     return pool.num_used == 0 and pool.num_available == pool.num_blocks
 
 
@@ -92,19 +92,21 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(
     )
     assert tokens["r2"] == reference[2].outputs[0].token_ids
     assert _pool_is_whole(engine)
-    assert engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0
+    assert not engine.scheduler.running and not engine.scheduler.waiting
     again = engine.generate([PROMPTS[0]], GREEDY)[0]
     assert again.outputs[0].token_ids == reference[0].outputs[0].token_ids
     assert _pool_is_whole(engine)
 
 
-def test_a_failing_fork_step_frees_the_children_too(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_step_of_an_n_request_frees_every_sibling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     engine = Engine.from_config(CONFIG)
     monkeypatch.setattr(engine_module, "sample_rows", _fail_once(engine_module.sample_rows, 0))
     params = SamplingParams(temperature=1.0, max_tokens=8, n=3, seed=5, ignore_eos=True)
-    engine.add_request("forked", PROMPTS[1], params)
+    engine.add_request("n3", PROMPTS[1], params)
     _, failed = _drive(engine)
-    assert set(failed) == {"forked"}
+    assert set(failed) == {"n3"}
     assert _pool_is_whole(engine)
     out = engine.generate([PROMPTS[1]], params)[0]
     assert len(out.outputs) == 3 and all(len(c.token_ids) == 8 for c in out.outputs)

@@ -11,6 +11,7 @@ from headroom.engine.engine import Engine
 from headroom.engine.errors import RequestRejected
 from headroom.engine.outputs import RequestOutput
 from headroom.engine.sampling import SamplingParams, sample_token
+from headroom.engine.server.budget_report import budget_report
 
 PROMPTS = ["The quick brown fox", "Hello", "a b c d e f g h i j k l m n o p", "zz"]
 
@@ -117,7 +118,7 @@ def test_stop_strings_cut_text_and_stream_without_leaking(engine: Engine) -> Non
     assert last.outputs[0].finish_reason == "stop" and last.outputs[0].stop_reason == stop
 
 
-def test_n_completions_fork_after_prefill(engine: Engine) -> None:
+def test_n_completions_are_seeded_and_distinct(engine: Engine) -> None:
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12)
     first = engine.generate([PROMPTS[2]], params)[0]
     again = engine.generate([PROMPTS[2]], params)[0]
@@ -129,18 +130,19 @@ def test_n_completions_fork_after_prefill(engine: Engine) -> None:
     assert engine.stats().kv.used == 0
 
 
-def test_forked_children_share_prompt_blocks() -> None:
+def test_n_completions_share_the_prompts_blocks() -> None:
     eng = Engine.from_config(
         EngineConfig(model="tiny", num_blocks=64, block_size=4, max_model_len=256, num_threads=1)
     )
     prompt = list(range(1, 33))  # 8 full blocks
-    eng.add_request("fork", prompt, SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=8))
-    eng.step()  # prefill, fork, first tokens
-    used_after_fork = eng.stats().kv.used
-    # 8 shared prompt blocks + one new block each for the 4 completions' first decode at most.
-    assert used_after_fork <= 8 + 4
-    eng.step()
-    assert eng.stats().kv.used <= 8 + 4
+    eng.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=8))
+    eng.step()  # the first completion prefills the prompt; its siblings wait for its KV
+    assert eng.stats().kv.used == 8
+    # The first decodes into a 9th block; each sibling computes only the prompt's last token,
+    # into a private copy of the shared last block: 8 + 1 + 3 blocks, not 4 x 8.
+    (out,) = eng.step()
+    assert eng.stats().kv.used == 8 + 1 + 3
+    assert sorted(c.index for c in out.outputs) == [0, 1, 2, 3]
     while eng.has_unfinished():
         eng.step()
     assert eng.stats().kv.used == 0
@@ -196,7 +198,7 @@ def test_stats_count_requests_tokens_and_latencies() -> None:
     assert all(o.first_token_time is not None and o.finished_time is not None for o in outs)
 
 
-def test_copy_on_write_keeps_forked_greedy_completions_exact(
+def test_copy_on_write_keeps_n_greedy_completions_exact(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     eng = Engine.from_config(
@@ -245,3 +247,28 @@ def test_engine_runs_on_quantized_kv(kv_dtype: str) -> None:
     assert all(len(g) == 8 for g in got)
     per_layer = 2 * 2 * 32 * 1 + (2 * 2 * 4 if kv_dtype == "int8" else 0)
     assert got_bytes == 4 * per_layer and got_bytes < ref_bytes / 3
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8"])
+def test_the_contracts_kv_bytes_are_what_the_engines_caches_take(kv_dtype: str) -> None:
+    eng = Engine.from_config(
+        EngineConfig(
+            model="tiny",
+            num_blocks=8,
+            max_model_len=256,
+            kv_cache_dtype=kv_dtype,  # type: ignore[arg-type]
+            num_threads=1,
+        )
+    )
+    allocated = 0
+    for cache in eng.runner.caches:
+        allocated += cache.key.nbytes + cache.value.nbytes
+        if kv_dtype == "int8":  # per-token scales; fp8's per-head scales do not grow with tokens
+            assert cache.k_scale is not None and cache.v_scale is not None
+            allocated += cache.k_scale.nbytes + cache.v_scale.nbytes
+    tokens = 8 * eng.config.block_size
+    assert eng.bytes_per_token * tokens == allocated
+    assert eng.stats().kv.bytes_per_token == eng.bytes_per_token
+    report = budget_report(eng)
+    assert (report.bytes_per_token, report.num_blocks) == (eng.bytes_per_token, 8)
+    assert f"{eng.bytes_per_token:,} B/token" in report.line()

@@ -14,9 +14,10 @@ import random
 import pytest
 
 from headroom.engine.block_table import slot_mapping
+from headroom.engine.config import EngineConfig
 from headroom.engine.scheduled import SchedulerOutput
-from headroom.engine.scheduler import Scheduler, SchedulerConfig
-from headroom.engine.sequence import Sequence
+from headroom.engine.scheduler import Scheduler
+from headroom.engine.sequence import Sequence, SequenceStatus
 
 VOCAB = 50
 
@@ -114,10 +115,10 @@ def random_prompts(rng: random.Random, n: int, shared: list[int], max_len: int) 
 
 
 def _one_step(block_size: int = 4) -> tuple[Scheduler, KVSimulator, Sequence]:
-    cfg = SchedulerConfig(num_blocks=8, block_size=block_size, max_model_len=32)
+    cfg = EngineConfig(num_blocks=8, block_size=block_size, max_model_len=32)
     sched = Scheduler(cfg)
-    sim = KVSimulator(cfg.num_blocks, block_size)
-    seq = Sequence.new("r", [1, 2, 3, 4, 5, 6], max_tokens=4)
+    sim = KVSimulator(8, block_size)
+    seq = Sequence("r", [1, 2, 3, 4, 5, 6], max_tokens=4)
     sched.add(seq)
     out = sched.schedule()
     logits = sim.run(out)
@@ -143,9 +144,9 @@ def test_simulator_detects_a_wrong_block_table() -> None:
 
 def test_simulator_detects_a_skipped_copy() -> None:
     sched, sim, seq = _one_step()
-    sched.fork(seq.seq_id, 1)
+    sched.add(Sequence("r", seq.prompt_token_ids, 4, sibling_of=seq))
     out = sched.schedule()
-    assert out.blocks_to_copy, "the shared partial block must be copied before appending"
+    assert out.blocks_to_copy, "the shared partial block must be copied before writing to it"
     out.blocks_to_copy.clear()
     with pytest.raises(CacheCorrupted):
         sim.run(out)
@@ -153,11 +154,11 @@ def test_simulator_detects_a_skipped_copy() -> None:
 
 def test_drive_runs_a_small_trace_to_completion() -> None:
     rng = random.Random(1)
-    cfg = SchedulerConfig(num_blocks=24, block_size=4, max_model_len=64, max_num_batched_tokens=16)
+    cfg = EngineConfig(num_blocks=24, block_size=4, max_model_len=64, max_num_batched_tokens=16)
     sched = Scheduler(cfg)
-    sim = KVSimulator(cfg.num_blocks, cfg.block_size)
-    seqs = [Sequence.new(f"r{i}", p, 5) for i, p in enumerate(random_prompts(rng, 12, [7] * 9, 20))]
+    sim = KVSimulator(24, 4)
+    seqs = [Sequence(f"r{i}", p, 5) for i, p in enumerate(random_prompts(rng, 12, [7] * 9, 20))]
     for s in seqs:
         sched.add(s)
     drive(sched, sim)
-    assert all(s.is_finished and len(s.output_token_ids) == 5 for s in seqs)
+    assert all(s.status is SequenceStatus.FINISHED and len(s.output_token_ids) == 5 for s in seqs)

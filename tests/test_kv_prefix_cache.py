@@ -6,14 +6,16 @@ import random
 
 from test_kv_model_sim import VOCAB, KVSimulator, drive, random_prompts, sample
 
+from headroom.engine.config import EngineConfig
 from headroom.engine.prefix_cache import (
     ROOT_REF,
     PrefixCache,
     extend_block_hashes,
     hash_block_tokens,
 )
-from headroom.engine.scheduler import Scheduler, SchedulerConfig
+from headroom.engine.scheduler import Scheduler
 from headroom.engine.sequence import Sequence
+from headroom.engine.stats import scheduler_stats
 
 
 def chain(tokens: list[int], block_size: int, extra: str | None = None) -> list[int]:
@@ -108,13 +110,13 @@ def test_duplicate_content_is_not_cached_twice_but_keeps_the_chain() -> None:
 def _sched(**kw: object) -> Scheduler:
     values: dict[str, object] = {"num_blocks": 64, "block_size": 4, "max_model_len": 256}
     values.update(kw)
-    return Scheduler(SchedulerConfig(**values))
+    return Scheduler(EngineConfig.model_validate(values))
 
 
 def _run_one(
     sched: Scheduler, sim: KVSimulator, prompt: list[int], max_tokens: int = 3
 ) -> Sequence:
-    seq = Sequence.new("r", prompt, max_tokens)
+    seq = Sequence("r", prompt, max_tokens)
     sched.add(seq)
     drive(sched, sim)
     return seq
@@ -126,7 +128,7 @@ def test_a_repeated_prompt_hits_its_full_blocks_and_stops_one_token_short() -> N
     prompt = list(range(13))  # 3 full blocks + 1 token
     first = _run_one(sched, sim, prompt)
     assert first.num_cached_tokens == 0
-    stats = sched.stats()
+    stats = scheduler_stats(sched)
     assert stats.kv.cached >= 3 and stats.kv.used == 0
     second = _run_one(sched, sim, prompt)
     assert second.num_cached_tokens == 12
@@ -134,7 +136,7 @@ def test_a_repeated_prompt_hits_its_full_blocks_and_stops_one_token_short() -> N
     # An exact multiple of the block size still recomputes its last block's final token.
     third = _run_one(sched, sim, list(range(12)))
     assert third.num_cached_tokens == 8
-    s = sched.stats().prefix_cache
+    s = scheduler_stats(sched).prefix_cache
     assert (s.queries_tokens_total, s.hits_tokens_total) == (13 + 13 + 12, 12 + 8)
 
 
@@ -142,10 +144,10 @@ def test_hits_need_the_same_extra_key() -> None:
     sched = _sched()
     sim = KVSimulator(64, 4)
     prompt = list(range(9))
-    a = Sequence.new("a", prompt, 2, extra_key="model-a")
+    a = Sequence("a", prompt, 2, extra_key="model-a")
     sched.add(a)
     drive(sched, sim)
-    b = Sequence.new("b", prompt, 2, extra_key="model-b")
+    b = Sequence("b", prompt, 2, extra_key="model-b")
     sched.add(b)
     drive(sched, sim)
     assert b.num_cached_tokens == 0
@@ -162,26 +164,28 @@ def test_generated_tokens_are_cached_too() -> None:
 def test_eviction_takes_only_unreferenced_blocks_lru_first() -> None:
     sched = _sched(num_blocks=8, max_num_batched_tokens=64, watermark=0.0)
     sim = KVSimulator(8, 4)
-    cache = sched.pool.prefix_cache
+    cache = sched.kv.cache
     assert cache is not None
     a = _run_one(sched, sim, list(range(16)), max_tokens=1)
     b = _run_one(sched, sim, list(range(100, 116)), max_tokens=1)
-    assert sched.stats().kv.cached == 8 and sched.stats().kv.free == 0
-    a_blocks = cache.parked_lru()[:4]
+    assert scheduler_stats(sched).kv.cached == 8 and scheduler_stats(sched).kv.free == 0
+    a_blocks = list(cache._parked)[:4]
     # `holder` revives a's 4 blocks (no copy) and needs a 5th: the LRU of b's is evicted.
-    holder = Sequence.new("h", [*a.all_token_ids[:16], 99], 8)
+    holder = Sequence("h", [*a.all_token_ids[:16], 99], 8)
     sched.add(holder)
     out = sched.schedule()
     sched.update(out, {k: sample(kv) for k, kv in sim.run(out).items()})
     assert holder.num_cached_tokens == 16 and set(holder.block_table[:4]) == set(a_blocks)
     assert cache.evictions_total == 1
     # A newcomer needing 3 blocks evicts the rest of b's; holder's blocks stay cached and held.
-    other = Sequence.new("o", [50 + i for i in range(12)], 1)
+    other = Sequence("o", [50 + i for i in range(12)], 1)
     sched.add(other)
     sim.run(sched.schedule())
     assert cache.evictions_total == 4
-    assert all(sched.pool.ref_counts[x] >= 1 and cache.is_cached(x) for x in holder.block_table[:4])
-    again = Sequence.new("b2", [*b.prompt_token_ids, 1], 1)
+    assert all(
+        sched.kv.pool.ref_counts[x] >= 1 and cache.is_cached(x) for x in holder.block_table[:4]
+    )
+    again = Sequence("b2", [*b.prompt_token_ids, 1], 1)
     assert not cache.match(chain(again.all_token_ids, 4), again.all_token_ids, 4, None), (
         "b's blocks were evicted"
     )
@@ -197,14 +201,14 @@ def test_turning_prefix_caching_off_changes_no_output() -> None:
         sched = _sched(num_blocks=40, max_num_batched_tokens=48, enable_prefix_caching=caching)
         sim = KVSimulator(40, 4)
         seqs = [
-            Sequence.new(f"r{i}", p, m)
+            Sequence(f"r{i}", p, m)
             for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))
         ]
         for s in seqs:
             sched.add(s)
         drive(sched, sim)
         outputs[caching] = [s.output_token_ids for s in seqs]
-        stats = sched.stats()
+        stats = scheduler_stats(sched)
         if caching:
             assert stats.prefix_cache.hits_tokens_total > 0
         else:

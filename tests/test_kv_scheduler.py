@@ -1,4 +1,4 @@
-"""The scheduler: admission, chunked prefill, decode, preemption, abort, fork, stats."""
+"""The scheduler: admission, chunked prefill, decode, preemption, abort, n > 1 siblings, stats."""
 
 from __future__ import annotations
 
@@ -7,18 +7,19 @@ import random
 import pytest
 from test_kv_model_sim import VOCAB, KVSimulator, drive, random_prompts, sample
 
-from headroom.contract.budget import PlanInput, gpu_preset, model_preset, plan
+from headroom.engine.config import EngineConfig
 from headroom.engine.errors import RequestRejected
 from headroom.engine.scheduled import SchedulerOutput
-from headroom.engine.scheduler import Scheduler, SchedulerConfig
+from headroom.engine.scheduler import Scheduler
 from headroom.engine.sequence import Sequence, SequenceStatus
+from headroom.engine.stats import scheduler_stats
 
 
 def make(**kw: object) -> tuple[Scheduler, KVSimulator]:
     values: dict[str, object] = {"num_blocks": 64, "block_size": 4, "max_model_len": 256}
     values.update(kw)
-    cfg = SchedulerConfig(**values)
-    return Scheduler(cfg), KVSimulator(cfg.num_blocks, cfg.block_size)
+    sched = Scheduler(EngineConfig.model_validate(values))
+    return sched, KVSimulator(sched.num_blocks, sched.config.block_size)
 
 
 def step(sched: Scheduler, sim: KVSimulator) -> SchedulerOutput:
@@ -28,7 +29,7 @@ def step(sched: Scheduler, sim: KVSimulator) -> SchedulerOutput:
 
 
 def seq(prompt_len: int, max_tokens: int = 4, start: int = 0) -> Sequence:
-    return Sequence.new(f"r{start}", [(start + i) % VOCAB for i in range(prompt_len)], max_tokens)
+    return Sequence(f"r{start}", [(start + i) % VOCAB for i in range(prompt_len)], max_tokens)
 
 
 # -- configuration and rejection ---------------------------------------------------------
@@ -44,36 +45,40 @@ def seq(prompt_len: int, max_tokens: int = 4, start: int = 0) -> Sequence:
         ("max_num_batched_tokens", 0),
         ("watermark", 1.0),
         ("watermark", -0.1),
-        ("bytes_per_token", -1),
         ("no_such_field", 1),
     ],
 )
 def test_bad_config_raises_value_error_naming_the_field(field: str, value: object) -> None:
     values: dict[str, object] = {"num_blocks": 8, "max_model_len": 64, field: value}
     with pytest.raises(ValueError, match=field):
-        SchedulerConfig(**values)
+        EngineConfig.model_validate(values)
+
+
+def test_the_scheduler_needs_the_pool_size_resolved() -> None:
+    with pytest.raises(ValueError, match="num_blocks and max_model_len"):
+        Scheduler(EngineConfig(max_model_len=64))
 
 
 def test_requests_that_can_never_fit_are_rejected_with_the_numbers() -> None:
     sched, _ = make(num_blocks=10, block_size=16, max_model_len=1024)
     with pytest.raises(RequestRejected) as e:
-        sched.add(Sequence.new("a", [1] * 900, 200))
+        sched.add(Sequence("a", [1] * 900, 200))
     assert e.value.reason == (
         "prompt 900 + max_tokens 200 = 1100 tokens exceeds max_model_len 1024"
     )
     assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
     with pytest.raises(RequestRejected, match=r"needs 11 KV blocks of 16 tokens .* holds 10") as e:
-        sched.add(Sequence.new("b", [1] * 151, 10))
+        sched.add(Sequence("b", [1] * 151, 10))
     assert (e.value.param, e.value.code) == ("max_tokens", "exceeds_kv_pool")
     with pytest.raises(RequestRejected, match="empty"):
-        sched.add(Sequence.new("c", [], 10))
+        sched.add(Sequence("c", [], 10))
     with pytest.raises(RequestRejected, match="max_tokens must be at least 1"):
-        sched.add(Sequence.new("d", [1], 0))
-    ok = Sequence.new("e", [1] * 150, 10)
+        sched.add(Sequence("d", [1], 0))
+    ok = Sequence("e", [1] * 150, 10)
     sched.add(ok)
     with pytest.raises(RequestRejected, match="already added"):
         sched.add(ok)
-    assert sched.num_waiting == 1 and sched.pool.num_used == 0
+    assert len(sched.waiting) == 1 and sched.kv.pool.num_used == 0
 
 
 def test_a_finished_sequence_cannot_be_added_again() -> None:
@@ -124,26 +129,26 @@ def test_max_num_seqs_caps_the_running_set() -> None:
     for i in range(5):
         sched.add(seq(4, max_tokens=3, start=i))
     out = step(sched, sim)
-    assert len(out.scheduled) == 3 and sched.num_running == 3 and sched.num_waiting == 2
+    assert len(out.scheduled) == 3 and len(sched.running) == 3 and len(sched.waiting) == 2
     drive(sched, sim)
-    assert sched.pool.num_used == 0
+    assert sched.kv.pool.num_used == 0
 
 
 def test_the_watermark_keeps_blocks_free_for_running_decodes() -> None:
     sched, sim = make(num_blocks=20, block_size=4, watermark=0.25)  # 5 blocks held back
-    first = Sequence.new("a", [1] * 40, 4)  # 10 blocks
+    first = Sequence("a", [1] * 40, 4)  # 10 blocks
     sched.add(first)
     step(sched, sim)
-    second = Sequence.new("b", [2] * 24, 4)  # 6 blocks: first holds 11, 11 + 6 > 20 - 5
+    second = Sequence("b", [2] * 24, 4)  # 6 blocks: first holds 11, 11 + 6 > 20 - 5
     sched.add(second)
     out = step(sched, sim)
     assert [e.seq for e in out.scheduled] == [first]
     assert second.status is SequenceStatus.WAITING
-    third = Sequence.new("c", [3] * 8, 1)  # 2 blocks would fit, but second came first
+    third = Sequence("c", [3] * 8, 1)  # 2 blocks would fit, but second came first
     sched.add(third)
     assert [e.seq for e in step(sched, sim).scheduled] == [first], "first come, first served"
     drive(sched, sim)
-    assert all(s.is_finished for s in (first, second, third))
+    assert all(s.status is SequenceStatus.FINISHED for s in (first, second, third))
 
 
 def test_a_waiting_sequence_that_fills_the_whole_pool_is_admitted_when_it_is_alone() -> None:
@@ -151,7 +156,7 @@ def test_a_waiting_sequence_that_fills_the_whole_pool_is_admitted_when_it_is_alo
     s = seq(36, max_tokens=4)
     sched.add(s)
     drive(sched, sim)
-    assert s.is_finished and len(s.output_token_ids) == 4
+    assert s.status is SequenceStatus.FINISHED and len(s.output_token_ids) == 4
 
 
 # -- preemption ---------------------------------------------------------------------------
@@ -162,8 +167,7 @@ def run_trace(
 ) -> tuple[Scheduler, list[Sequence], int]:
     sched, sim = make(num_blocks=num_blocks, **kw)
     seqs = [
-        Sequence.new(f"r{i}", p, m)
-        for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))
+        Sequence(f"r{i}", p, m) for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))
     ]
     for s in seqs:
         sched.add(s)
@@ -184,11 +188,11 @@ def test_a_tiny_pool_preempts_yet_every_request_finishes_with_the_same_output(
         14, prompts, max_tokens, enable_prefix_caching=caching, max_num_batched_tokens=24
     )
     assert tiny.preemptions_total > 0
-    assert tiny.stats().preemptions_total == tiny.preemptions_total
-    assert all(s.is_finished for s in got)
+    assert scheduler_stats(tiny).preemptions_total == tiny.preemptions_total
+    assert all(s.status is SequenceStatus.FINISHED for s in got)
     # Recompute after preemption reproduces exactly what an unpressured run generated.
     assert [s.output_token_ids for s in got] == [s.output_token_ids for s in ref]
-    assert tiny.pool.num_used == 0
+    assert tiny.kv.pool.num_used == 0
 
 
 def test_the_most_recently_admitted_sequence_is_preempted_and_requeued_first() -> None:
@@ -197,7 +201,7 @@ def test_the_most_recently_admitted_sequence_is_preempted_and_requeued_first() -
     for s in (a, b, c):
         sched.add(s)
     step(sched, sim)
-    assert sched.running == [a, b, c] and sched.pool.num_available == 0
+    assert sched.running == [a, b, c] and sched.kv.pool.num_available == 0
     waiting = seq(3, max_tokens=2, start=90)
     sched.add(waiting)
     step(sched, sim)  # position 8: a new block for everyone
@@ -208,7 +212,10 @@ def test_the_most_recently_admitted_sequence_is_preempted_and_requeued_first() -
     assert [e.seq for e in out.scheduled] == [a, b], "nothing is admitted right after"
     sched.update(out, {k: sample(v) for k, v in sim.run(out).items()})
     drive(sched, sim)
-    assert all(s.is_finished and len(s.output_token_ids) == s.max_tokens for s in (a, b, c))
+    assert all(
+        s.status is SequenceStatus.FINISHED and len(s.output_token_ids) == s.max_tokens
+        for s in (a, b, c)
+    )
 
 
 # -- abort, finish, update contract -------------------------------------------------------
@@ -220,12 +227,16 @@ def test_abort_frees_blocks_at_once_for_waiting_and_running_sequences() -> None:
     sched.add(running)
     sched.add(waiting)
     step(sched, sim)
-    assert sched.pool.num_used == 3
-    assert sched.abort(running.seq_id)
-    assert sched.pool.num_used == 0 and running.is_finished and not running.block_table
-    assert sched.abort(waiting.seq_id) and not sched.has_unfinished()
-    assert not sched.abort(waiting.seq_id) and not sched.abort(12345)
-    assert sched.get(running.seq_id) is None
+    assert sched.kv.pool.num_used == 3
+    assert sched.finish(running.seq_id)
+    assert (
+        sched.kv.pool.num_used == 0
+        and running.status is SequenceStatus.FINISHED
+        and not running.block_table
+    )
+    assert sched.finish(waiting.seq_id) and not sched.has_unfinished()
+    assert not sched.finish(waiting.seq_id) and not sched.finish(12345)
+    assert running.seq_id not in sched._seqs
 
 
 def test_abort_while_the_step_runs_is_skipped_by_update() -> None:
@@ -235,20 +246,23 @@ def test_abort_while_the_step_runs_is_skipped_by_update() -> None:
     sched.add(b)
     out = sched.schedule()
     logits = sim.run(out)
-    sched.abort(a.seq_id)
+    sched.finish(a.seq_id)
     sched.update(out, {k: sample(v) for k, v in logits.items()})
     assert not a.output_token_ids and b.output_token_ids
-    assert sched.pool.num_used == len(b.block_table)
+    assert sched.kv.pool.num_used == len(b.block_table)
 
 
-def test_abort_request_drops_the_parent_and_its_forks() -> None:
+def test_aborting_every_sibling_frees_every_block() -> None:
     sched, sim = make()
-    p = seq(6, 4)
-    sched.add(p)
+    first = seq(6, 4)
+    sched.add(first)
+    siblings = [Sequence(first.request_id, first.prompt_token_ids, 4, sibling_of=first)]
+    sched.add(siblings[0])
     step(sched, sim)
-    sched.fork(p.seq_id, 2)
-    assert sched.abort_request(p.request_id) == 3
-    assert not sched.has_unfinished() and sched.pool.num_used == 0
+    step(sched, sim)
+    assert siblings[0].block_table[0] == first.block_table[0]
+    assert all(sched.finish(s.seq_id) for s in (first, *siblings))
+    assert not sched.has_unfinished() and sched.kv.pool.num_used == 0
 
 
 def test_finish_keeps_full_blocks_cached_and_frees_the_rest() -> None:
@@ -259,7 +273,7 @@ def test_finish_keeps_full_blocks_cached_and_frees_the_rest() -> None:
     step(sched, sim)
     assert s.num_computed_tokens == 11
     assert sched.finish(s.seq_id) and not sched.finish(s.seq_id)
-    kv = sched.stats().kv
+    kv = scheduler_stats(sched).kv
     assert (kv.used, kv.cached, kv.free) == (0, 2, 14)
 
 
@@ -270,8 +284,8 @@ def test_update_finishes_sequences_at_max_tokens() -> None:
     step(sched, sim)
     out = sched.schedule()
     finished = sched.update(out, {k: sample(v) for k, v in sim.run(out).items()})
-    assert finished == [s] and s.is_finished and len(s.output_token_ids) == 2
-    assert sched.pool.num_used == 0 and not sched.finish(s.seq_id)
+    assert finished == [s] and s.status is SequenceStatus.FINISHED and len(s.output_token_ids) == 2
+    assert sched.kv.pool.num_used == 0 and not sched.finish(s.seq_id)
 
 
 def test_update_checks_the_sampled_tokens_against_the_step() -> None:
@@ -294,64 +308,69 @@ def test_update_checks_the_sampled_tokens_against_the_step() -> None:
 def test_an_empty_step_is_harmless() -> None:
     sched, _ = make()
     out = sched.schedule()
-    assert out.is_empty and sched.stats().steps_total == 0
+    assert out.is_empty and scheduler_stats(sched).steps_total == 0
     assert sched.update(out, {}) == []
 
 
-# -- fork (n > 1 sampling) ----------------------------------------------------------------
+# -- n > 1: siblings share the first one's prompt ----------------------------------------
 
 
-def test_fork_after_prefill_shares_blocks_then_copies_on_write() -> None:
+def siblings(first: Sequence, n: int) -> list[Sequence]:
+    return [
+        Sequence(first.request_id, first.prompt_token_ids, first.max_tokens, sibling_of=first)
+        for _ in range(n)
+    ]
+
+
+def test_siblings_share_the_prompt_blocks_then_copy_on_write() -> None:
     sched, sim = make(block_size=4)
-    parent = seq(6, max_tokens=5)  # blocks: one full, one with 2 of 4 slots used
-    sched.add(parent)
+    first = seq(6, max_tokens=5)  # blocks: one full, one with 2 of 4 slots used
+    others = siblings(first, 2)
+    for s in (first, *others):
+        sched.add(s)
+    out = step(sched, sim)
+    assert [e.seq for e in out.scheduled] == [first], "the siblings wait for the prompt's KV"
+    assert all(s.status is SequenceStatus.WAITING for s in others)
     out = sched.schedule()
+    assert [e.seq for e in out.decodes] == [first, *others]
+    # Each sibling computes only the prompt's last token, in a private copy of the shared
+    # partial block: two of its three writers get a copy first.
+    assert [(e.start, e.num_new_tokens) for e in out.decodes[1:]] == [(5, 1), (5, 1)]
+    assert len(out.blocks_to_copy) == 2 and len({src for src, _ in out.blocks_to_copy}) == 1
+    assert all(s.num_cached_tokens == 5 for s in others)
     logits = sim.run(out)
-    children = sched.fork(parent.seq_id, 2)
-    assert [e.seq for e in out.forked] == children
-    assert all(c.block_table == parent.block_table for c in children)
-    assert all(sched.pool.ref_counts[b] == 3 for b in parent.block_table)
-    kv = logits[parent.seq_id]
-    sampled = {
-        parent.seq_id: sample(kv),
-        **{c.seq_id: sample(kv, i + 1) for i, c in enumerate(children)},
-    }
-    sched.update(out, sampled)
-    assert all(c.num_computed_tokens == 6 and len(c.output_token_ids) == 1 for c in children)
-    assert [c.output_token_ids[0] for c in children] != [parent.output_token_ids[0]] * 2
-    out = sched.schedule()
-    # Two of the three writers of the shared partial block get a private copy first.
-    assert len(out.blocks_to_copy) == 2
-    srcs = {src for src, _ in out.blocks_to_copy}
-    assert len(srcs) == 1
-    sched.update(out, {k: sample(v) for k, v in sim.run(out).items()})
-    tails = {s.block_table[1] for s in [parent, *children]}
+    sched.update(out, {k: sample(v, salt=k) for k, v in logits.items()})
+    tails = {s.block_table[1] for s in [first, *others]}
     assert len(tails) == 3, "each sequence now writes its own last block"
-    assert len({s.block_table[0] for s in [parent, *children]}) == 1, "the full block stays shared"
+    assert len({s.block_table[0] for s in [first, *others]}) == 1, "the full block stays shared"
+    assert sched.kv.pool.ref_counts[first.block_table[0]] == 3
     drive(sched, sim)
-    assert all(s.is_finished for s in [parent, *children])
-    assert sched.pool.num_used == 0
+    assert all(s.status is SequenceStatus.FINISHED for s in [first, *others])
+    assert sched.kv.pool.num_used == 0
 
 
-def test_fork_needs_a_running_parent() -> None:
-    sched, _ = make()
-    s = seq(4)
-    sched.add(s)
-    with pytest.raises(ValueError, match="not running"):
-        sched.fork(s.seq_id, 1)
-    with pytest.raises(ValueError, match="not running"):
-        sched.fork(424242, 1)
+def test_a_sibling_whose_first_sibling_is_gone_computes_the_prompt_itself() -> None:
+    sched, sim = make(block_size=4, enable_prefix_caching=False)
+    first = seq(9, max_tokens=1)  # finishes in the step that computes the prompt
+    (other,) = siblings(first, 1)
+    sched.add(first)
+    sched.add(other)
+    step(sched, sim)
+    assert first.status is SequenceStatus.FINISHED and other.status is SequenceStatus.WAITING
+    out = step(sched, sim)
+    assert [(e.seq, e.start, e.num_new_tokens) for e in out.scheduled] == [(other, 0, 9)]
+    assert other.output_token_ids == first.output_token_ids
 
 
-# -- stats and sizing ----------------------------------------------------------------------
+# -- stats -------------------------------------------------------------------------------
 
 
 def test_stats_snapshot_reports_blocks_requests_and_timings() -> None:
-    sched, sim = make(num_blocks=32, bytes_per_token=320 * 1024, max_num_seqs=2)
+    sched, sim = make(num_blocks=32, max_num_seqs=2)
     for i in range(3):
         sched.add(seq(9, max_tokens=3, start=i))
     step(sched, sim)
-    st = sched.stats()
+    st = scheduler_stats(sched, bytes_per_token=320 * 1024)
     assert st.kv.capacity == 32 and st.kv.block_size == 4
     assert st.kv.bytes_per_token == 320 * 1024
     assert st.kv.used == 6 and st.kv.free + st.kv.used + st.kv.cached == 32
@@ -360,26 +379,3 @@ def test_stats_snapshot_reports_blocks_requests_and_timings() -> None:
     assert st.steps_total == 1 and st.last_step_schedule_seconds > 0
     assert st.prefix_cache.enabled and st.prefix_cache.queries_tokens_total == 18
     assert st.model_dump()["kv"]["cached"] == st.kv.cached
-
-
-def test_config_from_a_plan_and_from_a_kv_budget() -> None:
-    arch = model_preset("llama-3.1-8b")
-    gpu = gpu_preset("a100-80gb")
-    p = plan(
-        PlanInput(
-            model=arch,
-            gpu_name=gpu.name,
-            gpu_memory_bytes=gpu.memory_bytes,
-            concurrency=64,
-            context=4096,
-        )
-    )
-    cfg = SchedulerConfig.from_plan(p, max_model_len=4096, max_num_seqs=128)
-    assert cfg.num_blocks == p.kv_blocks_per_pod and cfg.block_size == p.block_size
-    assert cfg.bytes_per_token == p.kv_bytes_per_token_per_gpu and cfg.max_num_seqs == 128
-    budget = SchedulerConfig.from_budget(arch, 1 << 30, max_model_len=2048, block_size=16)
-    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 2
-    assert budget.bytes_per_token == per_token
-    assert budget.num_blocks == (1 << 30) // (16 * per_token)
-    with pytest.raises(ValueError, match="hold no block"):
-        SchedulerConfig.from_budget(arch, 1000, max_model_len=2048)

@@ -1,5 +1,5 @@
-"""Random submit / step / fork / abort / finish sequences against the scheduler and its pool,
-with every invariant checked after every operation. Tiny pools force preemption and
+"""Random submit / step / finish sequences (n > 1 siblings among them) against the scheduler
+and its pool, with every invariant checked after every operation. Tiny pools force preemption and
 eviction; a 2-bit hash forces prefix-cache collisions; the KV simulator checks that every
 sampled sequence sees exactly its own tokens' KV through its block table."""
 
@@ -20,10 +20,13 @@ from hypothesis.stateful import (
 from test_kv_model_sim import VOCAB, KVSimulator, sample
 
 from headroom.engine.block_pool import BlockPool
+from headroom.engine.config import EngineConfig
 from headroom.engine.errors import RequestRejected
+from headroom.engine.kv_manager import KVManager
 from headroom.engine.prefix_cache import PrefixCache, hash_block_tokens
-from headroom.engine.scheduler import Scheduler, SchedulerConfig
-from headroom.engine.sequence import Sequence
+from headroom.engine.scheduler import Scheduler
+from headroom.engine.sequence import Sequence, SequenceStatus
+from headroom.engine.stats import scheduler_stats
 
 
 def two_bit_hash(parent: int | None, tokens: tuple[int, ...], extra: str | None) -> int:
@@ -47,7 +50,7 @@ class CheckedPrefixCache(PrefixCache):
 
     def evict(self) -> int | None:
         if self.num_parked:
-            victim = self.parked_lru()[0]
+            victim = next(iter(self._parked))
             assert self.pool.ref_counts[victim] == 0, f"evicting block {victim} while in use"
         return super().evict()
 
@@ -76,7 +79,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         watermark: float,
         hash_name: str,
     ) -> None:
-        self.cfg = SchedulerConfig(
+        self.cfg = EngineConfig(
             num_blocks=num_blocks,
             block_size=block_size,
             max_model_len=40,
@@ -86,12 +89,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             watermark=watermark,
         )
         hash_fn = HASHES[hash_name]
-        self.sched = Scheduler(self.cfg, hash_fn=hash_fn)
-        pool = self.sched.pool
-        if caching:
-            checked = CheckedPrefixCache(num_blocks, hash_fn)
-            checked.pool = pool
-            pool.prefix_cache = checked
+        checked = CheckedPrefixCache(num_blocks, hash_fn) if caching else None
+        self.sched = Scheduler(self.cfg, KVManager(num_blocks, block_size, checked))
+        if checked is not None:
+            checked.pool = self.sched.kv.pool
         self.sim = KVSimulator(num_blocks, block_size)
         self.live: dict[int, Sequence] = {}
         self.stopped: set[int] = set()  # finished or aborted by the test, not by max_tokens
@@ -100,7 +101,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.last_evictions = 0
         self.seen: set[str] = set()
         self.broken = False
-        self.forks = 0  # salts children's samples deterministically across replays
+        self.salt: dict[int, int] = {}  # a sibling's index: its samples differ from the first's
 
     # -- rules --------------------------------------------------------------------------
 
@@ -111,15 +112,18 @@ class SchedulerMachine(RuleBasedStateMachine):
                 st.lists(st.integers(0, 4), max_size=8),
                 st.integers(1, 8),
                 st.sampled_from([None, None, "lora-a"]),
+                st.sampled_from([1, 1, 1, 2, 3]),
             ),
             min_size=1,
             max_size=6,
         )
     )
-    def submit(self, requests: list[tuple[int, list[int], int, str | None]]) -> None:
-        for shared, tail, max_tokens, extra in requests:
+    def submit(self, requests: list[tuple[int, list[int], int, str | None, int]]) -> None:
+        assert self.cfg.num_blocks is not None and self.cfg.max_model_len is not None
+        for shared, tail, max_tokens, extra, n in requests:
             prompt = SYSTEM[:shared] + tail
-            seq = Sequence.new(f"r{seq_counter()}", prompt, max_tokens, extra_key=extra)
+            rid = f"r{seq_counter()}"
+            first = Sequence(rid, prompt, max_tokens, extra_key=extra)
             total = len(prompt) + max_tokens
             should_fit = (
                 bool(prompt)
@@ -127,31 +131,36 @@ class SchedulerMachine(RuleBasedStateMachine):
                 and -(-total // self.cfg.block_size) <= self.cfg.num_blocks
             )
             try:
-                self.sched.add(seq)
+                self.sched.add(first)
             except RequestRejected as e:
                 assert not should_fit, f"rejected a request that fits: {e.reason}"
                 assert e.reason
                 continue
             assert should_fit, "accepted a request that can never fit"
-            self.live[seq.seq_id] = seq
+            self.live[first.seq_id] = first
+            for index in range(1, n):
+                seq = Sequence(rid, prompt, max_tokens, extra_key=extra, sibling_of=first)
+                self.sched.add(seq)
+                self.live[seq.seq_id] = seq
+                self.salt[seq.seq_id] = index
 
-    @rule(data=st.data(), n=st.integers(1, 12))
-    def steps(self, data: st.DataObject, n: int) -> None:
+    @rule(n=st.integers(1, 12))
+    def steps(self, n: int) -> None:
         for _ in range(n):
-            self.step(data)
+            self.step()
             self.check_pool()
             self.check_sequences()
 
-    def step(self, data: st.DataObject | None) -> None:
+    def step(self) -> None:
         try:
-            self._step(data)
+            self._step()
         except BaseException:
             self.broken = True  # keeps teardown from masking the failure
             raise
 
-    def _step(self, data: st.DataObject | None) -> None:
+    def _step(self) -> None:
         sched, cfg = self.sched, self.cfg
-        cache = sched.pool.prefix_cache
+        cache = sched.kv.cache
         out = sched.schedule()
         if not out.scheduled:
             assert not sched.has_unfinished() or out.preempted, "idle step with work queued"
@@ -162,24 +171,31 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert all(e.is_decode for e in out.decodes)
         assert len({id(e.seq) for e in out.scheduled}) == len(out.scheduled)
         for src, dst in out.blocks_to_copy:
-            assert src != dst and sched.pool.ref_counts[dst] == 1
+            assert src != dst and sched.kv.pool.ref_counts[dst] == 1
         for e in out.scheduled:
             seq = e.seq
             assert e.start == seq.num_computed_tokens and e.num_new_tokens >= 1
             assert e.end <= seq.num_tokens
             assert len(seq.block_table) * cfg.block_size >= e.end
-            # A prefix hit at this admission: its blocks hold exactly this sequence's tokens.
-            if cache is not None and e.start == seq.num_cached_tokens and e.start:
+            # A prefix hit at this admission: its blocks hold exactly this sequence's tokens
+            # (a sibling's shared blocks are checked through the simulator's KV instead).
+            hit = e.start == seq.num_cached_tokens and seq.sibling_of is None
+            if cache is not None and hit and e.start:
                 bs = cfg.block_size
                 for i in range(e.start // bs):
-                    stored = cache.token_ids_of(seq.block_table[i])
-                    assert stored == seq.all_token_ids[i * bs : (i + 1) * bs]
+                    stored = cache._content[seq.block_table[i]]
+                    assert stored is not None
+                    assert stored[2] == seq.all_token_ids[i * bs : (i + 1) * bs]
         for name, happened in (
             ("preemption", bool(out.preempted)),
             ("copy-on-write", bool(out.blocks_to_copy)),
             (
                 "prefix hit",
                 any(e.start and e.start == e.seq.num_cached_tokens for e in out.prefills),
+            ),
+            (
+                "sibling shares the prompt",
+                any(e.seq.sibling_of is not None and e.start for e in out.scheduled),
             ),
             ("eviction", cache is not None and cache.evictions_total > self.last_evictions),
             ("chunked prefill", any(not e.sample for e in out.prefills)),
@@ -188,44 +204,29 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.seen.add(name)
         self.last_evictions = cache.evictions_total if cache is not None else 0
         logits = self.sim.run(out)
-        sampled = {sid: sample(kv) for sid, kv in logits.items()}
-        # n > 1 sampling: fork some sequences whose prompt just finished prefill.
-        for e in out.scheduled:
-            if data is None or not e.sample or e.seq.output_token_ids:
-                continue
-            if data.draw(st.integers(0, 3)) == 0:
-                for child in sched.fork(e.seq.seq_id, data.draw(st.integers(1, 2))):
-                    self.forks += 1
-                    sampled[child.seq_id] = sample(logits[e.seq.seq_id], salt=self.forks)
-                    self.live[child.seq_id] = child
-                self.seen.add("fork")
+        sampled = {sid: sample(kv, self.salt.get(sid, 0)) for sid, kv in logits.items()}
         finished = sched.update(out, sampled)
         for seq in finished:
-            assert len(seq.output_token_ids) == seq.max_tokens and seq.is_finished
+            assert (
+                len(seq.output_token_ids) == seq.max_tokens
+                and seq.status is SequenceStatus.FINISHED
+            )
             self.done.append(seq)
             self.live.pop(seq.seq_id)
         assert sched.preemptions_total >= self.last_preemptions
         self.last_preemptions = sched.preemptions_total
 
     @precondition(lambda self: bool(self.live))
-    @rule(data=st.data(), how=st.sampled_from(["abort", "finish"]))
-    def stop(self, data: st.DataObject, how: str) -> None:
-        """The client went away (abort, waiting or running) or a stop string matched."""
-        seq_id = data.draw(st.sampled_from(sorted(self.live)))
-        assert getattr(self.sched, how)(seq_id)
-        seq = self.live.pop(seq_id)
-        assert seq.is_finished and not seq.block_table
-        assert self.sched.get(seq_id) is None
-        assert not self.sched.abort(seq_id), "a second abort is a no-op"
-        self.stopped.add(seq_id)
-
-    @precondition(lambda self: bool(self.sched.running))
     @rule(data=st.data())
-    def fork_between_steps(self, data: st.DataObject) -> None:
-        parent = data.draw(st.sampled_from(self.sched.running))
-        for child in self.sched.fork(parent.seq_id, 1):
-            assert child.block_table == parent.block_table
-            self.live[child.seq_id] = child
+    def stop(self, data: st.DataObject) -> None:
+        """The client went away (waiting or running) or a stop string matched."""
+        seq_id = data.draw(st.sampled_from(sorted(self.live)))
+        assert self.sched.finish(seq_id)
+        seq = self.live.pop(seq_id)
+        assert seq.status is SequenceStatus.FINISHED and not seq.block_table
+        assert seq_id not in self.sched._seqs
+        assert not self.sched.finish(seq_id), "a second abort is a no-op"
+        self.stopped.add(seq_id)
 
     def teardown(self) -> None:
         if not hasattr(self, "sched") or self.broken:
@@ -240,13 +241,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         limit = 50 + 10 * sum(s.num_tokens + s.max_tokens for s in self.live.values())
         steps = 0
         while sched.has_unfinished():
-            self.step(None)
+            self.step()
             self.check_pool()
             self.check_sequences()
             steps += 1
             assert steps <= limit, f"no forward progress after {steps} steps"
         assert not self.live
-        pool = sched.pool
+        pool = sched.kv.pool
         assert pool.num_used == 0 and pool.num_free + pool.num_cached == pool.num_blocks
         for seq in self.done:
             assert len(seq.output_token_ids) == seq.max_tokens
@@ -256,11 +257,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def check_pool(self) -> None:
         sched = self.sched
-        pool: BlockPool = sched.pool
-        cache = pool.prefix_cache
+        pool: BlockPool = sched.kv.pool
+        cache = pool.cache
         refs = Counter(b for s in sched.running for b in s.block_table)
-        free = pool.free_block_ids()
-        parked = cache.parked_lru() if cache is not None else []
+        free = list(pool._free)
+        parked = list(cache._parked) if cache is not None else []
         assert len(set(free)) == len(free), "a block is on the free list twice"
         for b in range(pool.num_blocks):
             rc = pool.ref_counts[b]
@@ -275,7 +276,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert pool.num_used == used
         assert pool.num_free == len(free) and pool.num_cached == len(parked)
         assert pool.num_free + pool.num_used + pool.num_cached == pool.num_blocks
-        stats = sched.stats()
+        stats = scheduler_stats(sched)
         assert (stats.kv.free, stats.kv.used, stats.kv.cached) == (
             pool.num_free,
             pool.num_used,

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_process import ServerProcess, free_port
 
 from headroom.engine.loadgen.cli import add_arguments, run
-from headroom.engine.server.testing import ServerProcess, free_port
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ from packaging.markers import Marker
 from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
-EXTRAS = ("--extra", "engine", "--extra", "dev", "--extra", "cuda")  # what scripts/venv.sh installs
+# What scripts/venv.sh installs.
+EXTRAS = ("--extra", "engine", "--extra", "sim", "--extra", "dev", "--extra", "cuda")
 
 
 def _uv() -> str:
@@ -143,7 +144,8 @@ def test_two_checkouts_each_import_their_own_files(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_the_operator_and_sidecar_install_without_torch(tmp_path: Path) -> None:
     """The lock without extras (what an operator or sidecar image installs): no torch, and the
-    operator, the sidecar and the torch-free commands run; `serve` names the missing extra."""
+    operator, the sidecar and the torch-free commands run; `serve` names the missing extra, and
+    so do `profile` and `simulate` (numpy comes with `sim`), whose --help still works."""
     clone = _checkout(tmp_path / "slim", "slim")
     venv = tmp_path / "venv"
     cache = Path(os.environ.get("HEADROOM_CACHE") or Path.home() / ".cache" / "headroom")
@@ -171,3 +173,13 @@ def test_the_operator_and_sidecar_install_without_torch(tmp_path: Path) -> None:
     assert served.returncode == 2
     assert "headroom[engine]" in served.stderr and "torch" in served.stderr
     assert "Traceback" not in served.stderr
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n0.0,100,10\n")
+    spec = REPO / "examples" / "llama-3.1-8b-h100.yaml"
+    for args in (["profile", str(trace)], ["simulate", str(trace), "--spec", str(spec)]):
+        proc = subprocess.run([str(headroom), *args], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert "headroom[sim]" in proc.stderr and "numpy" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+        helped = subprocess.run([str(headroom), args[0], "--help"], capture_output=True, text=True)
+        assert helped.returncode == 0 and "TRACE" in helped.stdout, helped.stderr

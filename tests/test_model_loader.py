@@ -197,7 +197,7 @@ def test_tiny_model_is_deterministic() -> None:
         a.model.named_parameters(), b.model.named_parameters(), strict=True
     ):
         assert torch.equal(pa, pb), name
-    assert a.config.num_kv_heads < a.config.num_heads  # GQA
+    assert a.config.num_kv_heads < a.config.num_attention_heads  # GQA
     assert isinstance(a.tokenizer, ByteTokenizer)
 
 

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import socket
 import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -143,4 +150,110 @@ def test_alert_rules_pass_promtool(tmp_path: Path) -> None:
         ["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60
     )
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "SUCCESS: 4 rules found" in res.stdout
+    assert "SUCCESS: 5 rules found" in res.stdout
+
+
+def test_gpu_type_leaves_scheduling_to_the_node_selector() -> None:
+    # A decision, not an omission: GPU labels differ between clusters (GPU Feature Discovery,
+    # cloud providers), and a required affinity on a label the nodes lack would leave every pod
+    # Pending. The CRD's gpu.type description sends users to gpu.nodeSelector.
+    s = spec()
+    pod = deployment(OWNER, s, size(s), replicas=1)["spec"]["template"]["spec"]
+    assert "affinity" not in pod and "nodeSelector" not in pod
+    s = spec(gpu={"type": "l4-24gb", "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-L4"}})
+    pod = deployment(OWNER, s, size(s), replicas=1)["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-L4"}
+    assert "affinity" not in pod
+
+
+# ---------------------------------------------------------------------------- the pod, run here
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _get(url: str, key: str | None = None) -> tuple[int, str]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return int(resp.status), resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _poll(url: str, proc: subprocess.Popen[bytes], log: Path, want: str = "") -> str:
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, log.read_text()
+        with contextlib.suppress(OSError):
+            status, body = _get(url)
+            if status == 200 and want in body:
+                return body
+        assert time.monotonic() < deadline, f"{url}: not ready\n{log.read_text()}"
+        time.sleep(0.5)
+
+
+def _with(args: list[str], **flags: str) -> list[str]:
+    """`args` with some `--flag value` pairs replaced (or added)."""
+    out = list(args)
+    for flag, value in flags.items():
+        name = "--" + flag.replace("_", "-")
+        if name in out:
+            out[out.index(name) + 1] = value
+        else:
+            out += [name, value]
+    return out
+
+
+def test_the_rendered_headroom_pod_guards_its_api_and_still_probes_and_scrapes(
+    tmp_path: Path,
+) -> None:
+    # The engine and sidecar containers' own args, run here on loopback: only what a machine
+    # without a GPU cannot take is changed (device, address, a pool that fits in CPU memory).
+    s = spec(
+        model={"preset": "llama-3.1-8b", "path": "tiny"},
+        gpu={"type": "h100-80gb"},
+        traffic={"peakConcurrency": 4, "contextTokens": 2048},
+        engine={"apiKeySecret": {"name": "chat-keys"}},
+    )
+    c = containers(deployment(OWNER, s, size(s), replicas=1))
+    engine, sidecar = c["engine"], c["sidecar"]
+    (key_var,) = [e["name"] for e in engine["env"] if "secretKeyRef" in e.get("valueFrom", {})]
+    key = "s3cret-key"  # what the kubelet reads from Secret chat-keys
+    port, side_port = _free_port(), _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", key_var: key}
+    env.update(
+        {e["name"]: e["value"] for e in engine["env"] if "value" in e and e["name"] != "HOME"}
+    )
+    args = _with(engine["args"], host="127.0.0.1", port=str(port), device="cpu", num_blocks="512")
+    elog, slog = tmp_path / "engine.log", tmp_path / "sidecar.log"
+    with elog.open("w") as eout, slog.open("w") as sout:
+        eng = subprocess.Popen([sys.executable, "-m", "headroom.contract.cli", *args],
+                               env=env, stdout=eout, stderr=subprocess.STDOUT)  # fmt: skip
+        side: subprocess.Popen[bytes] | None = None
+        try:
+            base = f"http://127.0.0.1:{port}"
+            _poll(base + engine["readinessProbe"]["httpGet"]["path"], eng, elog)
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                assert _get(base + engine[probe]["httpGet"]["path"])[0] == 200, probe
+            assert _get(base + "/v1/models")[0] == 401
+            assert _get(base + "/v1/models", "wrong")[0] == 401
+            assert _get(base + "/v1/models", key)[0] == 200
+            side_args = _with(sidecar["args"], engine_url=base, port=str(side_port),
+                              host="127.0.0.1")  # fmt: skip
+            side = subprocess.Popen([sys.executable, "-m", "headroom.contract.cli", *side_args],
+                                    env={**os.environ, "POD_NAME": "chat-0",
+                                         "POD_NAMESPACE": "team-a"},
+                                    stdout=sout, stderr=subprocess.STDOUT)  # fmt: skip
+            metrics = _poll(f"http://127.0.0.1:{side_port}/metrics", side, slog,
+                            want="headroom_engine_up{")  # fmt: skip
+            up = [ln for ln in metrics.splitlines() if ln.startswith("headroom_engine_up{")]
+            assert up and up[0].endswith(" 1.0"), metrics  # it reads /stats without the key
+        finally:
+            for proc in (side, eng):
+                if proc is not None:
+                    proc.terminate()
+                    proc.wait(timeout=60)

@@ -31,6 +31,24 @@ def test_operator_flags() -> None:
     assert parser().parse_args(["crd"]).func is cli.run_crd
 
 
+def test_metrics_and_liveness_bind_to_loopback_unless_told() -> None:
+    args = parser().parse_args(["operator"])
+    assert (args.metrics_host, args.liveness_host) == ("127.0.0.1", "127.0.0.1")
+    args = parser().parse_args(
+        ["operator", "--metrics-host", "0.0.0.0", "--liveness-host", "10.1.2.3"]
+    )
+    assert (args.metrics_host, args.liveness_host) == ("0.0.0.0", "10.1.2.3")
+
+
+@pytest.mark.parametrize("flag", ["--metrics-host", "--liveness-host"])
+def test_a_bind_address_that_is_no_address_is_a_clear_error(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = parser().parse_args(["operator", flag, "lots"])
+    assert cli.run_operator(args) == 2
+    assert f"--{flag[2:].replace('-', '_')}" in capsys.readouterr().err
+
+
 def test_namespace_and_all_namespaces_are_exclusive() -> None:
     with pytest.raises(SystemExit):
         parser().parse_args(["operator", "-n", "a", "--all-namespaces"])
@@ -66,7 +84,8 @@ def test_rbac_rules_are_least_privilege() -> None:
     rules = cluster_role_rules()
     verbs = {(g, r): set(rule["verbs"]) for rule in rules for g in rule["apiGroups"]
              for r in rule["resources"]}  # fmt: skip
-    assert verbs[("apps", "deployments")] == {"get", "create", "patch"}
+    assert verbs[("apps", "deployments")] == {"get", "list", "watch", "create", "patch"}
+    assert verbs[("apps", "deployments/scale")] == {"patch"}
     assert verbs[("", "pods")] == {"list"}
     assert verbs[("", "events")] == {"create"}
     assert "delete" not in set().union(*verbs.values())

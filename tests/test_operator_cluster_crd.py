@@ -14,12 +14,15 @@ import yaml
 
 from e2e.cluster.harness import Cluster
 from headroom.operator.crd.models import (
+    NAME_RULE,
     EngineSpec,
     GPUSpec,
     InferenceDeploymentSpec,
     ModelSpec,
     ScalingSpec,
+    name_error,
 )
+from headroom.operator.crd.rules import Rule
 from headroom.operator.crd.schema import CRD_NAME, crd_yaml
 
 pytest_plugins = ["e2e.cluster.pytest_plugin"]
@@ -35,37 +38,65 @@ ARCH = {
     "vocabSize": 256, "parameterCount": 100_000,
 }  # fmt: skip
 
+
+def rule(model: Any, fragment: str) -> Rule:
+    """The rule of `model` whose message contains `fragment`."""
+    (found,) = [r for r in model.__rules__ if fragment in r.message]
+    return found
+
+
 # (id, spec, the rule whose message the API server must answer with)
 CEL_CASES = [
-    ("preset-or-arch", {**VALID, "model": {"path": "tiny"}}, ModelSpec.__rules__[0]),
+    ("preset-or-arch", {**VALID, "model": {"path": "tiny"}}, rule(ModelSpec, "either a preset")),
     ("preset-and-arch", {**VALID, "model": {"preset": "llama-3.1-8b", "numLayers": 3}},
-     ModelSpec.__rules__[1]),
-    ("heads-multiple", {**VALID, "model": {**ARCH, "numKVHeads": 3}}, ModelSpec.__rules__[2]),
-    ("mla-pair", {**VALID, "model": {**ARCH, "kvLoraRank": 64}}, ModelSpec.__rules__[3]),
+     rule(ModelSpec, "already fixes")),
+    ("heads-multiple", {**VALID, "model": {**ARCH, "numKVHeads": 3}},
+     rule(ModelSpec, "multiple of model.numKVHeads")),
+    ("mla-pair", {**VALID, "model": {**ARCH, "kvLoraRank": 64}}, rule(ModelSpec, "MLA")),
     ("sliding-window", {**VALID, "model": {**ARCH, "numSlidingWindowLayers": 2}},
-     ModelSpec.__rules__[4]),
-    ("gpu-type-or-memory", {**VALID, "gpu": {"countPerPod": 2}}, GPUSpec.__rules__[0]),
+     rule(ModelSpec, "slidingWindow")),
+    ("gpu-type-or-memory", {**VALID, "gpu": {"countPerPod": 2}}, rule(GPUSpec, "type preset")),
     ("tp-divides", {**VALID, "gpu": {"type": "h100", "countPerPod": 4, "tensorParallel": 3}},
-     GPUSpec.__rules__[1]),
+     rule(GPUSpec, "must divide")),
+    ("gpu-resource-memory", {**VALID, "gpu": {"type": "h100", "resourceName": "memory"}},
+     rule(GPUSpec, "extended resource")),
+    ("gpu-resource-kubernetes-io",
+     {**VALID, "gpu": {"type": "h100", "resourceName": "kubernetes.io/gpu"}},
+     rule(GPUSpec, "extended resource")),
     ("min-max", {**VALID, "scaling": {"minReplicas": 5, "maxReplicas": 2}},
-     ScalingSpec.__rules__[0]),
-    ("target-below-scale-out", {**VALID, "scaling": {"targetOccupancy": 0.9}},
-     ScalingSpec.__rules__[1]),
+     rule(ScalingSpec, "minReplicas")),
+    ("target-below-scale-out", {**VALID, "scaling": {"targetOccupancy": 0.96}},
+     rule(ScalingSpec, "targetOccupancy must be below")),
     ("hysteresis", {**VALID, "scaling": {"targetOccupancy": 0.3, "scaleInHysteresis": 0.4}},
-     ScalingSpec.__rules__[2]),
+     rule(ScalingSpec, "scaleInHysteresis")),
     ("max-model-len", {**VALID, "engine": {"maxModelLen": 1024}},
-     InferenceDeploymentSpec.__rules__[0]),
+     rule(InferenceDeploymentSpec, "maxModelLen")),
     ("attention-backend-headroom-only",
-     {**VALID, "engine": {"runtime": "vllm", "attentionBackend": "cuda"}}, EngineSpec.__rules__[0]),
+     {**VALID, "engine": {"runtime": "vllm", "attentionBackend": "cuda"}},
+     rule(EngineSpec, "attentionBackend")),
     ("vllm-no-int8", {**VALID, "engine": {"runtime": "vllm", "kvCacheDtype": "int8"}},
-     EngineSpec.__rules__[1]),
+     rule(EngineSpec, "runtime vllm accepts")),
     ("sglang-no-int8", {**VALID, "engine": {"runtime": "sglang", "kvCacheDtype": "int8"}},
-     EngineSpec.__rules__[2]),
+     rule(EngineSpec, "runtime sglang accepts")),
     ("vllm-block-sizes", {**VALID, "engine": {"runtime": "vllm", "blockSize": 24}},
-     EngineSpec.__rules__[3]),
+     rule(EngineSpec, "engine.blockSize 16")),
+    ("vllm-block-size-8", {**VALID, "engine": {"runtime": "vllm", "blockSize": 8}},
+     rule(EngineSpec, "engine.blockSize 16")),
+    ("vllm-batched-below-seqs",
+     {**VALID, "engine": {"runtime": "vllm", "maxNumBatchedTokens": 256, "maxNumSeqs": 512}},
+     rule(EngineSpec, "runtime vllm needs")),
+    ("sglang-chunk-not-page-multiple", {**VALID, "engine": {"runtime": "sglang", "blockSize": 48}},
+     rule(EngineSpec, "runtime sglang needs")),
     ("stock-runtime-not-headroom-image",
      {**VALID, "engine": {"runtime": "sglang", "image": "ghcr.io/headroom-dev/headroom:0.1.0"}},
-     EngineSpec.__rules__[4]),
+     rule(EngineSpec, "no vLLM or SGLang server")),
+    ("stock-runtime-not-headroom-engine-image",
+     {**VALID, "engine": {"runtime": "vllm",
+                          "image": "ghcr.io/headroom-dev/headroom-engine:0.1.0"}},
+     rule(EngineSpec, "no vLLM or SGLang server")),
+    ("headroom-runtime-not-the-small-image",
+     {**VALID, "engine": {"image": "ghcr.io/headroom-dev/headroom:0.1.0"}},
+     rule(EngineSpec, "the small image")),
 ]  # fmt: skip
 
 SCHEMA_CASES = [
@@ -76,6 +107,19 @@ SCHEMA_CASES = [
     ("bad-mode", {**VALID, "scaling": {"mode": "yolo"}}, "Unsupported value"),
     ("bad-runtime", {**VALID, "engine": {"runtime": "tgi"}}, "Unsupported value"),
     ("missing-traffic", {"model": VALID["model"], "gpu": VALID["gpu"]}, "Required value"),
+    ("memory-not-a-quantity", {**VALID, "engine": {"memory": "lots"}},
+     "spec.engine.memory in body should match"),
+    ("cpu-not-a-quantity", {**VALID, "engine": {"cpu": "four"}},
+     "spec.engine.cpu in body should match"),
+    ("memory-negative", {**VALID, "engine": {"memory": -5}}, "greater than or equal to 0"),
+    ("path-is-a-flag",
+     {**VALID, "model": {"preset": "llama-3.1-8b", "path": "--trust-remote-code"}},
+     "spec.model.path in body should match"),
+    ("served-name-is-a-flag",
+     {**VALID, "model": {"preset": "llama-3.1-8b", "servedModelName": "--x"}},
+     "spec.model.servedModelName in body should match"),
+    ("api-key-secret-bad-name", {**VALID, "engine": {"apiKeySecret": {"name": "Bad_Name"}}},
+     "spec.engine.apiKeySecret.name in body should match"),
 ]  # fmt: skip
 
 
@@ -111,7 +155,7 @@ def test_valid_object_is_accepted_and_defaulted(crd: Cluster, cluster_namespace:
     spec = obj["spec"]
     assert isinstance(spec, dict)
     assert spec["engine"]["blockSize"] == 16 and spec["engine"]["kvCacheDtype"] == "auto"
-    assert spec["scaling"]["mode"] == "auto" and spec["scaling"]["targetOccupancy"] == 0.7
+    assert spec["scaling"]["mode"] == "auto" and spec["scaling"]["targetOccupancy"] == 0.85
     assert spec["gpu"]["countPerPod"] == 1 and spec["model"]["path"] == "tiny"
     assert spec["engine"]["runtime"] == "headroom" and "image" not in spec["engine"]
     # What the API server stored, the operator's models read back to the same values.
@@ -135,6 +179,13 @@ def test_each_cel_rule_refuses_with_its_message(
         InferenceDeploymentSpec.model_validate(copy.deepcopy(spec))
 
 
+def test_every_rule_has_a_case() -> None:
+    covered = {id(r) for _, _, r in CEL_CASES}
+    for model in (ModelSpec, GPUSpec, EngineSpec, ScalingSpec, InferenceDeploymentSpec):
+        for r in model.__rules__:
+            assert id(r) in covered, f"{model.__name__}: no case for {r.message!r}"
+
+
 @pytest.mark.parametrize(
     ("spec", "message"), [c[1:] for c in SCHEMA_CASES], ids=[c[0] for c in SCHEMA_CASES]
 )
@@ -143,6 +194,38 @@ def test_schema_enums_and_ranges(
 ) -> None:
     proc = create(crd, cluster_namespace, "bad", spec, dry_run=True)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    # The pydantic models carry the same patterns and ranges.
+    with pytest.raises(ValueError):
+        InferenceDeploymentSpec.model_validate(copy.deepcopy(spec))
+
+
+@pytest.mark.parametrize("name", ["a.b", "x" * 70, "7b-chat"])
+def test_names_the_children_cannot_take_are_refused(
+    crd: Cluster, cluster_namespace: str, name: str
+) -> None:
+    proc = create(crd, cluster_namespace, name, VALID, dry_run=True)
+    assert proc.returncode != 0 and NAME_RULE.message in proc.stderr, proc.stderr
+    assert name_error(name) == NAME_RULE.message
+
+
+def test_names_the_children_can_take_are_accepted(crd: Cluster, cluster_namespace: str) -> None:
+    for name in ("a" * 63, "llama-8b"):
+        proc = create(crd, cluster_namespace, name, VALID, dry_run=True)
+        assert proc.returncode == 0, proc.stderr
+        assert name_error(name) is None
+
+
+def test_quantities_as_numbers_and_strings_are_accepted(
+    crd: Cluster, cluster_namespace: str
+) -> None:
+    spec = {**VALID, "engine": {"cpu": 4, "memory": "1.5Ti"}}
+    proc = create(crd, cluster_namespace, "quantities", spec)
+    assert proc.returncode == 0, proc.stderr
+    stored = crd.get("infd", "quantities", namespace=cluster_namespace)["spec"]
+    assert isinstance(stored, dict)
+    assert stored["engine"]["cpu"] == 4 and stored["engine"]["memory"] == "1.5Ti"
+    engine = InferenceDeploymentSpec.model_validate(stored).engine
+    assert (engine.cpu, engine.memory) == ("4", "1.5Ti")
 
 
 def test_unknown_fields_are_pruned_or_refused(crd: Cluster, cluster_namespace: str) -> None:

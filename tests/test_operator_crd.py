@@ -12,6 +12,8 @@ import yaml
 
 from headroom.operator.__main__ import main as operator_main
 from headroom.operator.crd.models import (
+    NAME_RULE,
+    QUANTITY_PATTERN,
     EngineSpec,
     GPUSpec,
     InferenceDeploymentSpec,
@@ -54,7 +56,13 @@ def test_headroom_crd_prints_the_same_yaml() -> None:
 @pytest.mark.parametrize("schema", [spec_schema(), status_schema()], ids=["spec", "status"])
 def test_schema_is_structural(schema: dict[str, Any]) -> None:
     for path, node in walk(schema):
-        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), path
+        if node.get("x-kubernetes-int-or-string"):
+            # The one union a structural schema allows, exactly in this form.
+            assert "type" not in node, path
+            assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}], path
+            node = {k: v for k, v in node.items() if k != "anyOf"}
+        else:
+            assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), path
         for banned in ("$ref", "$defs", "anyOf", "oneOf", "allOf", "title", "const"):
             assert banned not in node, f"{path} has {banned}"
         assert node.get("additionalProperties", {}) is not False, path
@@ -108,6 +116,24 @@ def test_every_python_rule_is_a_cel_rule_with_its_message() -> None:
         ]
     top = schema["x-kubernetes-validations"]
     assert [c["rule"] for c in top] == [r.cel for r in InferenceDeploymentSpec.__rules__]
+    root = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert root["x-kubernetes-validations"] == [
+        {"rule": NAME_RULE.cel, "message": NAME_RULE.message}
+    ]
+
+
+@pytest.mark.parametrize("field", ["cpu", "memory"])
+def test_cpu_and_memory_are_quantities_in_the_crd(field: str) -> None:
+    node = spec_schema()["properties"]["engine"]["properties"][field]
+    assert node["x-kubernetes-int-or-string"] is True
+    assert node["pattern"] == QUANTITY_PATTERN and node["minimum"] == 0
+
+
+def test_gpu_type_says_it_does_not_steer_scheduling() -> None:
+    gpu = spec_schema()["properties"]["gpu"]["properties"]
+    assert "does not steer scheduling" in gpu["type"]["description"]
+    assert "gpu.nodeSelector" in gpu["type"]["description"]
+    assert "gpu.type" in gpu["nodeSelector"]["description"]
 
 
 def test_names_subresources_and_columns() -> None:

@@ -18,24 +18,24 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from synthetic_engine import SyntheticEngine
 
 from headroom.contract.report import SaturationReport
 from headroom.operator.scaling.metrics_sources import (
     MetricsError,
     PodInfo,
     PrometheusSource,
+    ScrapeTarget,
     SidecarSource,
-    Target,
     parse_prometheus,
     pod_info,
     promql,
     sample_from_report,
 )
 from headroom.operator.status import parse_time
-from headroom.sidecar.synthetic import SyntheticEngine
 
 PROMETHEUS = shutil.which("prometheus")
-TARGET = Target(namespace="llm", name="chat")
+TARGET = ScrapeTarget(namespace="llm", name="chat")
 
 
 def report(**kw: Any) -> SaturationReport:
@@ -72,10 +72,11 @@ def test_sample_from_report_keeps_the_figures() -> None:
 
 
 def test_promql_is_one_query_with_every_series_tagged() -> None:
-    q = promql(Target(namespace='we"ird', name="chat"))
-    assert q.count(" or ") == 9
+    q = promql(ScrapeTarget(namespace='we"ird', name="chat"))
+    assert q.count(" or ") == 16
     assert 'namespace="we\\"ird",inferencedeployment="chat"' in q
-    for tag in ("occupancy", "eta", "up", "time", "preempt", "waiting", "capacity"):
+    for tag in ("occupancy", "eta", "up", "time", "preempt", "waiting", "capacity",
+                "arrivals", "departures", "block_seconds", "arrived_total"):  # fmt: skip
         assert f'"q", "{tag}"' in q
 
 
@@ -261,6 +262,6 @@ async def test_real_sidecar_and_prometheus_agree(tmp_path: Path) -> None:
                     assert abs(time.time() - p.sampled_at) < 30
                     assert p.eta_seconds is not None and math.isfinite(p.eta_seconds)
                     # Other deployments' pods are not mixed in.
-                    assert await prom.sample(Target("llm", "other"), pods) == {}
+                    assert await prom.sample(ScrapeTarget("llm", "other"), pods) == {}
         finally:
             driver.cancel()

@@ -57,7 +57,7 @@ INVALID = [
      "must divide gpu.countPerPod"),
     ("min-above-max", with_("scaling", {"minReplicas": 5, "maxReplicas": 3}),
      "minReplicas must not exceed"),
-    ("target-not-below-scale-out", with_("scaling", {"targetOccupancy": 0.9}),
+    ("target-not-below-scale-out", with_("scaling", {"targetOccupancy": 0.96}),
      "must be below scaling.scaleOutOccupancy"),
     ("scale-out-above-one", with_("scaling", {"scaleOutOccupancy": 1.2}), "less than or equal"),
     ("hysteresis-too-big", with_("scaling", {"targetOccupancy": 0.3, "scaleInHysteresis": 0.4}),
@@ -79,10 +79,43 @@ INVALID = [
      with_("engine", {"runtime": "sglang", "attentionBackend": "cuda"}),
      "attentionBackend is the headroom engine's own"),
     ("vllm-block-size", with_("engine", {"runtime": "vllm", "blockSize": 24}),
-     "runtime vllm takes engine.blockSize 1, 8, 16, 32, 64 or 128"),
+     "runtime vllm takes engine.blockSize 16, 32, 64 or 128"),
+    # vLLM 0.11's attention backends raise "Block size must be a multiple of 16" on SM 8.0+.
+    ("vllm-block-size-1", with_("engine", {"runtime": "vllm", "blockSize": 1}),
+     "runtime vllm takes engine.blockSize 16, 32, 64 or 128"),
+    ("vllm-block-size-8", with_("engine", {"runtime": "vllm", "blockSize": 8}),
+     "runtime vllm takes engine.blockSize 16, 32, 64 or 128"),
+    ("vllm-batched-below-seqs",
+     with_("engine", {"runtime": "vllm", "maxNumBatchedTokens": 256, "maxNumSeqs": 512}),
+     "runtime vllm needs engine.maxNumBatchedTokens"),
+    ("sglang-chunk-not-page-multiple", with_("engine", {"runtime": "sglang", "blockSize": 48}),
+     "runtime sglang needs engine.maxNumBatchedTokens"),
+    ("sglang-chunk-1000-page-64",
+     with_("engine", {"runtime": "sglang", "blockSize": 64, "maxNumBatchedTokens": 1000}),
+     "runtime sglang needs engine.maxNumBatchedTokens"),
+    ("memory-not-a-quantity", with_("engine.memory", "lots"), "should match pattern"),
+    ("cpu-not-a-quantity", with_("engine.cpu", "four"), "should match pattern"),
+    ("memory-negative", with_("engine.memory", "-1Gi"), "should match pattern"),
+    ("memory-negative-number", with_("engine.memory", -5), "should match pattern"),
+    ("gpu-resource-memory", with_("gpu.resourceName", "memory"),
+     "gpu.resourceName must be an extended resource"),
+    ("gpu-resource-cpu", with_("gpu.resourceName", "cpu"),
+     "gpu.resourceName must be an extended resource"),
+    ("gpu-resource-hugepages", with_("gpu.resourceName", "hugepages-2Mi"),
+     "gpu.resourceName must be an extended resource"),
+    ("gpu-resource-kubernetes-io", with_("gpu.resourceName", "kubernetes.io/gpu"),
+     "gpu.resourceName must be an extended resource"),
+    ("gpu-resource-subdomain-kubernetes-io",
+     with_("gpu.resourceName", "node.kubernetes.io/gpu"),
+     "gpu.resourceName must be an extended resource"),
+    ("path-is-a-flag", with_("model.path", "--trust-remote-code"), "should match pattern"),
+    ("served-name-is-a-flag", with_("model.servedModelName", "-x"), "should match pattern"),
+    ("api-key-secret-without-name", with_("engine.apiKeySecret", {"key": "k"}), "name"),
+    ("api-key-secret-bad-name", with_("engine.apiKeySecret", {"name": "Bad_Name"}),
+     "should match pattern"),
     ("vllm-headroom-image",
      with_("engine", {"runtime": "vllm", "image": "ghcr.io/headroom-dev/headroom:0.2.0"}),
-     "has no vLLM or SGLang server"),
+     "have no vLLM or SGLang server"),
 ]  # fmt: skip
 
 
@@ -136,11 +169,21 @@ def test_the_three_examples_exist() -> None:
     "engine",
     [
         {"runtime": "vllm", "kvCacheDtype": "fp8", "blockSize": 32},
-        {"runtime": "sglang", "kvCacheDtype": "fp8", "blockSize": 24},  # SGLang pages any size
+        # SGLang pages any size, with a chunked prefill a whole number of pages (24 x 341).
+        {"runtime": "sglang", "kvCacheDtype": "fp8", "blockSize": 24, "maxNumBatchedTokens": 8184},
         {"runtime": "sglang", "image": "lmsysorg/sglang:v0.5.4"},
         {"runtime": "headroom", "kvCacheDtype": "int8", "attentionBackend": "cuda"},
+        {"runtime": "vllm", "maxNumBatchedTokens": 256, "maxNumSeqs": 256},
+        {"runtime": "headroom", "maxNumBatchedTokens": 64, "maxNumSeqs": 256, "blockSize": 8},
     ],
-    ids=["vllm-fp8", "sglang-any-page", "sglang-own-image", "headroom-int8"],
+    ids=[
+        "vllm-fp8",
+        "sglang-any-page",
+        "sglang-own-image",
+        "headroom-int8",
+        "vllm-batched-equal-seqs",
+        "headroom-any-batch",
+    ],
 )
 def test_runtime_accepts_what_it_runs(engine: dict[str, Any]) -> None:
     spec = InferenceDeploymentSpec.model_validate(with_("engine", engine))
@@ -151,3 +194,77 @@ def test_runtime_defaults_to_headroom_and_image_to_the_runtimes() -> None:
     spec = InferenceDeploymentSpec.model_validate(VALID)
     assert spec.engine.runtime == "headroom" and spec.engine.image is None
     assert spec.engine.startup_timeout_seconds == 900
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "wire"),
+    [
+        ("memory", "32Gi", "32Gi"), ("memory", "1.5Ti", "1.5Ti"), ("memory", "4e9", "4e9"),
+        ("memory", "512M", "512M"), ("cpu", "500m", "500m"), ("cpu", 4, "4"), ("cpu", "2.5", "2.5"),
+    ],
+)  # fmt: skip
+def test_cpu_and_memory_take_kubernetes_quantities(field: str, value: Any, wire: str) -> None:
+    spec = InferenceDeploymentSpec.model_validate(with_(f"engine.{field}", value))
+    # An integer (YAML `cpu: 4`) is the quantity it spells; the pod gets it as a string.
+    assert getattr(spec.engine, field) == wire and spec.wire()["engine"][field] == wire
+
+
+@pytest.mark.parametrize("name", ["nvidia.com/gpu", "amd.com/gpu", "gpu.intel.com/i915"])
+def test_extended_gpu_resources_are_accepted(name: str) -> None:
+    spec = InferenceDeploymentSpec.model_validate(with_("gpu.resourceName", name))
+    assert spec.gpu.resource_name == name
+
+
+@pytest.mark.parametrize(
+    "path", ["/models/llama-3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", "tiny", "/w/a-b c"]
+)
+def test_model_paths_and_names_that_are_not_flags_are_accepted(path: str) -> None:
+    spec = InferenceDeploymentSpec.model_validate(
+        with_("model", {"preset": "llama-3.1-8b", "path": path, "servedModelName": "chat-8b"})
+    )
+    assert spec.model.path == path
+
+
+def test_api_key_secret_names_a_secret_and_defaults_its_key() -> None:
+    spec = InferenceDeploymentSpec.model_validate(with_("engine.apiKeySecret", {"name": "keys"}))
+    assert spec.engine.api_key_secret is not None
+    assert (spec.engine.api_key_secret.name, spec.engine.api_key_secret.key) == ("keys", "api-key")
+    assert spec.wire()["engine"]["apiKeySecret"] == {"name": "keys", "key": "api-key"}
+    assert InferenceDeploymentSpec.model_validate(VALID).engine.api_key_secret is None
+
+
+@pytest.mark.parametrize(
+    ("name", "ok"),
+    [
+        ("chat", True), ("llama-8b", True), ("a" * 63, True), ("a.b", False), ("a" * 64, False),
+        ("x" * 70, False), ("7b-chat", False), ("Chat", False), ("chat-", False), ("", False),
+    ],
+)  # fmt: skip
+def test_resource_names_the_children_can_take(name: str, ok: bool) -> None:
+    from headroom.operator.crd.models import NAME_RULE, name_error
+
+    assert (name_error(name) is None) is ok
+    if not ok:
+        assert name_error(name) == NAME_RULE.message
+        assert "metadata.name" in NAME_RULE.message
+
+
+def test_the_operator_uses_the_contracts_kv_cache_dtype() -> None:
+    from typing import get_args
+
+    from headroom.contract.budget import KVCacheDtype
+    from headroom.operator.crd import models
+
+    # One name, one meaning: KVCacheDtype is the budget's stored KV element type; the CRD's
+    # knob is "auto" or one of those.
+    assert models.KVCacheDtype is KVCacheDtype
+    choices = set(get_args(models.KVCacheSetting))
+    assert "auto" in choices and choices - {"auto"} <= set(get_args(KVCacheDtype))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_examples_put_their_pods_on_their_gpu_type(path: Path) -> None:
+    # gpu.type does not steer scheduling (its CRD description says so): the examples show how.
+    spec = InferenceDeploymentSpec.model_validate(yaml.safe_load(path.read_text())["spec"])
+    assert spec.gpu.type == "h100-80gb"
+    assert spec.gpu.node_selector == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}

@@ -9,13 +9,15 @@ import pytest
 
 from headroom.contract.budget.memory import activation_reserve_bytes
 from headroom.contract.budget.presets import gpu_preset, model_preset
+from headroom.contract.demand import DemandRates
 from headroom.operator.kube import KubeError
 from headroom.operator.reconcile.children import FIELD_MANAGER, SELECTOR_LABEL
-from headroom.operator.reconcile.loop import HANDOFF_MANAGER, reconcile
-from headroom.operator.scaling.decide import PodSample
+from headroom.operator.reconcile.loop import HANDOFF_MANAGER, apply_failed, reconcile
+from headroom.operator.reconcile.sizing import parse
+from headroom.operator.scaling.decide import Memory, PodSample
 from headroom.operator.scaling.loop import last_changes, tick
-from headroom.operator.scaling.metrics_sources import MetricsError, PodInfo, Target
-from headroom.operator.status import get_condition
+from headroom.operator.scaling.metrics_sources import MetricsError, PodInfo, ScrapeTarget
+from headroom.operator.status import RECONCILE_MANAGER, SCALING_MANAGER, get_condition
 
 NOW = 1_700_000_000.0
 
@@ -31,6 +33,8 @@ class FakeKube:
         self.monitoring = monitoring
         self.pods: list[dict[str, Any]] = []
         self.ready = 0
+        self.scales: list[tuple[str, int, str]] = []
+        self.statuses: list[tuple[str, dict[str, Any]]] = []
 
     def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> Any:
         obj = self.objects.get((kind, namespace or "", name))
@@ -80,6 +84,19 @@ class FakeKube:
         meta["managedFields"] = fields
         live["metadata"] = meta
         return self.get("", obj["kind"], key[1], key[2])
+
+    def scale(self, namespace: str, name: str, replicas: int, *, field_manager: str) -> int:
+        if self.fail:
+            raise self.fail.pop(0)
+        self.scales.append((name, replicas, field_manager))
+        self.objects[("Deployment", namespace, name)]["spec"]["replicas"] = replicas
+        return replicas
+
+    def apply_status(
+        self, owner: Any, status: dict[str, Any], *, field_manager: str
+    ) -> dict[str, Any]:
+        self.statuses.append((field_manager, copy.deepcopy(status)))
+        return {"status": status}
 
     def kinds_applied(self) -> list[str]:
         return [k for k, _, _ in self.applies]
@@ -248,20 +265,34 @@ def pods(n_ready: int, n_starting: int = 0) -> list[dict[str, Any]]:
 
 
 class FakeSource:
-    def __init__(self, occupancy: float | None, eta: float | None = None, fail: bool = False):
-        self.occupancy, self.eta, self.fail = occupancy, eta, fail
-        self.seen: list[Target] = []
+    """Every ready pod reports `occupancy`; with `arrivals`, also demand counters' rates (the
+    KV held by requests that leave at 1/s per pod: block-seconds per request = used blocks)."""
 
-    async def sample(self, target: Target, pods: list[PodInfo]) -> dict[str, PodSample]:
+    def __init__(
+        self,
+        occupancy: float | None,
+        arrivals: float | None = None,
+        fail: bool = False,
+        capacity: int | None = None,
+    ):
+        self.occupancy, self.arrivals, self.fail = occupancy, arrivals, fail
+        self.capacity = capacity or BLOCKS
+        self.seen: list[ScrapeTarget] = []
+
+    async def sample(self, target: ScrapeTarget, pods: list[PodInfo]) -> dict[str, PodSample]:
         self.seen.append(target)
         if self.fail:
             raise MetricsError("Prometheus at http://prom:9090 unreachable: refused")
         if self.occupancy is None:
             return {}
+        used = round(self.occupancy * self.capacity)
+        demand = None
+        if self.arrivals is not None:
+            demand = DemandRates(self.arrivals, 1.0, float(used), 60.0)
         return {
-            p.name: PodSample(occupancy=self.occupancy, sampled_at=NOW - 1, eta_seconds=self.eta,
-                              used_blocks=round(self.occupancy * BLOCKS), capacity_blocks=BLOCKS,
-                              hit_ratio=0.4)
+            p.name: PodSample(occupancy=self.occupancy, sampled_at=NOW - 1, used_blocks=used,
+                              capacity_blocks=self.capacity, hit_ratio=0.4, running=50,
+                              demand=demand)
             for p in pods if p.ready
         }  # fmt: skip
 
@@ -276,37 +307,52 @@ async def created(spec: dict[str, Any], replicas: int = 4) -> tuple[FakeKube, di
     return kube, body(spec, status=out.status)
 
 
-async def test_tick_scales_out_before_saturation() -> None:
+async def test_tick_scales_out_on_the_demand_forecast_through_the_scale_subresource() -> None:
     kube, b = await created(SPEC)
-    res = await tick(kube, FakeSource(0.8, eta=60), b, NOW)
-    assert res.decision is not None and res.decision.reason == "SaturationSoon"
-    (kind, manager, dep), *_ = kube.applies
-    assert (kind, manager) == ("Deployment", FIELD_MANAGER)
-    assert dep["spec"]["replicas"] == res.decision.replicas > 4
+    # 60 % occupancy, but twice the requests arrive as leave: demand is 120 % of 4 pods.
+    res = await tick(kube, FakeSource(0.6, arrivals=2.0), b, parse(b["spec"]), NOW)
+    assert res.decision is not None and res.decision.reason == "DemandForecast"
+    assert kube.applies == []  # the Deployment is not re-applied to change its replicas
+    assert kube.scales == [("chat", res.decision.replicas, SCALING_MANAGER)]
+    assert res.decision.replicas > 4
     st = res.outcome.status
-    assert st["desiredReplicas"] == st["replicas"] == dep["spec"]["replicas"]
+    assert st["desiredReplicas"] == st["replicas"] == res.decision.replicas
     (rec,) = st["lastDecisions"]
     assert rec["from"] == 4 and rec["applied"] and rec["inputs"]["readyReplicas"] == 4
-    assert st["kv"]["occupancyPercent"] == 80 and st["kv"]["hitPercent"] == 40
-    assert st["kv"]["eta"] == "60s"
+    assert rec["inputs"]["demandBlocks"] == pytest.approx(2 * 4 * round(0.6 * BLOCKS), rel=1e-3)
+    assert rec["inputs"]["neededReplicas"] == res.decision.replicas
+    assert st["kv"]["occupancyPercent"] == 60 and st["kv"]["hitPercent"] == 40
+    assert st["kv"]["arrivalRatePerSecond"] == 8.0 and st["kv"]["horizonSeconds"] > 120
     assert "ScaledOut" in [e.reason for e in res.outcome.events]
     assert cond(st, "KVSaturated")["status"] == "False"
 
 
+async def test_the_tick_writes_only_its_own_conditions() -> None:
+    kube, b = await created(SPEC)
+    res = await tick(kube, FakeSource(0.5, arrivals=1.0), b, parse(b["spec"]), NOW)
+    mine = {c["type"] for c in res.outcome.status["conditions"]}
+    assert mine == {"Ready", "KVSaturated", "ScalingLimited", "PoolMatchesPlan"}
+    assert "Feasible" in {c["type"] for c in b["status"]["conditions"]}
+    # reconcile's own: Feasible and Ready, never the scaling loop's.
+    again = reconcile(kube, b, NOW)
+    assert {c["type"] for c in again.status["conditions"]} == {"Feasible", "Ready"}
+
+
 async def test_tick_in_advisory_mode_publishes_without_touching_replicas() -> None:
     kube, b = await created({**SPEC, "scaling": {"mode": "advisory"}})
-    res = await tick(kube, FakeSource(0.95, eta=30), b, NOW)
-    assert kube.applies == []
+    res = await tick(kube, FakeSource(0.95, arrivals=2.0), b, parse(b["spec"]), NOW)
+    assert kube.applies == [] and kube.scales == []
     st = res.outcome.status
     assert st["desiredReplicas"] > 4 and st["replicas"] == 4
     assert st["lastDecisions"][-1]["applied"] is False
     assert cond(st, "ScalingLimited")["reason"] == "Advisory"
+    assert res.memory.last_up is None  # nothing acted on
 
 
 async def test_tick_holds_when_metrics_are_missing_and_says_why() -> None:
     kube, b = await created({**SPEC, "scaling": {"metricsSource": "prometheus"}})
-    res = await tick(kube, FakeSource(None, fail=True), b, NOW)
-    assert kube.applies == [] and res.outcome.status["desiredReplicas"] == 4
+    res = await tick(kube, FakeSource(None, fail=True), b, parse(b["spec"]), NOW)
+    assert kube.scales == [] and res.outcome.status["desiredReplicas"] == 4
     limited = cond(res.outcome.status, "ScalingLimited")
     assert (limited["status"], limited["reason"]) == ("True", "MetricsUnavailable")
     assert "unreachable" in limited["message"]
@@ -316,21 +362,28 @@ async def test_tick_holds_when_metrics_are_missing_and_says_why() -> None:
 
 async def test_tick_reports_saturation_at_max() -> None:
     kube, b = await created({**SPEC, "scaling": {"maxReplicas": 4}})
-    res = await tick(kube, FakeSource(1.0, eta=1), b, NOW)
-    assert kube.applies == []
+    res = await tick(kube, FakeSource(1.0), b, parse(b["spec"]), NOW)
+    assert kube.scales == []
     assert cond(res.outcome.status, "ScalingLimited")["reason"] == "AtMaxReplicas"
     assert cond(res.outcome.status, "KVSaturated")["status"] == "True"
 
 
-async def test_tick_recreates_a_deleted_deployment_and_skips_infeasible() -> None:
+async def test_a_pool_smaller_than_the_plan_is_a_condition_with_both_numbers() -> None:
+    kube, b = await created(SPEC)
+    res = await tick(kube, FakeSource(0.5, capacity=BLOCKS // 2), b, parse(b["spec"]), NOW)
+    pool = cond(res.outcome.status, "PoolMatchesPlan")
+    assert (pool["status"], pool["reason"]) == ("False", "PoolBelowPlan")
+    assert f"{BLOCKS // 2:,}" in pool["message"] and f"{BLOCKS:,}" in pool["message"]
+    res = await tick(kube, FakeSource(0.5), b, parse(b["spec"]), NOW)
+    assert cond(res.outcome.status, "PoolMatchesPlan")["status"] == "True"
+
+
+async def test_tick_leaves_a_missing_deployment_to_reconcile_and_skips_infeasible() -> None:
     kube, b = await created(SPEC)
     del kube.objects[("Deployment", "ns", "chat")]
-    res = await tick(kube, FakeSource(0.5), b, NOW)
-    assert res.needs_reconcile and kube.applies == []  # the handler reconciles, not the tick
-    reconcile(kube, b, NOW)
-    assert kube.kinds_applied()[0] == "Deployment"
-    kube.applies.clear()
-    res = await tick(kube, FakeSource(0.99, eta=1), body(INFEASIBLE), NOW)
+    res = await tick(kube, FakeSource(0.5), b, parse(b["spec"]), NOW)
+    assert kube.applies == [] and kube.scales == [] and res.outcome.status == {}
+    res = await tick(kube, FakeSource(0.99), body(INFEASIBLE), parse(body(INFEASIBLE)["spec"]), NOW)
     assert kube.applies == [] and res.outcome.status == {}
 
 
@@ -348,15 +401,74 @@ def test_last_changes_reads_the_decision_history() -> None:
 
 async def test_tick_leaves_a_resource_being_deleted_alone() -> None:
     kube, b = await created(SPEC)
-    del kube.objects[("Deployment", "ns", "chat")]
     b["metadata"]["deletionTimestamp"] = "2023-11-14T22:13:20Z"
-    res = await tick(kube, FakeSource(0.99, eta=1), b, NOW)
-    assert kube.applies == [] and res.outcome.status == {}
+    res = await tick(kube, FakeSource(0.99), b, parse(b["spec"]), NOW)
+    assert kube.scales == [] and res.outcome.status == {}
 
 
-async def test_tick_carries_the_demand_history() -> None:
+async def test_the_memory_goes_from_tick_to_tick_and_restarts_from_status() -> None:
     kube, b = await created(SPEC)
-    first = await tick(kube, FakeSource(0.5), b, NOW)
-    assert first.recent and first.recent[-1][0] == NOW
-    second = await tick(kube, FakeSource(0.5), b, NOW + 15, recent=first.recent)
-    assert [t for t, _ in second.recent] == [NOW, NOW + 15]
+    first = await tick(kube, FakeSource(0.5, arrivals=1.0), b, parse(b["spec"]), NOW)
+    assert [t for t, _ in first.memory.demand] == [NOW]
+    second = await tick(
+        kube, FakeSource(0.5, arrivals=1.0), b, parse(b["spec"]), NOW + 15, first.memory
+    )
+    assert [t for t, _ in second.memory.demand] == [NOW, NOW + 15]
+    # A restarted operator has no memory: the last changes come back from status.
+    b["status"]["lastDecisions"] = [{"time": "2023-11-14T22:13:20Z", "from": 2, "to": 4}]
+    fresh = await tick(kube, FakeSource(0.5, arrivals=1.0), b, parse(b["spec"]), NOW, None)
+    assert fresh.memory.last_up == 1_700_000_000.0
+
+
+async def test_the_learned_pod_start_is_kept_in_status() -> None:
+    kube, b = await created(SPEC)
+    for p in kube.pods:
+        p["status"]["conditions"][0]["lastTransitionTime"] = "2023-11-14T22:03:00Z"
+    res = await tick(kube, FakeSource(0.5, arrivals=1.0), b, parse(b["spec"]), NOW, Memory())
+    # Created 22:00:00, ready 22:03:00.
+    assert res.outcome.status["podStartSeconds"] == 180.0
+    assert res.outcome.status["podStartsObserved"] == 4
+
+
+def test_an_invalid_child_becomes_a_condition_not_a_retry_loop() -> None:
+    exc = KubeError(
+        422, "Invalid", 'Service "a.b" is invalid: metadata.name: must not contain dots'
+    )
+    out = apply_failed(body(SPEC), exc, NOW)
+    ready = cond(out.status, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ApplyFailed")
+    assert "must not contain dots" in ready["message"]
+    assert [e.reason for e in out.events] == ["ApplyFailed"]
+
+
+def test_a_name_the_children_cannot_take_is_refused_before_any_apply() -> None:
+    kube = FakeKube()
+    b = body(SPEC)
+    b["metadata"]["name"] = "a.b"
+    out = reconcile(kube, b, NOW)
+    assert kube.applies == []
+    assert cond(out.status, "Feasible")["reason"] == "InvalidName"
+
+
+def test_status_managers_are_distinct() -> None:
+    assert RECONCILE_MANAGER != SCALING_MANAGER != FIELD_MANAGER
+
+
+async def test_a_scaling_tick_that_hits_the_api_logs_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from headroom.operator.handlers import Context, Options, _tick
+
+    kube, b = await created(SPEC)
+
+    def down(*args: object) -> None:
+        raise KubeError(503, "ServiceUnavailable", "etcd is gone")
+
+    kube.get = down  # type: ignore[method-assign,assignment]
+
+    ctx = Context(Options(), kube, source_factory=lambda kind, c: FakeSource(0.99))  # type: ignore[arg-type,return-value]
+    with caplog.at_level("WARNING", logger="headroom.operator"):
+        memory = await _tick(ctx, b, parse(b["spec"]), Memory())
+    assert memory == Memory()  # nothing decided, nothing forgotten
+    (record,) = [r for r in caplog.records if "scaling ns/chat" in r.getMessage()]
+    assert "503" in record.getMessage() and record.exc_info is None

@@ -3,14 +3,21 @@ probes, /dev/shm, images, and the sidecar reading each one's stats."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from pydantic import BaseModel
 from rendered import containers, flags
 
-from headroom.operator.crd.models import HEADROOM_IMAGE, RUNTIME_IMAGES, InferenceDeploymentSpec
+from headroom.operator.crd.models import (
+    HEADROOM_ENGINE_IMAGE,
+    HEADROOM_IMAGE,
+    RUNTIME_IMAGES,
+    InferenceDeploymentSpec,
+)
 from headroom.operator.reconcile.children import Owner, deployment
 from headroom.operator.reconcile.runtimes import (
     RUNTIMES,
@@ -18,7 +25,7 @@ from headroom.operator.reconcile.runtimes import (
     sglang_command,
     vllm_command,
 )
-from headroom.operator.reconcile.sizing import Sizing, SpecError, size
+from headroom.operator.reconcile.sizing import Sizing, SpecError, plan_input, size
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_EXAMPLE = ROOT / "examples" / "llama-3.1-70b-vllm-tp4.yaml"
@@ -126,7 +133,7 @@ def _spec_sizing(engine: dict[str, Any]) -> tuple[InferenceDeploymentSpec, Sizin
 @pytest.mark.parametrize(
     ("runtime", "image", "sidecar_image", "source"),
     [
-        ("headroom", HEADROOM_IMAGE, HEADROOM_IMAGE, []),
+        ("headroom", HEADROOM_ENGINE_IMAGE, HEADROOM_ENGINE_IMAGE, []),
         ("vllm", "vllm/vllm-openai:v0.11.0", HEADROOM_IMAGE, ["--source", "vllm"]),
         ("sglang", "lmsysorg/sglang:v0.5.3", HEADROOM_IMAGE,
          ["--source", "sglang", "--page-size", "16"]),
@@ -141,7 +148,8 @@ def test_images_and_sidecar_source_follow_the_runtime(
     assert c["engine"]["image"] == image and c["sidecar"]["image"] == sidecar_image
     args = c["sidecar"]["args"]
     assert args[:3] == ["sidecar", "--engine-url", "http://127.0.0.1:8000"]
-    assert args[5:] == source
+    got = flags(args)
+    assert [a for f in ("--source", "--page-size") if f in got for a in (f, got[f])] == source
 
 
 def test_explicit_images_win() -> None:
@@ -239,7 +247,212 @@ def test_vllm_example_renders_tp4_with_the_planned_pool() -> None:
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == "4"
     assert engine["startupProbe"]["failureThreshold"] * 10 == 1800
     assert "/dev/shm" in {m["mountPath"] for m in engine["volumeMounts"]}
-    assert c["sidecar"]["args"][-2:] == ["--source", "vllm"]
+    sidecar = flags(c["sidecar"]["args"])
+    assert sidecar["--source"] == "vllm" and sidecar["--planned-blocks"] == str(blocks)
     assert c["sidecar"]["image"] == HEADROOM_IMAGE
     annotations = dep["spec"]["template"]["metadata"]["annotations"]
     assert annotations["headroom.dev/kv-blocks"] == str(blocks)
+
+
+# ---------------------------------------------------------------------------- knobs reach the pod
+
+
+class _Reads:
+    """Wraps a spec and records every field `plan_input()` reads, as dotted paths."""
+
+    def __init__(self, obj: Any, path: str, seen: set[str]) -> None:
+        self._obj, self._path, self._seen = obj, path, seen
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._obj, name)
+        path = f"{self._path}.{name}".lstrip(".")
+        if isinstance(value, BaseModel):
+            return _Reads(value, path, self._seen)
+        self._seen.add(path)
+        return value
+
+
+def _plan_input_reads(s: InferenceDeploymentSpec) -> set[str]:
+    seen: set[str] = set()
+    plan_input(_Reads(s, "", seen))  # type: ignore[arg-type]
+    return seen
+
+
+# Every engine knob the budget reads from the spec, the value the table sets, and the flag that
+# carries it into each runtime's engine (flag, value as rendered). `None`: the pool flag the plan
+# fixes carries it (the engine is handed the planned pool and needs no flag of its own).
+POOL_FLAG = {"headroom": "--num-blocks", "vllm": "--num-gpu-blocks-override",
+             "sglang": "--max-total-tokens"}  # fmt: skip
+KNOBS: list[tuple[str, dict[str, Any], dict[str, tuple[str, Any] | None]]] = [
+    ("engine.block_size", {"engine": {"blockSize": 32}}, {
+        "headroom": ("--block-size", "32"), "vllm": ("--block-size", "32"),
+        "sglang": ("--page-size", "32")}),
+    ("engine.kv_cache_dtype", {"engine": {"kvCacheDtype": "fp8"}}, {
+        "headroom": ("--kv-cache-dtype", "fp8"), "vllm": ("--kv-cache-dtype", "fp8"),
+        "sglang": ("--kv-cache-dtype", "fp8_e4m3")}),
+    ("engine.prefix_caching", {"engine": {"prefixCaching": False}}, {
+        "headroom": ("--no-enable-prefix-caching", True),
+        "vllm": ("--no-enable-prefix-caching", True), "sglang": ("--disable-radix-cache", True)}),
+    ("engine.max_num_seqs", {"engine": {"maxNumSeqs": 64}}, {
+        "headroom": ("--max-num-seqs", "64"), "vllm": ("--max-num-seqs", "64"),
+        "sglang": ("--max-running-requests", "64")}),
+    ("engine.max_num_batched_tokens", {"engine": {"maxNumBatchedTokens": 4096}}, {
+        "headroom": ("--max-num-batched-tokens", "4096"),
+        "vllm": ("--max-num-batched-tokens", "4096"),
+        "sglang": ("--chunked-prefill-size", "4096")}),
+    ("engine.gpu_memory_utilization", {"engine": {"gpuMemoryUtilization": 0.8}}, {
+        "headroom": None, "vllm": ("--gpu-memory-utilization", "0.8"),
+        "sglang": ("--mem-fraction-static", "0.8")}),
+    ("engine.max_model_len", {"engine": {"maxModelLen": 8192}}, {
+        "headroom": ("--max-model-len", "8192"), "vllm": ("--max-model-len", "8192"),
+        "sglang": ("--context-length", "8192")}),
+    ("gpu.tensor_parallel", {"gpu": {"type": "h100-80gb", "countPerPod": 4, "tensorParallel": 4}}, {
+        "headroom": ("--tensor-parallel-size", "4"), "vllm": ("--tensor-parallel-size", "4"),
+        "sglang": ("--tp-size", "4")}),
+    ("gpu.count_per_pod", {"gpu": {"type": "h100-80gb", "countPerPod": 2, "tensorParallel": 1}}, {
+        "headroom": ("--pipeline-parallel-size", "2"), "vllm": ("--pipeline-parallel-size", "2"),
+        "sglang": ("--pp-size", "2")}),
+]  # fmt: skip
+# What the budget reads that no engine is told: the GPU's memory and the traffic, which size the
+# pool (each runtime's pool flag is checked against the plan below) and the replica count.
+SIZING_ONLY = {"gpu.memory_gib", "gpu.type", "traffic.peak_concurrency",
+               "traffic.context_tokens", "traffic.prefix_hit_ratio"}  # fmt: skip
+# The headroom engine runs one GPU: it has no tensor or pipeline parallelism to be told about.
+NO_PARALLELISM = "the headroom engine has no tensor or pipeline parallelism (one GPU per pod)"
+
+
+def test_the_knob_table_covers_every_field_the_budget_reads() -> None:
+    s = spec({"maxModelLen": 8192})
+    # The model's architecture sizes the pool too; the engine reads it from the weights.
+    reads = {r for r in _plan_input_reads(s) if not r.startswith("model.")}
+    knobs = {k for k, _, _ in KNOBS}
+    # prefix_caching is read only when traffic.prefixHitRatio is set; max_model_len via sizing.
+    assert reads - SIZING_ONLY <= knobs, f"knobs without a row: {reads - SIZING_ONLY - knobs}"
+    assert knobs - reads <= {"engine.prefix_caching", "engine.max_model_len"}
+
+
+def _headroom_serve_args(args: list[str]) -> argparse.Namespace:
+    """`headroom serve`'s own parser over the rendered args (what the container runs)."""
+    from headroom.contract.cli import build_parser
+
+    return build_parser("serve").parse_args(args)
+
+
+KNOB_CASES = [
+    pytest.param(
+        runtime, knob, patch, carried, id=f"{knob}-{runtime}",
+        # Strict: the day the headroom engine shards a model, this fails until it gets the flag.
+        marks=[pytest.mark.xfail(reason=NO_PARALLELISM, strict=True)]
+        if runtime == "headroom" and knob.startswith("gpu.") else [],
+    )
+    for knob, patch, carried in KNOBS
+    for runtime in ("headroom", "vllm", "sglang")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("runtime", "knob", "patch", "carried"), KNOB_CASES)
+def test_every_budget_knob_reaches_the_engine(
+    runtime: str, knob: str, patch: dict[str, Any], carried: dict[str, Any]
+) -> None:
+    raw = {**patch, "engine": {"runtime": runtime, **patch.get("engine", {})}}
+    gpu = raw.pop("gpu", {"type": "h100-80gb"})
+    s = spec(raw["engine"], gpu=gpu)
+    sizing = size(s)
+    args = engine_command(s, sizing, "chat").args
+    got = flags(args)
+    plan = sizing.plan
+    pool = plan.kv_blocks_per_pod * (plan.block_size if runtime == "sglang" else 1)
+    assert got[POOL_FLAG[runtime]] == str(pool), "the planned pool"
+    want = carried[runtime]
+    if want is not None:
+        flag, value = want
+        assert got.get(flag) == value, f"{runtime}: {knob} -> {flag} {got.get(flag)!r}"
+    if runtime == "headroom":
+        # The engine's own parser reads the same values back (no flag it does not know).
+        ns = _headroom_serve_args(args)
+        assert ns.num_blocks == plan.kv_blocks_per_pod and ns.block_size == s.engine.block_size
+        assert ns.max_num_batched_tokens == s.engine.max_num_batched_tokens
+        assert ns.max_num_seqs == s.engine.max_num_seqs
+        assert ns.max_model_len == sizing.max_model_len
+        assert ns.kv_cache_dtype == s.engine.kv_cache_dtype
+        assert ns.enable_prefix_caching is s.engine.prefix_caching
+
+
+def test_the_headroom_engine_runs_on_the_pods_gpu() -> None:
+    s = spec({"runtime": "headroom"}, gpu={"type": "h100-80gb"})
+    assert _headroom_serve_args(engine_command(s, size(s), "chat").args).device == "cuda"
+
+
+# ---------------------------------------------------------------------------- API key
+
+
+def _env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+@pytest.mark.parametrize(
+    ("runtime", "engine_env"),
+    [("headroom", "HEADROOM_API_KEY"), ("vllm", "VLLM_API_KEY"), ("sglang", "HEADROOM_API_KEY")],
+)
+def test_api_key_reaches_the_engine_from_the_secret_never_as_a_literal(
+    runtime: str, engine_env: str
+) -> None:
+    s = spec({"runtime": runtime, "apiKeySecret": {"name": "chat-keys", "key": "openai"}})
+    c = containers(deployment(OWNER, s, size(s), replicas=1))
+    engine = c["engine"]
+    ref = {"secretKeyRef": {"name": "chat-keys", "key": "openai"}}
+    assert _env(engine)[engine_env]["valueFrom"] == ref
+    args = engine["args"]
+    if runtime == "sglang":
+        # SGLang reads its key from --api-key only: the kubelet expands $(VAR) from the env, so
+        # the pod spec holds a reference, not the key.
+        assert flags(args)["--api-key"] == f"$({engine_env})"
+    else:
+        assert "--api-key" not in args  # vLLM reads VLLM_API_KEY, headroom HEADROOM_API_KEY
+    for value in (*args, *engine["command"]):
+        assert "chat-keys" not in value and "openai" not in value
+    # Probes stay open: none is under a path the engines guard (/v1).
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert not engine[probe]["httpGet"]["path"].startswith("/v1")
+    sidecar_env = _env(c["sidecar"])
+    if runtime == "sglang":
+        # SGLang guards everything but /health and /metrics, its server info among it.
+        assert sidecar_env["HEADROOM_API_KEY"]["valueFrom"] == ref
+    else:
+        assert "HEADROOM_API_KEY" not in sidecar_env  # /stats and vLLM's /metrics are open
+
+
+def test_headroom_engine_reads_the_env_var_the_pod_sets() -> None:
+    from headroom.engine.server.auth import API_KEY_ENV, PROTECTED_PREFIX
+    from headroom.operator.reconcile.runtimes import API_KEY_ENVS
+
+    assert API_KEY_ENVS["headroom"] == API_KEY_ENV
+    s = spec({"apiKeySecret": {"name": "k"}})
+    e = containers(deployment(OWNER, s, size(s), replicas=1))["engine"]
+    assert not e["readinessProbe"]["httpGet"]["path"].startswith(PROTECTED_PREFIX)
+
+
+def test_no_secret_no_key_env() -> None:
+    for runtime in ("headroom", "vllm", "sglang"):
+        s = spec({"runtime": runtime})
+        c = containers(deployment(OWNER, s, size(s), replicas=1))
+        for container in c.values():
+            assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in container["env"])
+        assert "--api-key" not in c["engine"]["args"]
+
+
+# ---------------------------------------------------------------------------- sidecar
+
+
+@pytest.mark.parametrize("runtime", ["headroom", "vllm", "sglang"])
+def test_sidecar_is_told_the_planned_pool(runtime: str) -> None:
+    from headroom.contract.cli import build_parser
+
+    s = spec({"runtime": runtime})
+    sizing = size(s)
+    sidecar = containers(deployment(OWNER, s, sizing, replicas=1))["sidecar"]
+    assert sidecar["command"] == ["headroom"]
+    # The sidecar's own parser takes every rendered flag.
+    args = build_parser("sidecar").parse_args(sidecar["args"])
+    assert args.planned_blocks == sizing.plan.kv_blocks_per_pod
+    assert args.source == runtime

@@ -14,10 +14,10 @@ from typing import Any
 
 import openai
 import pytest
+from engine_process import ServerProcess, free_port
 
 from headroom.engine.server.cli import main as server_main
 from headroom.engine.server.cli import parse_bytes
-from headroom.engine.server.testing import ServerProcess, free_port
 
 KEY = "s3cret-key"
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import openai
 import pytest
+from engine_process import ServerProcess
 
 from headroom.engine.server.chat_template import default_template
-from headroom.engine.server.testing import ServerProcess
 
 MAX_MODEL_LEN = 512
 MAX_BODY = 64 * 1024

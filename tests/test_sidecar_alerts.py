@@ -14,12 +14,12 @@ from pathlib import Path
 import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from synthetic_engine import SyntheticEngine
 
 from headroom.sidecar.collector import SidecarCollector, make_registry
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.sources import parse_headroom_stats
 from headroom.sidecar.state import PollState
-from headroom.sidecar.synthetic import SyntheticEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "charts" / "headroom" / "files" / "headroom-alerts.yaml"
@@ -31,6 +31,7 @@ ALERTS = {
     "HeadroomPreempting",
     "HeadroomEngineDown",
     "HeadroomPrefixCacheIneffective",
+    "HeadroomKVPoolBelowPlan",
 }
 PROMTOOL = shutil.which("promtool")
 
@@ -83,8 +84,8 @@ def test_every_alert_is_documented_and_unit_tested() -> None:
 
 
 def _exported_sample_names() -> set[str]:
-    """Every sample name a sidecar with a busy engine exports."""
-    cfg = SidecarConfig(engine_url="http://127.0.0.1:1")
+    """Every sample name a sidecar with a busy engine (and a planned pool) exports."""
+    cfg = SidecarConfig(engine_url="http://127.0.0.1:1", planned_blocks=1024)
     state = PollState(horizon=61.0)
     eng = SyntheticEngine()
     for t in range(5):

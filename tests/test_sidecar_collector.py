@@ -6,13 +6,13 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+from synthetic_engine import SyntheticEngine
 
 from headroom.contract.stats import TTFT_BUCKETS_S
 from headroom.sidecar.collector import SidecarCollector, make_registry
 from headroom.sidecar.config import IdentityLabels, SidecarConfig
 from headroom.sidecar.sources import parse_headroom_stats
 from headroom.sidecar.state import PollState
-from headroom.sidecar.synthetic import SyntheticEngine
 
 # shared/DESIGN.md "Metric contract": family name (as the parser names it) -> type.
 CONTRACT = {
@@ -27,6 +27,10 @@ CONTRACT = {
     "headroom_requests": "gauge",
     "headroom_preemptions": "counter",
     "headroom_kv_saturation_eta_seconds": "gauge",
+    "headroom_requests_arrived": "counter",
+    "headroom_prompt_tokens_arrived": "counter",
+    "headroom_kv_block_seconds": "counter",
+    "headroom_kv_demand_blocks": "gauge",
     "headroom_time_to_first_token_seconds": "histogram",
     "headroom_time_per_output_token_seconds": "histogram",
 }
@@ -35,6 +39,9 @@ EXTRA = {
     "headroom_sidecar_poll_errors": "counter",
     "headroom_sidecar_engine_restarts": "counter",
     "headroom_prefix_cache_enabled": "gauge",
+    # Departures: with arrivals and block-seconds, what a Prometheus-reading consumer needs
+    # to compute the demand itself (the operator's `metricsSource: prometheus`).
+    "headroom_requests_departed": "counter",
 }
 IDENTITY = {"model": "tiny", "namespace": "llm", "inferencedeployment": "chat", "pod": "chat-0"}
 
@@ -66,6 +73,11 @@ def _drive(eng: SyntheticEngine, state: PollState, clock: Clock, polls: int = 5)
         eng.queries_tokens_total += 64
         eng.hits_tokens_total += 16
         eng.running = 2
+        # Two requests a second arrive and leave, each holding its blocks for a second.
+        eng.requests_arrived_total += 2
+        eng.prompt_tokens_arrived_total += 128
+        eng.requests_finished_total += 2
+        eng.kv_block_seconds_total += eng.used
         eng.observe_ttft(0.2)
         state.record_success(parse_headroom_stats(eng.body()), clock.t)
         clock.t += 1.0
@@ -120,7 +132,10 @@ def test_down_engine_exports_only_up_and_sidecar_counters() -> None:
     _drive(eng, state, clock)
     state.record_error("unreachable", "connection refused")
     fams = _families(state, cfg, clock)
-    assert set(fams) == {"headroom_engine_up", *EXTRA} - {"headroom_prefix_cache_enabled"}
+    assert set(fams) == {"headroom_engine_up", *EXTRA} - {
+        "headroom_prefix_cache_enabled",
+        "headroom_requests_departed",
+    }
     assert fams["headroom_engine_up"].samples[0].value == 0.0
     assert fams["headroom_engine_up"].samples[0].labels["model"] == "tiny"
 

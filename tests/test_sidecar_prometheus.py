@@ -29,8 +29,7 @@ from typing import Any
 import pytest
 from aiohttp import ClientSession, ClientTimeout
 from aiohttp.test_utils import TestServer
-
-from headroom.sidecar.synthetic import SyntheticEngine
+from synthetic_engine import SyntheticEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "charts" / "headroom" / "files" / "headroom-alerts.yaml"
@@ -289,7 +288,7 @@ async def test_prometheus_scrapes_sidecar_in_front_of_real_engine(tmp_path: Path
     assert float(queried[0]["value"][1]) > 0
     assert float(ttft[0]["value"][1]) > 0  # first tokens were observed
     health = {r["name"]: r["health"] for g in rules["groups"] for r in g["rules"]}
-    assert len(health) == 5 and set(health.values()) == {"ok"}, health
+    assert len(health) == 6 and set(health.values()) == {"ok"}, health
 
 
 # -- the synthetic ramp --------------------------------------------------------------------

@@ -12,12 +12,12 @@ import pytest
 from aiohttp import ClientSession
 from aiohttp.test_utils import BaseTestServer, TestServer
 from prometheus_client.parser import text_string_to_metric_families
+from synthetic_engine import SyntheticEngine
 
 from headroom.contract.report import SaturationReport
 from headroom.sidecar.__main__ import main as sidecar_main
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.server import build_app
-from headroom.sidecar.synthetic import SyntheticEngine
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,6 +12,11 @@ no `_created` samples, and a `pid` label on `sglang:num_retracted_reqs`, the one
 declares without a `multiprocess_mode`.
 
 Checked-in renderings (run this file as a script to regenerate them):
+- `prometheus/sglang_metrics_0.5.3.txt`: one scheduler of the pinned release, 0.5.3, whose
+  scheduler exports no `sglang:max_total_num_tokens` and no retraction counter, only the gauge
+  `sglang:total_retracted_reqs` holding the running total (`render_053_fixture`); beside it
+  `prometheus/sglang_server_info_0.5.3.json`, its `GET /get_server_info` answer, trimmed to
+  the fields around those the sidecar reads (the real body carries every ServerArgs field);
 - `prometheus/sglang_metrics_tp1.txt`: one scheduler (`render_tp1_fixture`);
 - `prometheus/sglang_metrics_dp2_tp4.txt`: data-parallel attention, dp 2 x tp 4 with
   `--enable-metrics-for-all-schedulers`, four scheduler ranks and two KV pools
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import math
 import os
 from collections.abc import Iterator
@@ -48,7 +54,12 @@ from headroom.sidecar.cli import config_from_args, configure_parser
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.poller import parse_body
 from headroom.sidecar.server import build_app
-from headroom.sidecar.sources import GarbageError, parse_sglang_metrics
+from headroom.sidecar.sglang_source import (
+    SglangServerInfo,
+    parse_sglang_metrics,
+    parse_sglang_server_info,
+)
+from headroom.sidecar.sources import GarbageError
 
 FIXTURES = Path(__file__).parent / "prometheus"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -78,17 +89,36 @@ SCHEDULER_GAUGES = {
 }
 
 
-class Scheduler:
-    """One scheduler process's SchedulerMetricsCollector (the part the sidecar reads)."""
+# 0.5.3's SchedulerMetricsCollector: no pool-size gauge, a running total of retractions as a
+# gauge, and the grammar queue.
+SCHEDULER_GAUGES_053 = {
+    **{k: v for k, v in SCHEDULER_GAUGES.items() if k != "max_total_num_tokens"},
+    "num_grammar_queue_reqs": (
+        "sglang:num_grammar_queue_reqs",
+        "The number of requests in the grammar waiting queue.",
+    ),
+    "total_retracted_reqs": (
+        "sglang:total_retracted_reqs",
+        "The total number of retracted requests due to kvcache full.",
+    ),
+}
 
-    def __init__(self, labels: dict[str, str]) -> None:
+
+class Scheduler:
+    """One scheduler process's SchedulerMetricsCollector (the part the sidecar reads), as a
+    later release declares it, or as 0.5.3 does (`release="0.5.3"`)."""
+
+    def __init__(self, labels: dict[str, str], release: str = "later") -> None:
         names = list(labels)
+        self.release = release
+        declared = SCHEDULER_GAUGES_053 if release == "0.5.3" else SCHEDULER_GAUGES
         self.gauges = {
             key: Gauge(name, doc, names, multiprocess_mode="mostrecent", registry=None).labels(
                 **labels
             )
-            for key, (name, doc) in SCHEDULER_GAUGES.items()
+            for key, (name, doc) in declared.items()
         }
+        self.total_retracted = 0
         # Declared without a multiprocess_mode, so prometheus-client's default, "all": one
         # series per process, with a `pid` label.
         self.retracted_gauge = Gauge(
@@ -97,20 +127,28 @@ class Scheduler:
             names,
             registry=None,
         ).labels(**labels)
-        self.retracted = Counter(
-            "sglang:num_retracted_requests_total",
-            "Total number of retracted requests.",
-            names,
-            registry=None,
-        ).labels(**labels)
+        self.retracted = (
+            None
+            if release == "0.5.3"
+            else Counter(
+                "sglang:num_retracted_requests_total",
+                "Total number of retracted requests.",
+                names,
+                registry=None,
+            ).labels(**labels)
+        )
 
     def log_stats(self, **stats: float) -> None:
         """`SchedulerMetricsCollector.log_stats`: every gauge at once, retractions since the
-        last log into the gauge (and the counter)."""
+        last log into the gauge (and the counter, or 0.5.3's running-total gauge)."""
         for key, value in stats.items():
             if key == "num_retracted_reqs":
                 self.retracted_gauge.set(value)
-                self.retracted.inc(value)
+                self.total_retracted += int(value)
+                if self.retracted is not None:
+                    self.retracted.inc(value)
+                else:
+                    self.gauges["total_retracted_reqs"].set(self.total_retracted)
             else:
                 self.gauges[key].set(value)
 
@@ -138,6 +176,7 @@ class Tokenizer:
             "sglang:cached_tokens_total", "Number of cached prompt tokens."
         )
         self.requests = counter("sglang:num_requests_total", "Number of requests processed.")
+        self.aborted = counter("sglang:num_aborted_requests_total", "Number of requests aborted.")
         self.ttft = histogram(
             "sglang:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
@@ -188,7 +227,12 @@ class SglangServer:
                 os.environ["PROMETHEUS_MULTIPROC_DIR"] = saved_dir
 
     def scheduler(
-        self, tp_rank: int = 0, pp_rank: int = 0, dp_rank: int | None = None, **extra: str
+        self,
+        tp_rank: int = 0,
+        pp_rank: int = 0,
+        dp_rank: int | None = None,
+        release: str = "later",
+        **extra: str,
     ) -> Scheduler:
         labels = {
             "model_name": self.model,
@@ -200,7 +244,7 @@ class SglangServer:
         if dp_rank is not None:
             labels["dp_rank"] = str(dp_rank)
         with self._process():
-            return Scheduler(labels)
+            return Scheduler(labels, release)
 
     def tokenizer(self, **kwargs: Any) -> Tokenizer:
         with self._process():
@@ -269,7 +313,25 @@ def render_dp2_tp4_fixture(directory: Path) -> str:
     return srv.text()
 
 
+def render_053_fixture(directory: Path) -> str:
+    """SGLang 0.5.3, one scheduler, page size 16: 3,584 of 14,336 tokens used (a quarter); 2
+    requests retracted; 5 finished, 4 running, 1 queued, 1 waiting for its grammar."""
+    srv = SglangServer(directory)
+    sched = srv.scheduler(release="0.5.3")
+    tok = srv.tokenizer()
+    sched.log_stats(num_used_tokens=3584, token_usage=0.25, num_running_reqs=4, num_queue_reqs=1,
+                    num_grammar_queue_reqs=1, cache_hit_rate=0.2, gen_throughput=640.0,
+                    num_retracted_reqs=2)  # fmt: skip
+    sched.log_stats(num_retracted_reqs=0)  # the next log: none since, the total stays
+    for i in range(5):
+        tok.finish(prompt=700, cached=100 * i, generated=60, ttft=0.2, itl=0.02)
+    return srv.text()
+
+
+SERVER_INFO_053 = FIXTURES / "sglang_server_info_0.5.3.json"
+
 RENDERERS = {
+    "sglang_metrics_0.5.3.txt": render_053_fixture,
     "sglang_metrics_tp1.txt": render_tp1_fixture,
     "sglang_metrics_dp2_tp4.txt": render_dp2_tp4_fixture,
 }
@@ -413,6 +475,100 @@ def test_legacy_release() -> None:
     assert r.tpot is not None and r.tpot.count == 7400757  # sglang:time_per_output_token_seconds
 
 
+def test_sglang_0_5_3_metrics_alone_have_no_pool_size() -> None:
+    """The pinned release's /metrics: occupancy, requests and retractions, but no block count
+    (no `sglang:max_total_num_tokens`)."""
+    r = parse_sglang_metrics(_fixture("sglang_metrics_0.5.3.txt"), page_size=16)
+    assert r.occupancy == pytest.approx(0.25)
+    assert r.capacity_blocks is None and r.used_blocks is None and r.free_blocks is None
+    assert (r.running, r.waiting) == (4, 1)
+    # 0.5.3's retraction total is the gauge sglang:total_retracted_reqs, not the per-log one
+    assert r.preemptions_total == 2
+    assert r.requests_departed_total == 5
+    assert r.requests_arrived_total == 5 + 4 + 1 + 1  # + the one waiting for its grammar
+    assert r.prompt_tokens_arrived_total is None  # counted at the finish: not arrivals
+    assert r.kv_block_seconds_total is None
+
+
+def test_sglang_0_5_3_pool_comes_from_its_server_info() -> None:
+    """/get_server_info says the running pool: 14,336 tokens (SGLang profiled less than the
+    16,384 `--max-total-tokens` cap), pages of 16: 896 blocks, a quarter used. Its own page
+    size wins over the sidecar's flag."""
+    info = parse_sglang_server_info(SERVER_INFO_053.read_bytes())
+    assert info == SglangServerInfo(pool_tokens=(14336,), page_size=16)
+    r = parse_sglang_metrics(_fixture("sglang_metrics_0.5.3.txt"), page_size=1, server_info=info)
+    assert r.block_size == 16
+    assert (r.capacity_blocks, r.used_blocks, r.free_blocks) == (896, 224, 672)
+    assert r.occupancy == pytest.approx(0.25)
+
+
+def _info(**doc: object) -> bytes:
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "pool", "page"),
+    [
+        # one internal state per data-parallel rank
+        (
+            _info(page_size=64, max_total_num_tokens=1000, internal_states=[
+                {"memory_usage": {"token_capacity": 1000}},
+                {"memory_usage": {"token_capacity": 1200}},
+            ]),
+            (1000, 1200),
+            64,
+        ),
+        # no internal states: the first rank's pool, once per data-parallel rank
+        (_info(max_total_num_tokens=5000, dp_size=2), (5000, 5000), None),
+        (_info(max_total_num_tokens=5000, internal_states=[]), (5000,), None),
+        # an internal state without a capacity: the top-level figure
+        (_info(max_total_num_tokens=700, internal_states=[{"memory_usage": {}}]), (700,), None),
+    ],
+)  # fmt: skip
+def test_server_info_pool_sizes(body: bytes, pool: tuple[int, ...], page: int | None) -> None:
+    assert parse_sglang_server_info(body) == SglangServerInfo(pool_tokens=pool, page_size=page)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"<html>404</html>",
+        b"[1, 2]",
+        _info(page_size=16),  # no pool size anywhere
+        _info(max_total_num_tokens=-5),
+        _info(max_total_num_tokens=True),
+        _info(max_total_num_tokens="14336"),
+        _info(internal_states=[{"memory_usage": {"token_capacity": 0}}]),
+    ],
+)
+def test_server_info_without_a_pool_size_is_garbage(body: bytes) -> None:
+    with pytest.raises(GarbageError, match="SGLang server info"):
+        parse_sglang_server_info(body)
+
+
+def test_server_info_pools_pair_with_dp_ranks_in_order(server: SglangServer) -> None:
+    for dp_rank, usage in ((1, 0.1), (0, 0.5)):
+        server.scheduler(tp_rank=dp_rank, dp_rank=dp_rank, release="0.5.3").log_stats(
+            token_usage=usage
+        )
+    text = server.text()
+    # dp rank 0 holds 3000 tokens at 0.5, rank 1 1000 at 0.1
+    r = parse_sglang_metrics(text, server_info=SglangServerInfo((3000, 1000), None))
+    assert r.capacity_blocks == 4000
+    assert r.used_blocks == 1500 + 100
+    # a server info with another number of pools is not guessed at
+    r = parse_sglang_metrics(text, server_info=SglangServerInfo((3000,), None))
+    assert r.capacity_blocks is None and r.occupancy == pytest.approx(0.3)
+
+
+def test_exported_pool_size_wins_over_server_info() -> None:
+    r = parse_sglang_metrics(
+        _fixture("sglang_metrics_tp1.txt"), server_info=SglangServerInfo((1000,), None)
+    )
+    assert r.capacity_blocks == 262144
+
+
 _USAGE = '# TYPE sglang:token_usage gauge\nsglang:token_usage{model_name="m",tp_rank="0"} 0.5\n'
 
 
@@ -483,6 +639,17 @@ def test_usage_above_one_is_clamped() -> None:
             "cumulative",
         ),
         (_USAGE + 'sglang:time_to_first_token_seconds_bucket{le="0.1"} 2\n', r"\+Inf"),
+        (
+            _USAGE + 'sglang:time_to_first_token_seconds_bucket{le="+Inf"} 1\n'
+            "sglang:time_to_first_token_seconds_sum -5\n",
+            "sum",
+        ),
+        (
+            _USAGE + 'sglang:time_to_first_token_seconds_bucket{le="+Inf"} 1\n'
+            "sglang:time_to_first_token_seconds_sum NaN\n",
+            "sum",
+        ),
+        (_USAGE + 'sglang:token_usage{model_name="m",tp_rank="0"} 0.9\n', "duplicate series"),
     ],
 )
 def test_garbage_is_rejected(text: str, why: str) -> None:
@@ -578,6 +745,118 @@ async def test_sidecar_in_sglang_mode_exports_headroom_metrics(server: SglangSer
     assert report["source"] == "sglang" and report["fresh"] is True
     assert report["capacity_blocks"] == 2000 and report["block_size"] == 16
     assert report["growth_blocks_per_second"] > 0
+
+
+async def _sidecar_reads(
+    routes: dict[str, bytes], flags: dict[str, Any]
+) -> tuple[dict[tuple[str, tuple[tuple[str, str], ...]], float], dict[str, Any]]:
+    """Start a stand-in serving `routes`, a sidecar polling it; return its samples and report
+    once it is fresh."""
+
+    def handler(body: bytes) -> Any:
+        async def answer(_: web.Request) -> web.Response:
+            return web.Response(body=body, content_type="text/plain")
+
+        return answer
+
+    engine_app = web.Application()
+    for route, body in routes.items():
+        engine_app.router.add_get(route, handler(body))
+    async with TestServer(engine_app) as engine:
+        cfg = SidecarConfig(engine_url=str(engine.make_url("/")), source="sglang", interval=0.05,
+                            timeout=0.05, window=5.0, forecast_window=5.0, **flags)  # fmt: skip
+        async with TestServer(build_app(cfg)) as sidecar, ClientSession() as http:
+            for _ in range(200):
+                async with http.get(sidecar.make_url("/saturation")) as resp:
+                    report = await resp.json()
+                if report["fresh"]:
+                    break
+                await asyncio.sleep(0.02)
+            async with http.get(sidecar.make_url("/metrics")) as resp:
+                text = await resp.text()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    return samples, report
+
+
+@pytest.mark.parametrize("info_route", ["/get_server_info", "/server_info"])
+async def test_sidecar_reports_an_sglang_0_5_3_pool_and_the_plan(info_route: str) -> None:
+    """Against the pinned release the sidecar reads the running pool from the server-info
+    route (0.5.3's `/get_server_info`, or the later `/server_info`) and exports it beside the
+    planned pool: 896 blocks run where 1024 were planned."""
+    samples, report = await _sidecar_reads(
+        {
+            "/metrics": _fixture("sglang_metrics_0.5.3.txt").encode(),
+            info_route: SERVER_INFO_053.read_bytes(),
+        },
+        {"page_size": 1, "planned_blocks": 1024},
+    )
+    model = (("model", MODEL),)
+    assert report["fresh"] is True
+    assert (report["capacity_blocks"], report["used_blocks"], report["block_size"]) == (
+        896, 224, 16,
+    )  # fmt: skip
+    assert samples[("headroom_kv_blocks_capacity", model)] == 896
+    assert samples[("headroom_kv_blocks_planned", model)] == 1024
+    assert samples[("headroom_kv_blocks", (*model, ("state", "free")))] == 672
+    assert samples[("headroom_preemptions_total", model)] == 2
+    assert samples[("headroom_requests_departed_total", model)] == 5
+    assert samples[("headroom_requests_arrived_total", model)] == 11
+
+
+async def test_sglang_without_server_info_still_reports_occupancy() -> None:
+    """A server that does not answer the server-info routes is up; only its blocks are
+    unknown."""
+    samples, report = await _sidecar_reads(
+        {"/metrics": _fixture("sglang_metrics_0.5.3.txt").encode()}, {"page_size": 16}
+    )
+    model = (("model", MODEL),)
+    assert report["fresh"] is True and report["capacity_blocks"] is None
+    assert samples[("headroom_engine_up", model)] == 1.0
+    assert samples[("headroom_kv_block_occupancy_ratio", model)] == pytest.approx(0.25)
+    assert ("headroom_kv_blocks_capacity", model) not in samples
+    assert samples[("headroom_sidecar_poll_errors_total", (*model, ("reason", "http_status")))] == 0
+
+
+@pytest.mark.parametrize(
+    ("served", "asked"),
+    [
+        # answered: read once, then again only a minute later
+        ({"/get_server_info"}, {"/get_server_info": 1}),
+        # not served at all: both routes tried once, retried only after 10 s
+        (set(), {"/get_server_info": 1, "/server_info": 1}),
+    ],
+)
+async def test_server_info_is_not_asked_at_every_poll(
+    served: set[str], asked: dict[str, int]
+) -> None:
+    hits: dict[str, int] = {}
+    metrics = _fixture("sglang_metrics_0.5.3.txt").encode()
+
+    @web.middleware
+    async def count(request: web.Request, handler: Any) -> web.StreamResponse:
+        hits[request.path] = hits.get(request.path, 0) + 1
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    async def answer(request: web.Request) -> web.Response:
+        if request.path == "/metrics":
+            return web.Response(body=metrics, content_type="text/plain")
+        return web.Response(body=SERVER_INFO_053.read_bytes(), content_type="application/json")
+
+    engine_app = web.Application(middlewares=[count])
+    for route in {"/metrics", *served}:
+        engine_app.router.add_get(route, answer)
+    async with TestServer(engine_app) as engine:
+        cfg = SidecarConfig(engine_url=str(engine.make_url("/")), source="sglang", interval=0.05,
+                            timeout=0.05)  # fmt: skip
+        async with TestServer(build_app(cfg)):
+            while hits.get("/metrics", 0) < 10:
+                await asyncio.sleep(0.05)
+    assert {path: n for path, n in hits.items() if path != "/metrics"} == asked
 
 
 if __name__ == "__main__":  # regenerate the fixtures: .venv/bin/python tests/test_sidecar_sglang.py

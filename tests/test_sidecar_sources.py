@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+from synthetic_engine import SyntheticEngine
 
 from headroom.contract.stats import STATS_SCHEMA_VERSION, TTFT_BUCKETS_S
 from headroom.sidecar.poller import parse_body
 from headroom.sidecar.sources import GarbageError, parse_headroom_stats
-from headroom.sidecar.synthetic import SyntheticEngine
 
 
 def _engine() -> SyntheticEngine:
@@ -39,6 +40,23 @@ def test_parses_a_snapshot() -> None:
     assert r.ttft.count == 2 and r.ttft.sum == pytest.approx(3.02)
     assert r.ttft.counts[TTFT_BUCKETS_S.index(0.025)] == 1
     assert r.ttft.counts[-1] == 2
+
+
+def test_demand_counters_are_the_engines_own() -> None:
+    """headroom's /stats counts arrivals, their prompt tokens, block-seconds and departures
+    itself: exact, read as they are."""
+    eng = _engine()
+    eng.requests_arrived_total, eng.prompt_tokens_arrived_total = 12, 5000
+    eng.kv_block_seconds_total, eng.requests_finished_total = 812.5, 9
+    r = parse_headroom_stats(eng.body())
+    assert (r.requests_arrived_total, r.prompt_tokens_arrived_total) == (12, 5000)
+    assert (r.kv_block_seconds_total, r.requests_departed_total) == (812.5, 9)
+
+
+def test_infinite_block_seconds_are_garbage() -> None:
+    doc = {**_doc(), "kv_block_seconds_total": math.inf}
+    with pytest.raises(GarbageError, match="kv_block_seconds_total"):
+        parse_headroom_stats(json.dumps(doc).encode())
 
 
 def test_empty_pool_is_zero_occupancy() -> None:
@@ -107,3 +125,16 @@ def test_a_body_for_another_source_is_garbage() -> None:
         parse_body("vllm", b"sglang:token_usage 0.5\n")
     with pytest.raises(GarbageError, match="not a StatsSnapshot"):
         parse_body("headroom", b"sglang:token_usage 0.5\n")
+
+
+@pytest.mark.parametrize("field", ["time_to_first_token_seconds", "time_per_output_token_seconds"])
+@pytest.mark.parametrize("bad_sum", [math.nan, -5.0, math.inf])
+def test_histogram_sum_that_is_not_a_non_negative_number_is_garbage(
+    field: str, bad_sum: float
+) -> None:
+    """A `_sum` of NaN or -5 is as wrong as a negative count: the body is rejected, not passed
+    on to Prometheus (json.dumps writes NaN and Infinity, which pydantic accepts)."""
+    doc = _doc()
+    doc[field] = {**doc[field], "sum": bad_sum}  # type: ignore[dict-item]
+    with pytest.raises(GarbageError, match="sum"):
+        parse_headroom_stats(json.dumps(doc).encode())

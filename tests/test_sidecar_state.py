@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
+from synthetic_engine import SyntheticEngine
 
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.sources import parse_headroom_stats
 from headroom.sidecar.state import PollState, figures
-from headroom.sidecar.synthetic import SyntheticEngine
 
 CFG = SidecarConfig(engine_url="http://127.0.0.1:1", interval=1.0, timeout=0.5, window=10.0,
                     forecast_window=10.0)  # fmt: skip
@@ -153,3 +154,45 @@ def test_window_is_trimmed() -> None:
     for t in range(100):
         _poll(state, eng, float(t))
     assert len(state.samples) <= CFG.window + CFG.interval + 1
+
+
+def test_demand_is_arrivals_times_block_seconds_per_request() -> None:
+    eng = SyntheticEngine(capacity=1000)
+    eng.set_used(400)
+    state = _state()
+    for t in range(11):
+        # 4 requests/s arrive, 2/s leave, and the 400 blocks held make 400 block-s each second.
+        eng.requests_arrived_total, eng.requests_finished_total = 4 * t, 2 * t
+        eng.kv_block_seconds_total = 400.0 * t
+        _poll(state, eng, float(t))
+    fig = figures(state, CFG, now=10.0)
+    assert fig.demand is not None
+    assert (fig.demand.arrivals, fig.demand.departures) == pytest.approx((4.0, 2.0))
+    assert fig.demand.block_seconds_per_request == pytest.approx(200.0)
+    assert fig.demand.demand_blocks == pytest.approx(800.0)  # ahead of the 400 in use
+    assert fig.block_seconds_total == pytest.approx(4000.0)
+
+
+def test_block_seconds_are_integrated_here_when_the_source_has_none() -> None:
+    eng = SyntheticEngine(capacity=1000)
+    state = _state()
+    for t in range(6):
+        eng.set_used(100 * t)
+        reading = parse_headroom_stats(eng.body())
+        # A source (vLLM, SGLang) with request counters but no block-seconds of its own.
+        reading = replace(reading, kv_block_seconds_total=None, requests_arrived_total=float(t),
+                          requests_departed_total=float(t))  # fmt: skip
+        state.record_success(reading, float(t))
+    fig = figures(state, CFG, now=5.0)
+    # Used 0, 100, ..., 400 over the five 1 s gaps (left endpoints): 1,000 block-seconds.
+    assert fig.block_seconds_total == pytest.approx(1000.0)
+    assert fig.demand is not None and fig.demand.block_seconds == pytest.approx(200.0)
+
+
+def test_no_request_counters_no_demand() -> None:
+    eng = SyntheticEngine(capacity=1000)
+    state = _state()
+    for t in range(4):
+        reading = replace(parse_headroom_stats(eng.body()), requests_arrived_total=None)
+        state.record_success(reading, float(t))
+    assert figures(state, CFG, now=3.0).demand is None

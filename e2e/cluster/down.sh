@@ -77,7 +77,7 @@ fi
 for i in "${!names[@]}"; do log "stopped ${names[$i]} (pid ${pids[$i]})"; done
 
 if [[ "${HEADROOM_KEEP_CLUSTER_DIR:-0}" == 1 ]]; then
-  rm -f "$DIR/cluster.env"
+  rm -f "$DIR/cluster.env" "$DIR/pod-net"  # pod-net: no longer claims its loopback /16
   rm -rf "$DIR/pids"
   log "kept $DIR (HEADROOM_KEEP_CLUSTER_DIR=1)"
 else

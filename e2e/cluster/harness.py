@@ -12,14 +12,16 @@ module is the Python face of them::
         c.kubectl("auth", "can-i", "list", "pods", kubeconfig=kc, check=False)
 
 Everything runs on 127.0.0.1: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and
-kwok, whose fake nodes advertise ``nvidia.com/gpu: 8``. Pod IPs handed out by kwok are fake;
-nothing listens on them and tests must never send traffic to them.
+kwok, whose fake nodes advertise ``nvidia.com/gpu: 8``. Pod and node IPs are loopback addresses
+from a /16 of the cluster's own (``pod_network``, see podnet.py): nothing listens on them unless
+a test binds one, and traffic to them never leaves the machine.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import ipaddress
 import os
 import re
 import shlex
@@ -291,6 +293,11 @@ class Cluster:
     def server(self) -> str:
         """API server URL, ``https://127.0.0.1:<port>``."""
         return self._get("HEADROOM_KUBE_SERVER")
+
+    @property
+    def pod_network(self) -> ipaddress.IPv4Network:
+        """The loopback /16 the kwok nodes hand pod IPs from, e.g. ``127.77.0.0/16``."""
+        return ipaddress.IPv4Network(self._get("HEADROOM_KWOK_POD_NET"))
 
     @property
     def bin_dir(self) -> Path:

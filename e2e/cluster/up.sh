@@ -14,8 +14,12 @@
 #   HEADROOM_CLUSTER_NAME   cluster name (default "default")
 #   HEADROOM_CLUSTER_DIR    state directory (default ~/.cache/headroom/cluster/NAME)
 #   HEADROOM_KWOK_NODES     number of fake GPU nodes (default 2)
-#   HEADROOM_KWOK_POD_CIDR  CIDR that kwok hands pod IPs from (default 10.244.0.1/16; the IPs are
-#                           fake: nothing listens on them and nothing may send traffic to them)
+#   HEADROOM_KWOK_POD_CIDR  the cluster's pod network, a /16 inside 127.0.0.0/8 (default: one
+#                           picked from NAME that no other cluster here claims; see podnet.py).
+#                           Node i gets podCIDR 127.X.(i+1).0/24 and kwok hands each pod an IP
+#                           from its node's podCIDR, so every pod IP is a loopback address:
+#                           nothing that talks to a pod (the operator's sidecar polls) can leave
+#                           the machine. The nodes' address is 127.X.0.1.
 #   HEADROOM_ETCD           etcd binary (default: the etcd build.sh builds; Debian's 3.4 is too old
 #                           for the watch-list streams of 1.36 clients, see versions.sh)
 #   HEADROOM_UP_TIMEOUT     seconds to wait for readiness (default 120)
@@ -29,7 +33,7 @@ NAME="${1:-${HEADROOM_CLUSTER_NAME:-default}}"
 [[ "$NAME" =~ ^[a-zA-Z0-9][a-zA-Z0-9_.-]*$ ]] || { echo "bad cluster name: $NAME" >&2; exit 2; }
 DIR="$(realpath -m "${HEADROOM_CLUSTER_DIR:-$HR_CACHE/cluster/$NAME}")"
 NODES="${HEADROOM_KWOK_NODES:-2}"
-POD_CIDR="${HEADROOM_KWOK_POD_CIDR:-10.244.0.1/16}"
+POD_CIDR_WANTED="${HEADROOM_KWOK_POD_CIDR:-}"
 TIMEOUT="${HEADROOM_UP_TIMEOUT:-120}"
 ENVF="$DIR/cluster.env"
 
@@ -66,6 +70,23 @@ fi
 
 command -v openssl >/dev/null || { log "FATAL: openssl not found (apt-get install openssl)"; exit 2; }
 command -v curl >/dev/null || { log "FATAL: curl not found (apt-get install curl)"; exit 2; }
+[[ "$NODES" =~ ^[0-9]+$ ]] && (( NODES >= 1 && NODES <= 254 )) \
+  || { log "HEADROOM_KWOK_NODES must be 1..254 (one /24 of the pod network each), got $NODES"; exit 2; }
+
+# ---- pod network: a loopback /16 of this cluster's own -----------------------------------------
+# Claimed by writing it into the state directory while holding a lock that every up.sh shares,
+# so two clusters starting at once do not pick the same one (podnet.py skips claimed ones).
+mkdir -p "$DIR"
+exec 7>"$(dirname "$DIR")/.pod-net.lock"
+flock 7
+POD_NET="$(python3 "$HERE/podnet.py" "$NAME" "$(dirname "$DIR")" "$DIR" "$POD_CIDR_WANTED")" \
+  || { log "FATAL: no pod network (HEADROOM_KWOK_POD_CIDR=${POD_CIDR_WANTED:-unset})"
+       rmdir "$DIR" 2>/dev/null; exit 2; }
+echo "$POD_NET" >"$DIR/pod-net"
+flock -u 7
+exec 7>&-
+POD_OCTET="$(cut -d. -f2 <<<"$POD_NET")"
+NODE_IP="127.$POD_OCTET.0.1"
 
 rc=0
 BIN="$("$HERE/build.sh" | tail -1)" || rc=$?
@@ -197,6 +218,7 @@ KUBECONFIG=$DIR/kubeconfig
 HEADROOM_KUBE_SERVER=$SERVER
 HEADROOM_KUBE_VERSION=$HR_K8S_VERSION
 HEADROOM_ETCD_URL=http://127.0.0.1:$ETCD_PORT
+HEADROOM_KWOK_POD_NET=$POD_NET
 HEADROOM_CLUSTER_PIDS="${PIDS# }"
 HEADROOM_CLUSTER_STATE=${1:-starting}
 EOF
@@ -285,7 +307,7 @@ start kwok "$BIN/kwok" \
   --manage-all-nodes=false \
   --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
   --node-lease-duration-seconds 40 \
-  --cidr "$POD_CIDR" --node-ip 10.255.0.1 \
+  --cidr "127.$POD_OCTET.255.0/24" --node-ip "$NODE_IP" \
   --server-address "127.0.0.1:$KWOK_PORT"
 
 wait_for kube-controller-manager kube-controller-manager \
@@ -320,7 +342,9 @@ metadata:
     nvidia.com/gpu.memory: "81559"
     nvidia.com/gpu.family: hopper
     headroom.dev/gpu-memory-gib: "80"
-spec: {}
+spec:
+  podCIDR: 127.$POD_OCTET.$(( i + 1 )).0/24
+  podCIDRs: [127.$POD_OCTET.$(( i + 1 )).0/24]
 status:
   capacity: &res
     cpu: "96"
@@ -350,5 +374,5 @@ alive kwok
 
 write_env ready
 trap - ERR
-log "control plane up in $(elapsed)s: $SERVER (KUBECONFIG=$DIR/kubeconfig)"
+log "control plane up in $(elapsed)s: $SERVER (KUBECONFIG=$DIR/kubeconfig), pod IPs in $POD_NET"
 echo "$ENVF"

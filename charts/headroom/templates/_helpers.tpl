@@ -84,7 +84,8 @@ app.kubernetes.io/component: operator
 
 {{/* Namespaced permissions: the InferenceDeployments (patch only for kopf's finalizer; spec is
      never written), their status, the children applied server-side (an apply that creates the
-     object is authorized as `create` as well as `patch`), the pods the scaling loop reads, and
+     object is authorized as `create` as well as `patch`; the Deployment is also watched, to undo
+     drift, and scaled through its scale subresource), the pods the scaling loop reads, and
      Events. Nothing else: no Secrets, no ConfigMaps. */}}
 {{- define "headroom.rules.namespaced" -}}
 - apiGroups: [headroom.dev]
@@ -98,7 +99,10 @@ app.kubernetes.io/component: operator
   verbs: [update]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, create, patch]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [apps]
+  resources: [deployments/scale]
+  verbs: [patch]
 - apiGroups: [""]
   resources: [services]
   verbs: [get, create, patch]

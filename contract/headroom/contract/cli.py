@@ -22,6 +22,11 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
         "run the engine behind an OpenAI-compatible HTTP API",
     ),
     "load": ("headroom.engine.loadgen.cli", "add_parser", "load-test an OpenAI-compatible server"),
+    "kv-check": (
+        "headroom.engine.kv_check.cli",
+        "add_parser",
+        "check fp8/int8 KV against the auto cache on your own model and prompts",
+    ),
     "sidecar": (
         "headroom.sidecar.cli",
         "add_parser",
@@ -29,11 +34,37 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "operator": ("headroom.operator.cli", "add_parsers", "run the InferenceDeployment operator"),
     "crd": ("headroom.operator.cli", "add_parsers", "print the InferenceDeployment CRD"),
+    "profile": (
+        "headroom.operator.simulate.cli",
+        "add_parsers",
+        "profile a request trace: concurrency, lengths, burstiness, prefix overlap",
+    ),
+    "simulate": (
+        "headroom.operator.simulate.cli",
+        "add_parsers",
+        "replay a trace through the operator's decide() for a spec",
+    ),
 }
 
 
-# What `pip install 'headroom[engine]'` adds: the operator and the sidecar run without them.
-ENGINE_EXTRA = frozenset({"torch", "safetensors", "tokenizers", "numpy", "matplotlib"})
+# What each extra of pyproject.toml adds, by import name: the operator, the sidecar, `plan`,
+# `load` and `crd` run without any of them.
+EXTRAS: dict[str, frozenset[str]] = {
+    "engine": frozenset({"torch", "safetensors", "tokenizers", "numpy", "matplotlib"}),
+    "sim": frozenset({"numpy", "matplotlib"}),
+}
+# The extra a command is meant to run with, when a module comes with several.
+COMMAND_EXTRA = {"serve": "engine", "kv-check": "engine", "profile": "sim", "simulate": "sim"}
+
+
+def extra_for(command: str | None, module: str) -> str | None:
+    """The extra that brings `module` to `command`: the command's own if it has the module,
+    else the smallest that does (None: no extra has it)."""
+    own = COMMAND_EXTRA.get(command or "")
+    if own is not None and module in EXTRAS[own]:
+        return own
+    having = sorted((len(mods), name) for name, mods in EXTRAS.items() if module in mods)
+    return having[0][1] if having else None
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -68,11 +99,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except ModuleNotFoundError as e:
         root = (e.name or "").split(".")[0]
-        if root not in ENGINE_EXTRA:
+        extra = extra_for(command, root)
+        if extra is None:
             raise
         print(
             f"headroom {command}: needs {root}, which this install lacks: it comes with the "
-            "engine extra (pip install 'headroom[engine]')",
+            f"{extra} extra (pip install 'headroom[{extra}]')",
             file=sys.stderr,
         )
         return 2

@@ -64,6 +64,14 @@ class LineFit:
     intercept: float
     sse: float
     n: int
+    sxx: float = 0.0  # sum of squared deviations of t: the slope's leverage
+
+    @property
+    def slope_stderr(self) -> float:
+        """The slope's standard error (infinite with fewer than three points)."""
+        if self.n < 3 or self.sxx <= 0:
+            return math.inf
+        return math.sqrt(self.sse / (self.n - 2) / self.sxx)
 
 
 class _Sums:
@@ -94,7 +102,7 @@ class _Sums:
         slope = sxy / sxx
         sse = max(syy - sy * sy / n - slope * sxy, 0.0)
         intercept = sy / n - slope * st / n - slope * self.t0
-        return LineFit(slope, intercept, sse, n)
+        return LineFit(slope, intercept, sse, n, sxx)
 
 
 def least_squares(points: Sequence[Point]) -> LineFit | None:

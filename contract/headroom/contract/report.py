@@ -77,6 +77,36 @@ class SaturationReport(BaseModel):
     preemption_rate_per_second: float | None = Field(
         description="preemptions per second over window_seconds"
     )
+    arrival_rate_per_second: float | None = Field(
+        default=None, description="requests accepted per second over demand_window_seconds"
+    )
+    departure_rate_per_second: float | None = Field(
+        default=None,
+        description="requests that left (finished, aborted, failed) per second over the window",
+    )
+    kv_block_seconds_per_second: float | None = Field(
+        default=None,
+        description="block-seconds per second over the window: the mean used blocks",
+    )
+    kv_demand_blocks: float | None = Field(
+        default=None,
+        description="Little's law: arrival rate x block-seconds per departed request; the KV "
+        "the current traffic holds at steady state (None before any request has left)",
+    )
+    demand_window_seconds: float | None = Field(
+        default=None, description="the span the demand rates were measured over"
+    )
+    requests_arrived_total: float | None = Field(
+        default=None, description="the engine's cumulative arrivals (resets with the engine)"
+    )
+    requests_departed_total: float | None = Field(
+        default=None, description="the engine's cumulative departures (resets with the engine)"
+    )
+    kv_block_seconds_total: float | None = Field(
+        default=None,
+        description="cumulative block-seconds: the engine's own, or the sidecar's integral of its "
+        "polls for sources that do not count them (resets with the engine)",
+    )
     window_seconds: float = Field(description="window of hit_ratio and preemption rate")
     forecast_window_seconds: float = Field(description="window of the slope fit")
     engine_restarts_total: int = Field(description="engine restarts this sidecar has seen")

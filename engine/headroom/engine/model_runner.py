@@ -9,24 +9,11 @@ from headroom.engine.attention.base import (
     KVDtype,
     LayerKVCache,
     allocate_layer_cache,
-    storage_dtype,
 )
 from headroom.engine.block_table import slot_mapping
 from headroom.engine.model.batch import ForwardBatch, build_forward_batch
-from headroom.engine.model.config import ModelConfig
 from headroom.engine.model.llama import LlamaForCausalLM
 from headroom.engine.scheduled import ScheduledSeq, SchedulerOutput
-
-_INT8_SCALE_BYTES = 4
-
-
-def kv_bytes_per_token(cfg: ModelConfig, model_dtype: torch.dtype, kv_dtype: KVDtype) -> int:
-    """Cache bytes one token takes across all layers, scales included (matches the budget)."""
-    elem = torch.empty((), dtype=storage_dtype(kv_dtype, model_dtype)).element_size()
-    per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * elem
-    if kv_dtype == "int8":
-        per_layer += 2 * cfg.num_kv_heads * _INT8_SCALE_BYTES
-    return cfg.num_layers * per_layer
 
 
 class ModelRunner:
@@ -73,7 +60,7 @@ class ModelRunner:
         for e in output.prefills:
             prefills.append(
                 (
-                    e.token_ids,
+                    e.seq.all_token_ids[e.start : e.end],
                     e.start,
                     slot_mapping(e.seq.block_table, e.start, e.num_new_tokens, bs),
                     e.seq.block_table,

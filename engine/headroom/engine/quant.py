@@ -28,11 +28,6 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 `[..., num_kv_heads, head_dim]` * per-head `scale` -> fp32."""
-    return q.float() * scale.unsqueeze(-1)
-
-
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-(token, head) symmetric int8: (int8 values `[..., H, D]`, fp32 scales `[..., H]`)."""
     xf = x.float()
@@ -40,11 +35,6 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(xf / safe.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """int8 `[..., H, D]` * per-(token, head) `scale` `[..., H]` -> fp32."""
-    return q.float() * scale.unsqueeze(-1)
 
 
 def quantize(

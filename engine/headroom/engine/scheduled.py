@@ -8,31 +8,18 @@ from dataclasses import dataclass, field
 from headroom.engine.sequence import Sequence
 
 
+@dataclass(slots=True, eq=False)
 class ScheduledSeq:
-    """Compute `seq.all_token_ids[start:start + num_new_tokens]` at those positions.
+    """Compute `seq.all_token_ids[start:start + num_new_tokens]` at those positions; `sample`:
+    the chunk ends at the last known token, so the engine samples the next one from it."""
 
-    `sample` is fixed at construction (computed unless given): the chunk ends at the last known
-    token, so the engine samples the next token from its logits. A plain slotted class rather
-    than a dataclass because the scheduler builds one per sequence per step.
-    """
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    sample: bool = field(init=False)
 
-    __slots__ = ("num_new_tokens", "sample", "seq", "start")
-
-    def __init__(
-        self, seq: Sequence, start: int, num_new_tokens: int, sample: bool | None = None
-    ) -> None:
-        self.seq = seq
-        self.start = start
-        self.num_new_tokens = num_new_tokens
-        if sample is None:
-            sample = start + num_new_tokens == len(seq.all_token_ids)
-        self.sample = sample
-
-    def __repr__(self) -> str:
-        return (
-            f"ScheduledSeq(seq_id={self.seq.seq_id}, start={self.start}, "
-            f"num_new_tokens={self.num_new_tokens}, sample={self.sample})"
-        )
+    def __post_init__(self) -> None:
+        self.sample = self.start + self.num_new_tokens == len(self.seq.all_token_ids)
 
     @property
     def end(self) -> int:
@@ -43,43 +30,28 @@ class ScheduledSeq:
         """One new token that is also the last: a single-query step over the cached context."""
         return self.num_new_tokens == 1 and self.sample
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.all_token_ids[self.start : self.start + self.num_new_tokens]
-
-    @property
-    def context_len(self) -> int:
-        """Tokens of context after this step (the attention backends' `seq_lens`)."""
-        return self.start + self.num_new_tokens
-
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """One step: prefills first, then decodes, in `scheduled`.
+    """One step: prefill chunks, then decodes. `blocks_to_copy` are copy-on-write `(src, dst)`
+    pairs the engine applies to every layer's cache before running the step."""
 
-    `blocks_to_copy` are copy-on-write `(src, dst)` pairs the engine applies to every layer's
-    cache before running the step. `forked` holds children `fork()` attached to this step;
-    they ride on their parent's computation (no logits rows of their own).
-    """
-
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    prefills: list[ScheduledSeq] = field(default_factory=list)
+    decodes: list[ScheduledSeq] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    forked: list[ScheduledSeq] = field(default_factory=list)
-    num_prefills: int = 0
+
+    def add(self, entry: ScheduledSeq) -> None:
+        (self.decodes if entry.is_decode else self.prefills).append(entry)
 
     @property
-    def prefills(self) -> list[ScheduledSeq]:
-        return self.scheduled[: self.num_prefills]
-
-    @property
-    def decodes(self) -> list[ScheduledSeq]:
-        return self.scheduled[self.num_prefills :]
+    def scheduled(self) -> list[ScheduledSeq]:
+        return self.prefills + self.decodes
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens for s in self.prefills) + len(self.decodes)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not (self.prefills or self.decodes)

@@ -38,15 +38,22 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     op.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then ~/.kube)")
     op.add_argument("--metrics-port", type=int, default=8080, help="/metrics port (0: off)")
+    op.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address /metrics listens on (in a pod: 0.0.0.0, or the pod IP)",
+    )
     op.add_argument("--liveness-port", type=int, default=0, help="/healthz port (0: off)")
+    op.add_argument(
+        "--liveness-host",
+        default="127.0.0.1",
+        help="address /healthz listens on (in a pod: 0.0.0.0, or the pod IP, for the kubelet)",
+    )
     op.add_argument(
         "--prometheus-url", help="Prometheus base URL for scaling.metricsSource: prometheus"
     )
     op.add_argument(
         "--sidecar-port", type=int, default=SIDECAR_PORT, help="sidecar /saturation port"
-    )
-    op.add_argument(
-        "--tick-seconds", type=float, default=5.0, help="scaling timer granularity (seconds)"
     )
     op.add_argument("--peering", help="kopf peering name to run several replicas (HA)")
     op.add_argument("--log-format", choices=["json", "text"], default="json")
@@ -83,8 +90,9 @@ def run_operator(args: argparse.Namespace) -> int:
             kubeconfig=args.kubeconfig,
             prometheus_url=args.prometheus_url,
             metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
             liveness_port=args.liveness_port,
-            tick_seconds=args.tick_seconds,
+            liveness_host=args.liveness_host,
             sidecar_port=args.sidecar_port,
             peering=args.peering,
         )
@@ -101,7 +109,7 @@ def run_operator(args: argparse.Namespace) -> int:
         logging.getLogger("kopf").setLevel(logging.WARNING)
     metrics = OperatorMetrics()
     if options.metrics_port:
-        metrics.serve(options.metrics_port)
+        metrics.serve(options.metrics_port, addr=str(options.metrics_host))
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(operate(options, metrics=metrics))
     return 0

@@ -1,10 +1,18 @@
-"""kopf wiring: a few-line handler per event, each a shell around reconcile() or tick().
+"""kopf wiring: module-level handlers, each a thin shell around one loop.
 
-Persistence (decided here, documented in the report): kopf keeps its handler progress and its
-last-handled configuration in `status.kopf` (a preserve-unknown-fields stanza of the CRD) rather
-than in annotations, so the operator writes nothing but `/status` on the resource, plus one
-finalizer, `headroom.dev/finalizer`, which kopf needs to stop a resource's timer before the
-object goes away. Spec is never written: GitOps tools see no drift.
+- Reconcile (create, spec update, resume, and a change to an owned Deployment that someone
+  else made or a Deployment deleted): `reconcile.loop.reconcile`, then its status is server-side
+  applied under the reconcile loop's own field manager.
+- Scaling: one daemon per InferenceDeployment calls `scaling.loop.tick` every
+  `scaling.intervalSeconds` (read from the live object each time) and owns the decision's memory
+  between ticks; its status is applied under the scaling loop's field manager. Each loop
+  applies only the fields and condition types it owns, so neither can drop the other's.
+
+Persistence: kopf keeps its handler progress and its last-handled configuration in
+`status.kopf` (a preserve-unknown-fields stanza of the CRD) rather than in annotations, so the
+operator writes nothing but `/status` on the resource, plus one finalizer,
+`headroom.dev/finalizer`, which kopf needs to stop a resource's daemon before the object goes
+away. Spec is never written: GitOps tools see no drift.
 """
 
 from __future__ import annotations
@@ -13,25 +21,31 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from ipaddress import IPv4Address
+from typing import Any, cast
 
 import aiohttp
 import kopf
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, IPvAnyAddress
 
 from headroom.contract.ports import SIDECAR_PORT
-from headroom.operator.crd.models import GROUP, PLURAL, VERSION
-from headroom.operator.kube import Kube, KubeError
-from headroom.operator.reconcile.loop import reconcile
-from headroom.operator.reconcile.sizing import parse
+from headroom.operator.crd.models import GROUP, KIND, PLURAL, VERSION
+from headroom.operator.kube import Kube, KubeError, owner_of, with_retries
+from headroom.operator.reconcile.apply_errors import permanent_apply_error
+from headroom.operator.reconcile.children import SELECTOR_LABEL, render
+from headroom.operator.reconcile.loop import apply_failed, reconcile
+from headroom.operator.reconcile.sizing import Parsed, parse
+from headroom.operator.scaling.decide import Memory
 from headroom.operator.scaling.exporter import OperatorMetrics
 from headroom.operator.scaling.loop import tick
 from headroom.operator.scaling.metrics_sources import MetricsSource, PrometheusSource, SidecarSource
-from headroom.operator.status import Outcome, set_condition
+from headroom.operator.status import RECONCILE_MANAGER, SCALING_MANAGER, Outcome
 
 log = logging.getLogger("headroom.operator")
 FINALIZER = f"{GROUP}/finalizer"
 SourceFactory = Callable[[str, "Context"], MetricsSource]
+LOOPBACK = IPv4Address("127.0.0.1")
+REGISTRY = kopf.OperatorRegistry()
 
 
 class Options(BaseModel):
@@ -43,8 +57,9 @@ class Options(BaseModel):
     kubeconfig: str | None = None
     prometheus_url: str | None = None
     metrics_port: int = Field(default=8080, ge=0, le=65535, description="0 disables /metrics")
+    metrics_host: IPvAnyAddress = Field(default=LOOPBACK, description="/metrics bind address")
     liveness_port: int = Field(default=0, ge=0, le=65535, description="0 disables /healthz")
-    tick_seconds: float = Field(default=5.0, gt=0, le=300, description="timer granularity")
+    liveness_host: IPvAnyAddress = Field(default=LOOPBACK, description="/healthz bind address")
     sidecar_port: int = Field(default=SIDECAR_PORT, ge=1, le=65535)
     peering: str | None = Field(
         default=None, description="kopf peering name for HA; else standalone"
@@ -69,6 +84,9 @@ class Context:
         self.source_factory = source_factory
         self.clock = clock
         self.http: aiohttp.ClientSession | None = None
+        # The last spec generation of each owned Deployment: a newer one that renders
+        # differently is drift (kubectl set image, an edit) to undo.
+        self.generations: dict[tuple[str, str], int] = {}
 
     def source(self, kind: str) -> MetricsSource:
         """The metrics source a spec's `scaling.metricsSource` names."""
@@ -85,131 +103,189 @@ def _ctx(memo: kopf.Memo) -> Context:
     return ctx
 
 
-def _write(outcome: Outcome, patch: kopf.Patch, body: kopf.Body) -> None:
-    for key, value in outcome.status.items():
-        patch.status[key] = value
-    meta = body.get("metadata", {})
+async def _write(ctx: Context, body: dict[str, Any], outcome: Outcome, manager: str) -> None:
+    """Apply the loop's status (its own fields only) and post its Events, each also one
+    structured log line."""
+    owner = owner_of(body)
+    if outcome.status:
+        await asyncio.to_thread(
+            with_retries,
+            lambda: ctx.kube.apply_status(owner, outcome.status, field_manager=manager),
+        )
     for ev in outcome.events:
-        kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message[:1024])
-        # Each Event is also one structured log line (JSON with --log-format json).
+        kopf.event(
+            kopf.Body(cast(kopf.RawBody, body)),
+            type=ev.type,
+            reason=ev.reason,
+            message=ev.message[:1024],
+        )
         log.log(
             logging.WARNING if ev.type == "Warning" else logging.INFO,
             "%s: %s",
             ev.reason,
             ev.message,
-            extra={
-                "namespace": meta.get("namespace"),
-                "inferencedeployment": meta.get("name"),
-                "reason": ev.reason,
-            },
-        )
+            extra={"namespace": owner.namespace, "inferencedeployment": owner.name,
+                   "reason": ev.reason},
+        )  # fmt: skip
 
 
-def _retry(exc: KubeError) -> kopf.TemporaryError:
-    delay = 5 if exc.transient else 60
-    return kopf.TemporaryError(f"Kubernetes API: {exc}", delay=delay)
+async def _reconcile(ctx: Context, body: dict[str, Any]) -> None:
+    """Reconcile and write; an apply the API server refuses for good becomes a condition."""
+    try:
+        outcome = await asyncio.to_thread(reconcile, ctx.kube, body, ctx.clock())
+    except KubeError as exc:
+        ctx.metrics.reconciles.labels("error").inc()
+        if not permanent_apply_error(exc.status, exc.message):
+            raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=5) from None
+        # The same object would be refused again: say so and wait for the next spec change.
+        await _write(ctx, body, apply_failed(body, exc, ctx.clock()), RECONCILE_MANAGER)
+        return
+    ctx.metrics.reconciles.labels("ok").inc()
+    await _write(ctx, body, outcome, RECONCILE_MANAGER)
 
 
-def build_registry(options: Options) -> kopf.OperatorRegistry:
-    """A kopf registry with headroom's handlers (one per process, or one per test)."""
-    registry = kopf.OperatorRegistry()
-    on = {"registry": registry}
+@kopf.on.startup(registry=REGISTRY)
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    ctx = _ctx(memo)
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.StatusProgressStorage(
+        field="status.kopf.progress", touch_field="status.kopf.dummy"
+    )
+    settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(
+        field="status.kopf.lastHandledConfiguration"
+    )
+    settings.posting.level = logging.INFO  # only our explicit kopf.event() calls post
+    settings.execution.max_workers = ctx.options.max_workers
+    settings.peering.standalone = ctx.options.peering is None
+    if ctx.options.peering:
+        settings.peering.name = ctx.options.peering
+    ctx.http = aiohttp.ClientSession()
 
-    @kopf.on.startup(**on)  # type: ignore[arg-type]
-    async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-        ctx = _ctx(memo)
-        settings.persistence.finalizer = FINALIZER
-        settings.persistence.progress_storage = kopf.StatusProgressStorage(
-            field="status.kopf.progress", touch_field="status.kopf.dummy"
-        )
-        settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(
-            field="status.kopf.lastHandledConfiguration"
-        )
-        settings.posting.level = logging.INFO  # only our explicit kopf.event() calls post
-        settings.execution.max_workers = ctx.options.max_workers
-        if ctx.options.peering:
-            settings.peering.name = ctx.options.peering
-            settings.peering.standalone = False
-        else:
-            settings.peering.standalone = True
-        ctx.http = aiohttp.ClientSession()
 
-    @kopf.on.cleanup(**on)  # type: ignore[arg-type]
-    async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-        ctx = _ctx(memo)
-        if ctx.http is not None:
-            await ctx.http.close()
+@kopf.on.cleanup(registry=REGISTRY)
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    ctx = _ctx(memo)
+    if ctx.http is not None:
+        await ctx.http.close()
 
-    @kopf.on.login(**on)  # type: ignore[arg-type]
-    def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
-        return connection_info(_ctx(memo).kube)
 
-    @kopf.on.resume(GROUP, VERSION, PLURAL, backoff=5, **on)  # type: ignore[arg-type]
-    @kopf.on.create(GROUP, VERSION, PLURAL, backoff=5, **on)  # type: ignore[arg-type]
-    @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", backoff=5, **on)  # type: ignore[arg-type]
-    async def reconcile_handler(
-        body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any
-    ) -> None:
-        ctx = _ctx(memo)
-        try:
-            outcome = await asyncio.to_thread(reconcile, ctx.kube, dict(body), ctx.clock())
-        except KubeError as exc:
-            ctx.metrics.reconciles.labels("error").inc()
-            kopf.event(body, type="Warning", reason="ApplyFailed", message=str(exc)[:1024])
-            # Say so in status too (kopf writes the patch before it retries the handler).
-            patch.status["conditions"] = set_condition(
-                (body.get("status") or {}).get("conditions"), "Ready", "False", "ApplyFailed",
-                f"applying the children failed, retrying: {exc}", generation=body.meta.get(
-                    "generation"), now=ctx.clock(),
-            )  # fmt: skip
-            raise _retry(exc) from None
-        ctx.metrics.reconciles.labels("ok").inc()
-        _write(outcome, patch, body)
+@kopf.on.login(registry=REGISTRY)
+def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    return connection_info(_ctx(memo).kube)
 
-    @kopf.timer(GROUP, VERSION, PLURAL, interval=options.tick_seconds, **on)  # type: ignore[arg-type]
-    async def scaling_timer(
-        body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **_: Any
-    ) -> None:
-        ctx = _ctx(memo)
-        now = ctx.clock()
-        parsed = parse(body.get("spec"))
-        interval = parsed.spec.scaling.interval_seconds if parsed.spec else 60
-        if now - memo.get("last_tick", 0.0) < interval - ctx.options.tick_seconds / 2:
-            return
-        memo["last_tick"] = now
-        if parsed.spec is None:
-            return
+
+@kopf.on.resume(GROUP, VERSION, PLURAL, backoff=5, registry=REGISTRY)
+@kopf.on.create(GROUP, VERSION, PLURAL, backoff=5, registry=REGISTRY)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec", backoff=5, registry=REGISTRY)
+async def reconcile_children(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    await _reconcile(_ctx(memo), dict(body))
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10, registry=REGISTRY)
+async def scale(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any) -> None:
+    """The scaling loop of one InferenceDeployment: a decision every intervalSeconds, and
+    the decision's memory, owned here and nowhere else."""
+    ctx = _ctx(memo)
+    memory: Memory | None = None
+    while not stopped:
+        live = dict(body)  # the latest the watch has seen, parsed once per decision
+        parsed = parse(live.get("spec"))
+        memory = await _tick(ctx, live, parsed, memory)
+        await stopped.wait(parsed.spec.scaling.interval_seconds if parsed.spec else 60)
+
+
+async def _tick(
+    ctx: Context, body: dict[str, Any], parsed: Parsed, memory: Memory | None
+) -> Memory | None:
+    meta = body["metadata"]
+    if parsed.spec is None:
+        return memory
+    try:
         source = ctx.source(parsed.spec.scaling.metrics_source)
-        try:
-            result = await tick(
-                ctx.kube, source, dict(body), now, memo.get("scale_in"), memo.get("recent", ())
-            )
-        except KubeError as exc:
-            logger.warning("scaling tick failed: %s", exc)
-            raise _retry(exc) from None
-        if result.needs_reconcile:
-            _write(await asyncio.to_thread(reconcile, ctx.kube, dict(body), now), patch, body)
-            return
-        # Windows live in memory: after a restart they refill, which only delays a scale-in.
-        memo["scale_in"], memo["recent"] = result.scale_in, result.recent
-        if result.decision is not None and result.current is not None:
-            meta = body["metadata"]
-            ctx.metrics.publish(
-                meta["namespace"], meta["name"], result.mode, result.decision.replicas,
-                result.current,
-            )  # fmt: skip
-            if result.decision.action != "hold":
-                ctx.metrics.decisions.labels(
-                    meta["namespace"], meta["name"], result.decision.action,
-                    result.decision.reason,
-                ).inc()  # fmt: skip
-        _write(result.outcome, patch, body)
+        result = await tick(ctx.kube, source, body, parsed, ctx.clock(), memory)
+        await _write(ctx, body, result.outcome, SCALING_MANAGER)
+    except KubeError as exc:
+        # One line, no traceback: the API server is down or refusing; the next tick retries.
+        log.warning("scaling %s/%s: %s", meta["namespace"], meta["name"], exc)
+        return memory
+    if result.decision is not None and result.current is not None:
+        d = result.decision
+        ctx.metrics.publish(meta["namespace"], meta["name"], result.mode, d.replicas,
+                            result.current)  # fmt: skip
+        if d.action != "hold":
+            ctx.metrics.decisions.labels(meta["namespace"], meta["name"], d.action,
+                                         d.reason).inc()  # fmt: skip
+    return result.memory
 
-    @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, **on)  # type: ignore[arg-type]
-    def forget(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-        _ctx(memo).metrics.forget(namespace, name)
 
-    return registry
+@kopf.on.event("apps", "v1", "deployments", labels={SELECTOR_LABEL: kopf.PRESENT},
+               registry=REGISTRY)  # fmt: skip
+async def owned_deployment(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    """Undo what someone else did to a Deployment this operator owns: re-create it when
+    deleted, re-apply it when its spec drifted from what the spec renders."""
+    ctx = _ctx(memo)
+    obj: dict[str, Any] = dict(event["object"])
+    meta: dict[str, Any] = obj.get("metadata", {})
+    key = (meta.get("namespace", ""), meta.get("name", ""))
+    owner = next((r for r in meta.get("ownerReferences") or [] if r.get("kind") == KIND), None)
+    if owner is None:
+        return
+    if event["type"] == "DELETED":
+        ctx.generations.pop(key, None)
+    else:
+        generation = int(meta.get("generation") or 0)
+        seen = ctx.generations.get(key)
+        ctx.generations[key] = generation
+        if seen is None or generation <= seen:
+            return  # first sight (the resume handler reconciles) or no spec change
+    body = await asyncio.to_thread(ctx.kube.get, f"{GROUP}/{VERSION}", KIND, key[0], owner["name"])
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return
+    if event["type"] != "DELETED" and not _drifted(body, obj):
+        return
+    log.info(
+        "%s %s/%s: re-applying the children",
+        "deleted" if event["type"] == "DELETED" else "drifted", key[0], key[1],
+        extra={"namespace": key[0], "inferencedeployment": owner["name"]},
+    )  # fmt: skip
+    try:
+        await _reconcile(ctx, body)
+    except kopf.TemporaryError as exc:
+        log.warning("re-applying %s/%s: %s", key[0], key[1], exc)
+
+
+def _drifted(body: dict[str, Any], live: dict[str, Any]) -> bool:
+    """Whether the live Deployment no longer holds what the spec renders for it."""
+    parsed = parse(body.get("spec"))
+    if parsed.spec is None or parsed.sizing is None or not parsed.sizing.feasible:
+        return False
+    want = next(
+        o
+        for o in render(owner_of(body), parsed.spec, parsed.sizing, None)
+        if o["kind"] == "Deployment"
+    )
+    return not _contains(live.get("spec", {}), want.get("spec", {}))
+
+
+def _contains(live: Any, want: Any) -> bool:
+    """`want` is a part of `live`: every field it sets has the same value there (the server
+    adds defaults, so extra fields in `live` are fine)."""
+    if isinstance(want, dict):
+        return isinstance(live, dict) and all(
+            k in live and _contains(live[k], v) for k, v in want.items()
+        )
+    if isinstance(want, list):
+        return (
+            isinstance(live, list)
+            and len(live) == len(want)
+            and all(_contains(a, b) for a, b in zip(live, want, strict=True))
+        )
+    return bool(live == want or str(live) == str(want))
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, registry=REGISTRY)
+def forget(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+    _ctx(memo).metrics.forget(namespace or "", name)
 
 
 def connection_info(kube: Kube) -> kopf.ConnectionInfo:
@@ -247,9 +323,11 @@ async def operate(
     """Run the operator until `stop_flag` is set (or a signal arrives in the main thread)."""
     kube = kube or Kube.connect(options.kubeconfig)
     ctx = Context(options, kube, metrics, source_factory)
-    liveness = f"http://0.0.0.0:{options.liveness_port}/healthz" if options.liveness_port else None
+    host = options.liveness_host
+    at = f"[{host}]" if host.version == 6 else str(host)
+    liveness = f"http://{at}:{options.liveness_port}/healthz" if options.liveness_port else None
     await kopf.operator(
-        registry=build_registry(options),
+        registry=REGISTRY,
         memo=kopf.Memo(ctx=ctx),
         clusterwide=not options.namespaces,
         namespaces=options.namespaces,

@@ -171,6 +171,37 @@ class Kube:
         )
         return out
 
+    def apply_status(
+        self, owner: Owner, status: dict[str, Any], *, field_manager: str
+    ) -> dict[str, Any]:
+        """Server-side apply of an InferenceDeployment's status subresource: `field_manager`
+        owns exactly the fields in `status` (conditions are a list keyed by type)."""
+        obj = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
+            "metadata": {"name": owner.name, "namespace": owner.namespace},
+            # An apply has no null: a field left out is a field this manager no longer owns.
+            "status": without_nulls(status),
+        }
+        path = object_path(f"{GROUP}/{VERSION}", KIND, owner.namespace, owner.name) + "/status"
+        query = [("fieldManager", field_manager), ("force", "true")]
+        out: dict[str, Any] = self.request(
+            "PATCH", path, query=query, body=obj, content_type="application/apply-patch+yaml"
+        )
+        return out
+
+    def scale(self, namespace: str, name: str, replicas: int, *, field_manager: str) -> int:
+        """Set a Deployment's replicas through its scale subresource; returns what it holds."""
+        path = object_path("apps/v1", "Deployment", namespace, name) + "/scale"
+        out = self.request(
+            "PATCH",
+            path,
+            query=[("fieldManager", field_manager)],
+            body={"spec": {"replicas": replicas}},
+            content_type="application/merge-patch+json",
+        )
+        return int(out.get("spec", {}).get("replicas", replicas))
+
     def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
         """Delete with background propagation; False when it was already gone."""
         try:
@@ -240,6 +271,15 @@ def with_retries(
     raise AssertionError("unreachable")
 
 
+def without_nulls(value: Any) -> Any:
+    """`value` with every None dropped from its mappings, however deep."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    return value
+
+
 def owns_field(obj: dict[str, Any], manager: str, path: tuple[str, ...]) -> bool:
     """Whether `manager` holds `path` (e.g. ("spec", "replicas")) through server-side apply."""
     for entry in obj.get("metadata", {}).get("managedFields", []) or []:
@@ -271,6 +311,12 @@ class KubeAPI(Protocol):
     ) -> dict[str, Any]: ...
 
     def served_kinds(self, group_version: str, ttl: float | None = None) -> frozenset[str]: ...
+
+    def apply_status(
+        self, owner: Owner, status: dict[str, Any], *, field_manager: str
+    ) -> dict[str, Any]: ...
+
+    def scale(self, namespace: str, name: str, replicas: int, *, field_manager: str) -> int: ...
 
 
 def owner_of(body: dict[str, Any]) -> Owner:

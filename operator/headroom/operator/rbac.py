@@ -26,8 +26,17 @@ RULES: tuple[tuple[Rule, str], ...] = (
         "ownerReferences with blockOwnerDeletion (OwnerReferencesPermissionEnforcement)",
     ),
     (
-        {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "create", "patch"]},
-        "server-side apply of the owned Deployment (an apply that creates also needs create)",
+        {
+            "apiGroups": ["apps"],
+            "resources": ["deployments"],
+            "verbs": ["get", "list", "watch", "create", "patch"],
+        },
+        "server-side apply of the owned Deployment (an apply that creates also needs create); "
+        "watch it, to put back what someone else changed or deleted",
+    ),
+    (
+        {"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["patch"]},
+        "the scaling loop changes replicas through the scale subresource, nothing else",
     ),
     (
         {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create", "patch"]},

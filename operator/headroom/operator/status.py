@@ -1,6 +1,8 @@
 """What the operator writes back: metav1.Condition bookkeeping (pure functions over the
 status.conditions list), the Events to post, and the `Outcome` a reconcile or a scaling tick
-returns instead of writing. Both reconcile.py and scaling.py write through here."""
+returns instead of writing. Both loops write through here, each server-side applying the fields
+it owns under a field manager of its own (`RECONCILE_MANAGER`, `SCALING_MANAGER`), so the two
+never overwrite each other's conditions."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from typing import Any, Literal
 from headroom.operator.crd.models import CONDITION_TYPES
 
 Status = Literal["True", "False", "Unknown"]
+RECONCILE_MANAGER = "headroom-reconcile"
+SCALING_MANAGER = "headroom-scaling"
 
 
 def rfc3339(ts: float) -> str:
@@ -108,12 +112,6 @@ def ready_condition(
     return "False", "ReplicasNotReady", f"{ready}/{want} replicas ready"
 
 
-def _conditions(body: dict[str, Any], status: dict[str, Any]) -> list[dict[str, Any]]:
-    if "conditions" in status:
-        return list(status["conditions"])
-    return list((body.get("status") or {}).get("conditions") or [])
-
-
 def set_status_condition(
     body: dict[str, Any],
     status: dict[str, Any],
@@ -123,10 +121,16 @@ def set_status_condition(
     message: str,
     now: float,
 ) -> None:
+    """Set one condition in the status a loop will write. The list holds only the types this
+    loop sets: each loop server-side applies its own, keyed by type, so neither can drop the
+    other's (the transition time still comes from what the object holds now)."""
     generation = body.get("metadata", {}).get("generation")
+    current = get_condition((body.get("status") or {}).get("conditions"), type_)
+    mine = [c for c in status.get("conditions", []) if c.get("type") != type_]
     status["conditions"] = set_condition(
-        _conditions(body, status), type_, st, reason, message, generation=generation, now=now
-    )
+        [*mine, *([current] if current else [])], type_, st, reason, message,
+        generation=generation, now=now,
+    )  # fmt: skip
 
 
 def condition_changed(body: dict[str, Any], type_: str, st: str, reason: str) -> bool:

@@ -46,7 +46,17 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="sglang source: tokens per KV page, as the server's --page-size (default 1, "
-        "SGLang's default); blocks are tokens // page size",
+        "SGLang's default); blocks are tokens // page size. The server's own page size, from "
+        "its server-info endpoint, wins when it answers",
+    )
+    p.add_argument(
+        "--planned-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the KV pool planned for this pod, in blocks (the operator passes its plan); "
+        "exported as headroom_kv_blocks_planned, to compare with the running pool's "
+        "headroom_kv_blocks_capacity",
     )
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=SIDECAR_PORT, help="port to listen on")
@@ -89,6 +99,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         engine_url=args.engine_url,
         source=args.source,
         page_size=args.page_size,
+        planned_blocks=args.planned_blocks,
         host=args.host,
         port=args.port,
         interval=args.interval,

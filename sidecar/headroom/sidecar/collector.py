@@ -29,6 +29,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import CollectorRegistry
 
+from headroom.contract import metric_names as names_
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.sources import HistogramReading
 from headroom.sidecar.state import Figures, PollState, figures
@@ -123,6 +124,12 @@ def render(fig: Figures, cfg: SidecarConfig) -> Iterator[Metric]:
         yield blocks
     if r.capacity_blocks is not None:
         yield gauge("headroom_kv_blocks_capacity", "Total blocks in the KV pool", r.capacity_blocks)
+    if cfg.planned_blocks is not None:  # beside the capacity, so the two share their labels
+        yield gauge(
+            "headroom_kv_blocks_planned",
+            "KV pool blocks planned for this pod (--planned-blocks)",
+            cfg.planned_blocks,
+        )
     yield gauge(
         "headroom_kv_block_occupancy_ratio",
         "Used / capacity KV blocks (cached-but-evictable not counted as used)",
@@ -171,6 +178,26 @@ def render(fig: Figures, cfg: SidecarConfig) -> Iterator[Metric]:
             "headroom_preemptions_total",
             "Sequences preempted for lack of KV blocks",
             r.preemptions_total,
+        )
+    for name, doc, total in (
+        (names_.REQUESTS_ARRIVED, "Requests accepted by the engine (admitted or queued)",
+         r.requests_arrived_total),
+        (names_.PROMPT_TOKENS_ARRIVED, "Prompt tokens of the requests accepted",
+         r.prompt_tokens_arrived_total),
+        (names_.REQUESTS_DEPARTED, "Requests that left the engine: finished, aborted or failed",
+         r.requests_departed_total),
+        (names_.KV_BLOCK_SECONDS, "Integral of used KV blocks over time (block-seconds)",
+         fig.block_seconds_total),
+    ):  # fmt: skip
+        if total is not None:
+            yield counter(name, doc, total)
+    if fig.demand is not None and fig.demand.demand_blocks is not None:
+        yield gauge(
+            names_.KV_DEMAND,
+            f"Arrival rate x block-seconds per departed request over the last "
+            f"{fig.demand.window_seconds:.0f} s (Little's law): the KV the current traffic "
+            "holds at steady state",
+            fig.demand.demand_blocks,
         )
     if fig.eta_seconds is not None:
         yield gauge(

@@ -34,7 +34,14 @@ class SidecarConfig(BaseModel):
     page_size: int = Field(
         default=1,
         ge=1,
-        description="tokens per KV page, for the sglang source (SGLang's --page-size)",
+        description="tokens per KV page, for the sglang source (SGLang's --page-size); the "
+        "server's own page size wins when its server-info endpoint answers",
+    )
+    planned_blocks: int | None = Field(
+        default=None,
+        ge=1,
+        description="the KV pool the operator planned for this pod, in blocks; exported as "
+        "headroom_kv_blocks_planned beside the running pool's capacity",
     )
     host: str = "0.0.0.0"
     port: int = Field(default=SIDECAR_PORT, ge=0, le=65535)
@@ -64,6 +71,11 @@ class SidecarConfig(BaseModel):
         if parts.path not in ("", "/"):
             return self.engine_url
         return urlunsplit(parts._replace(path=DEFAULT_PATHS[self.source]))
+
+    def engine_route(self, path: str) -> str:
+        """Another route of the engine's server (e.g. SGLang's server info), at engine_url's
+        scheme and host."""
+        return urlunsplit(urlsplit(self.engine_url)._replace(path=path, query="", fragment=""))
 
     @property
     def stale_after(self) -> float:

@@ -3,6 +3,10 @@
 Every failure is classified and counted, never raised: an unreachable, slow or babbling engine
 makes the sidecar report `headroom_engine_up 0`, and the loop carries on. Logs are one line per
 change of state (up, down, restart), not one per failed poll.
+
+For an SGLang server whose `/metrics` carries no pool size (0.5.3), the poller also reads its
+server-info endpoint, once a minute: the pool does not change while the server runs. A server
+that does not answer there still reports occupancy, only without block counts.
 """
 
 from __future__ import annotations
@@ -14,21 +18,26 @@ from collections.abc import Callable
 
 import aiohttp
 
+from headroom.sidecar.accrual import ArrivalCounter
 from headroom.sidecar.config import SidecarConfig
-from headroom.sidecar.sources import (
-    EngineReading,
-    GarbageError,
-    parse_headroom_stats,
+from headroom.sidecar.sglang_source import (
+    SERVER_INFO_PATHS,
+    SglangServerInfo,
     parse_sglang_metrics,
-    parse_vllm_metrics,
+    parse_sglang_server_info,
 )
+from headroom.sidecar.sources import EngineReading, GarbageError, parse_headroom_stats
 from headroom.sidecar.state import ErrorReason, PollState
+from headroom.sidecar.vllm_source import parse_vllm_metrics
 
 log = logging.getLogger("headroom.sidecar")
 
 # A /stats body is a few KiB and a vLLM or SGLang exposition tens of KiB; anything far larger
 # is not one.
 MAX_BODY_BYTES = 8 * 1024 * 1024
+# SGLang's server info: read again this often while known, retried this often while not.
+SERVER_INFO_REFRESH_S = 60.0
+SERVER_INFO_RETRY_S = 10.0
 
 
 class PollFailed(Exception):
@@ -39,7 +48,9 @@ class PollFailed(Exception):
         self.reason: ErrorReason = reason
 
 
-def parse_body(source: str, body: bytes, page_size: int = 1) -> EngineReading:
+def parse_body(
+    source: str, body: bytes, page_size: int = 1, server_info: SglangServerInfo | None = None
+) -> EngineReading:
     """Parse a response body for `source`; raises GarbageError."""
     if source == "headroom":
         return parse_headroom_stats(body)
@@ -49,7 +60,7 @@ def parse_body(source: str, body: bytes, page_size: int = 1) -> EngineReading:
     except UnicodeDecodeError as exc:
         raise GarbageError(f"{engine} /metrics is not UTF-8: {exc}") from exc
     if source == "sglang":
-        return parse_sglang_metrics(text, page_size)
+        return parse_sglang_metrics(text, page_size, server_info)
     return parse_vllm_metrics(text)
 
 
@@ -78,15 +89,19 @@ class Poller:
         self.state = state
         self._session = session
         self._clock = clock
+        self._arrivals = ArrivalCounter()
+        self.server_info: SglangServerInfo | None = None
+        self._server_info_due = clock()
+        self._server_info_error: str | None = None
 
-    async def fetch(self) -> EngineReading:
-        """One request to the engine; raises PollFailed."""
+    async def _get(self, url: str) -> bytes:
+        """One GET within the poll timeout; raises PollFailed."""
         try:
             async with asyncio.timeout(self.cfg.timeout):
-                async with self._session.get(self.cfg.poll_url) as resp:
+                async with self._session.get(url) as resp:
                     if resp.status != 200:
                         raise PollFailed("http_status", f"HTTP {resp.status}")
-                    body = await _read_limited(resp, MAX_BODY_BYTES)
+                    return await _read_limited(resp, MAX_BODY_BYTES)
         except TimeoutError as exc:
             raise PollFailed("timeout", f"no answer within {self.cfg.timeout:g} s") from exc
         except (aiohttp.ClientResponseError, aiohttp.ClientPayloadError) as exc:
@@ -94,10 +109,48 @@ class Poller:
             raise PollFailed("garbage", f"{type(exc).__name__}: {exc}") from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise PollFailed("unreachable", f"{type(exc).__name__}: {exc}") from exc
+
+    async def fetch(self) -> EngineReading:
+        """One poll of the engine (and, when due, SGLang's server info); raises PollFailed."""
+        body = await self._get(self.cfg.poll_url)
+        # A release that exports its pool size in /metrics needs no second request.
+        if self.cfg.source == "sglang" and b"sglang:max_total_num_tokens" not in body:
+            await self._refresh_server_info()
         try:
-            return parse_body(self.cfg.source, body, self.cfg.page_size)
+            return parse_body(self.cfg.source, body, self.cfg.page_size, self.server_info)
         except GarbageError as exc:
             raise PollFailed("garbage", str(exc)) from exc
+
+    async def _refresh_server_info(self) -> None:
+        """Read SGLang's server info when due; a failure keeps what was known, and is logged
+        once per change, never counted as a failed poll."""
+        if self._clock() < self._server_info_due:
+            return
+        errors: list[str] = []
+        for path in SERVER_INFO_PATHS:
+            try:
+                self.server_info = parse_sglang_server_info(
+                    await self._get(self.cfg.engine_route(path))
+                )
+            except (PollFailed, GarbageError) as exc:
+                errors.append(f"{path}: {exc}")
+                continue
+            errors = []
+            break
+        error = "; ".join(errors) or None
+        retry = SERVER_INFO_RETRY_S if error else SERVER_INFO_REFRESH_S
+        self._server_info_due = self._clock() + retry
+        if error and error != self._server_info_error:
+            log.warning(
+                "event=server_info_unavailable url=%s detail=%r (block counts need the pool "
+                "size; retrying every %g s)",
+                self.cfg.engine_route(""),
+                error,
+                retry,
+            )
+        elif not error and self._server_info_error and self.server_info:
+            log.info("event=server_info pool_tokens=%s", self.server_info.pool_tokens)
+        self._server_info_error = error
 
     async def poll_once(self) -> None:
         """Fetch once and record the outcome; never raises (except cancellation)."""
@@ -118,7 +171,7 @@ class Poller:
             self.state.record_error("internal", f"{type(exc).__name__}: {exc}")
             log.exception("event=poll_internal_error url=%s", self.cfg.poll_url)
             return
-        restarted = self.state.record_success(reading, self._clock())
+        restarted = self.state.record_success(self._arrivals.apply(reading), self._clock())
         if restarted:
             log.warning(
                 "event=engine_restart url=%s instance=%s", self.cfg.poll_url, reading.instance_id

@@ -14,6 +14,7 @@ def build_report(
 ) -> SaturationReport:
     """Render `fig` as the `/saturation` body."""
     r = fig.reading
+    d = fig.demand
     ready = fig.eta_seconds is not None
     return SaturationReport(
         time=time.time() if now_unix is None else now_unix,
@@ -47,6 +48,14 @@ def build_report(
         if r and r.preemptions_total is not None
         else None,
         preemption_rate_per_second=fig.preemption_rate_per_second,
+        arrival_rate_per_second=d.arrivals if d else None,
+        departure_rate_per_second=d.departures if d else None,
+        kv_block_seconds_per_second=d.block_seconds if d else None,
+        kv_demand_blocks=d.demand_blocks if d else None,
+        demand_window_seconds=d.window_seconds if d else None,
+        requests_arrived_total=r.requests_arrived_total if r else None,
+        requests_departed_total=r.requests_departed_total if r else None,
+        kv_block_seconds_total=fig.block_seconds_total,
         window_seconds=cfg.window,
         forecast_window_seconds=cfg.forecast_window,
         engine_restarts_total=fig.restarts_total,

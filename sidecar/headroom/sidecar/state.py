@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from headroom.contract.demand import CounterSample, DemandRates, rates
 from headroom.contract.forecast import counter_rate, forecast_saturation, windowed_ratio
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.sources import EngineReading
@@ -30,6 +31,7 @@ class Sample:
     queries: float | None
     hits: float | None
     preemptions: float | None
+    demand: CounterSample | None = None  # the demand counters, when the source has them
 
 
 @dataclass(slots=True)
@@ -47,6 +49,9 @@ class PollState:
     polls_total: int = 0
     errors: dict[ErrorReason, int] = field(default_factory=lambda: dict.fromkeys(ERROR_REASONS, 0))
     samples: deque[Sample] = field(default_factory=deque)
+    # Block-seconds integrated here, poll to poll, for sources that do not count them
+    # (vLLM, SGLang): sampled at the poll interval, not exact like the engine's own counter.
+    integrated_block_seconds: float = 0.0
 
     def record_success(self, reading: EngineReading, t: float) -> bool:
         """Keep a good reading taken at monotonic time `t`; returns True if the engine restarted."""
@@ -54,6 +59,11 @@ class PollState:
         if restarted:
             self.epoch += 1
             self.restarts_total += 1
+            self.integrated_block_seconds = 0.0
+        elif self.samples and self.last_reading is not None:
+            used = self.last_reading.used_blocks
+            if used is not None:
+                self.integrated_block_seconds += used * max(t - self.samples[-1].t, 0.0)
         self.polls_total += 1
         self.last_reading = reading
         self.last_ok_t = t
@@ -69,11 +79,23 @@ class PollState:
                 queries=reading.prefix_queries_tokens_total,
                 hits=reading.prefix_hits_tokens_total,
                 preemptions=reading.preemptions_total,
+                demand=self._demand_counters(reading, t),
             )
         )
         while self.samples and self.samples[0].t < t - self.horizon:
             self.samples.popleft()
         return restarted
+
+    def _demand_counters(self, reading: EngineReading, t: float) -> CounterSample | None:
+        arrived, departed = reading.requests_arrived_total, reading.requests_departed_total
+        if arrived is None or departed is None:
+            return None
+        block_seconds = reading.kv_block_seconds_total
+        if block_seconds is None:
+            if reading.used_blocks is None:
+                return None
+            block_seconds = self.integrated_block_seconds
+        return CounterSample(t, arrived, departed, block_seconds, self.epoch)
 
     def record_error(self, reason: ErrorReason, message: str) -> None:
         """Count a failed poll; the last good reading stays but is no longer fresh."""
@@ -116,6 +138,8 @@ class Figures:
     fit_points: int
     hit_ratio: float | None
     preemption_rate_per_second: float | None
+    demand: DemandRates | None  # the demand counters' rates over the window (Little's law)
+    block_seconds_total: float | None  # the engine's counter, or the sidecar's own integral
     errors: dict[ErrorReason, int]
     restarts_total: int
     last_error: str | None
@@ -126,7 +150,8 @@ def figures(state: PollState, cfg: SidecarConfig, now: float) -> Figures:
     age = None if state.last_ok_t is None else max(now - state.last_ok_t, 0.0)
     fresh = state.last_poll_ok and age is not None and age <= cfg.stale_after
     reading = state.last_reading if fresh else None
-    slope = blocks_slope = eta = hit_ratio = preempt_rate = None
+    slope = blocks_slope = eta = hit_ratio = preempt_rate = block_seconds = None
+    demand: DemandRates | None = None
     points = fit_points = 0
     if reading is not None:
         fit_from = now - cfg.forecast_window
@@ -146,6 +171,9 @@ def figures(state: PollState, cfg: SidecarConfig, now: float) -> Figures:
                 hit_ratio = windowed_ratio(hits.values, queries.values, hits.epochs)
         pre = _counter(window, "preemptions")
         preempt_rate = counter_rate(pre.times, pre.values, pre.epochs)
+        demand = rates([s.demand for s in window if s.demand is not None])
+        last = state.samples[-1].demand if state.samples else None
+        block_seconds = None if last is None else last.block_seconds
 
     return Figures(
         engine_up=state.last_poll_ok,
@@ -160,6 +188,8 @@ def figures(state: PollState, cfg: SidecarConfig, now: float) -> Figures:
         fit_points=fit_points,
         hit_ratio=hit_ratio,
         preemption_rate_per_second=preempt_rate,
+        demand=demand,
+        block_seconds_total=block_seconds,
         errors=dict(state.errors),
         restarts_total=state.restarts_total,
         last_error=state.last_error,

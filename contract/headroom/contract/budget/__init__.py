@@ -2,20 +2,25 @@
 and `headroom plan`. Pure Python: importing it never imports torch."""
 
 from headroom.contract.budget.arch import (
+    DTYPE_NAMES,
     WEIGHT_BYTES,
     AttentionKind,
     ModelArch,
+    WeightDtype,
     estimate_parameters,
     from_hf_config,
+    from_hf_dict,
 )
 from headroom.contract.budget.memory import (
     GIB,
     KV_ELEMENT_BYTES,
     KVCacheDtype,
+    KVCacheSetting,
     activation_reserve_bytes,
     blocks_for_tokens,
     kv_bytes_per_block,
     kv_bytes_per_token,
+    kv_cache_dtype,
     kv_heads_per_rank,
     layers_per_stage,
     max_concurrent_sequences,
@@ -37,6 +42,7 @@ from headroom.contract.budget.presets import (
 )
 
 __all__ = [
+    "DTYPE_NAMES",
     "GIB",
     "GPU",
     "GPU_PRESETS",
@@ -46,17 +52,21 @@ __all__ = [
     "Alternative",
     "AttentionKind",
     "KVCacheDtype",
+    "KVCacheSetting",
     "ModelArch",
     "Plan",
     "PlanInput",
     "UnknownPreset",
+    "WeightDtype",
     "activation_reserve_bytes",
     "blocks_for_tokens",
     "estimate_parameters",
     "from_hf_config",
+    "from_hf_dict",
     "gpu_preset",
     "kv_bytes_per_block",
     "kv_bytes_per_token",
+    "kv_cache_dtype",
     "kv_heads_per_rank",
     "layers_per_stage",
     "max_concurrent_sequences",

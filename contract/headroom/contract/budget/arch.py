@@ -18,6 +18,18 @@ WEIGHT_BYTES: dict[str, float] = {
     "int8": 1.0,
     "int4": 0.5,
 }
+# The one table from torch / Hugging Face dtype names (and the short names) to the short names.
+DTYPE_NAMES: dict[str, WeightDtype] = {
+    "float32": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "fp32": "fp32",
+    "bf16": "bf16",
+    "fp16": "fp16",
+    "fp8": "fp8",
+    "int8": "int8",
+    "int4": "int4",
+}
 
 
 class AttentionKind(StrEnum):
@@ -95,6 +107,13 @@ def from_hf_config(path: str | Path, num_parameters: int | None = None) -> Model
     if not p.is_file():
         raise FileNotFoundError(f"no config.json at {p}")
     cfg: dict[str, Any] = json.loads(p.read_text())
+    return from_hf_dict(cfg, p.parent.name, num_parameters)
+
+
+def from_hf_dict(
+    cfg: dict[str, Any], name: str = "custom", num_parameters: int | None = None
+) -> ModelArch:
+    """The architecture record of a parsed `config.json` mapping (`name` when it names none)."""
     cfg = {**cfg.get("text_config", {}), **cfg}  # multimodal wrappers nest the decoder config
     heads = int(_get(cfg, "num_attention_heads", "n_head"))
     hidden = int(_get(cfg, "hidden_size", "n_embd"))
@@ -127,9 +146,8 @@ def from_hf_config(path: str | Path, num_parameters: int | None = None) -> Model
             experts=int(_get(cfg, "num_local_experts", "n_routed_experts", default=1)),
         )
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    weight_dtype: WeightDtype = {"float32": "fp32", "float16": "fp16"}.get(dtype, "bf16")  # type: ignore[assignment]
     return ModelArch(
-        name=str(cfg.get("_name_or_path") or p.parent.name or "custom"),
+        name=str(cfg.get("_name_or_path") or name or "custom"),
         num_layers=layers,
         num_attention_heads=heads,
         num_kv_heads=kv_heads,
@@ -139,7 +157,7 @@ def from_hf_config(path: str | Path, num_parameters: int | None = None) -> Model
         vocab_size=vocab,
         max_position_embeddings=int(_get(cfg, "max_position_embeddings", default=4096)),
         num_parameters=num_parameters,
-        weight_dtype=weight_dtype,
+        weight_dtype=DTYPE_NAMES.get(dtype, "bf16"),
         kv_lora_rank=_get(cfg, "kv_lora_rank"),
         qk_rope_head_dim=_get(cfg, "qk_rope_head_dim") if _get(cfg, "kv_lora_rank") else None,
         sliding_window=int(window) if use_window and sliding_layers else None,

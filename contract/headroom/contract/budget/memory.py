@@ -13,15 +13,29 @@ import math
 from collections.abc import Iterable
 from typing import Literal
 
-from headroom.contract.budget.arch import ModelArch
+from headroom.contract.budget.arch import DTYPE_NAMES, ModelArch
 
+# What one KV element is stored as, the figure the arithmetic runs on.
 KVCacheDtype = Literal["bf16", "fp16", "fp8", "int8", "fp32"]
+# What a deployment asks for (the engine's --kv-cache-dtype, the CRD's kvCacheDtype): `auto`
+# keeps KV in the model's compute dtype, fp8 and int8 quantize it.
+KVCacheSetting = Literal["auto", "fp8", "int8"]
 KV_ELEMENT_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 # int8 keeps one fp32 scale per (token, kv head) for K and for V; fp8 keeps one static scale per
 # (layer, kv head), a constant that does not grow with tokens (see attention/base.py for why).
 INT8_SCALE_BYTES = 4
 
 GIB = 2**30
+
+
+def kv_cache_dtype(setting: str, compute_dtype: str) -> KVCacheDtype:
+    """The element type KV is stored in: `auto` is the model's compute dtype (a torch name such
+    as `torch.bfloat16` or a short one such as `bf16`), anything else is its own name."""
+    name = compute_dtype if setting == "auto" else setting
+    short = DTYPE_NAMES.get(name.removeprefix("torch."))
+    if short is None or short == "int4":
+        raise ValueError(f"KV cannot be stored as {name!r} (one of {', '.join(KV_ELEMENT_BYTES)})")
+    return short
 
 
 def kv_heads_per_rank(arch: ModelArch, tp: int = 1) -> int:

@@ -10,10 +10,12 @@ from headroom.contract.budget.arch import ModelArch
 from headroom.contract.budget.memory import (
     GIB,
     KVCacheDtype,
+    KVCacheSetting,
     activation_reserve_bytes,
     blocks_for_tokens,
     kv_bytes_per_block,
     kv_bytes_per_token,
+    kv_cache_dtype,
     max_concurrent_sequences,
     replicas_needed,
     usable_kv_bytes_per_gpu,
@@ -36,7 +38,7 @@ class PlanInput(BaseModel):
     gpus_per_pod: int | None = Field(default=None, ge=1, le=64)
     concurrency: int = Field(ge=1, description="peak concurrent sequences")
     context: int = Field(ge=1, description="tokens per sequence (prompt + output, p95)")
-    kv_dtype: KVCacheDtype | Literal["auto"] = "auto"
+    kv_dtype: KVCacheSetting | KVCacheDtype = "auto"
     prefix_hit: float = Field(default=0.0, ge=0.0, lt=1.0)
     block_size: int = Field(default=16, ge=1, le=1024)
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
@@ -60,9 +62,10 @@ class PlanInput(BaseModel):
 
     @property
     def resolved_kv_dtype(self) -> KVCacheDtype:
-        if self.kv_dtype != "auto":
-            return self.kv_dtype
-        return "fp16" if self.model.weight_dtype == "fp16" else "bf16"
+        # A serving runtime computes in bf16 (fp16 for fp16 checkpoints) whatever the weights.
+        return kv_cache_dtype(
+            self.kv_dtype, "fp16" if self.model.weight_dtype == "fp16" else "bf16"
+        )
 
 
 class Alternative(BaseModel):

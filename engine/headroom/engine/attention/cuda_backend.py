@@ -13,6 +13,8 @@ re-exports their public names.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from headroom.engine.attention.base import LayerKVCache
@@ -45,19 +47,35 @@ from headroom.engine.attention.cuda_validate import (
     validate_write,
 )
 
+DEBUG_CHECKS_ENV = "HEADROOM_DEBUG_CHECKS"
+
+
+def debug_checks() -> bool:
+    """True when `HEADROOM_DEBUG_CHECKS` asks for the per-step value checks (1/true/yes)."""
+    return os.environ.get(DEBUG_CHECKS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
 
 class CudaBackend:
     """`AttentionBackend` on the GPU: CuPy-launched CUDA kernels, torch tensors throughout.
 
-    `check_values` (default on) also checks index *contents* (block ids, slots, lengths),
-    which costs a device sync per call; the engine may turn it off once its scheduler is
-    trusted. Shape, dtype and stride checks always run. `runtime` defaults to CuPy.
+    Shape, dtype, stride and device checks always run: they read tensor metadata on the host.
+    `check_values` also checks index *contents* (block ids, slots, lengths) on every call;
+    each such check reads a GPU value back (a host-device sync), 2 per layer for the cache
+    write and 4 per layer for decode, which stalls the launch queue ~190 times a step on a
+    32-layer model. So it is off unless asked for (tests, or `HEADROOM_DEBUG_CHECKS=1`): the
+    values are validated once, on the host, where they can first go wrong. Token ids and
+    lengths at admission (`headroom.engine.validation`); positions against the block table
+    when slots are built (`block_table.slot_mapping` raises), so every seq_len fits its
+    table; block ids come only from `BlockPool`, which hands out ids in [0, num_blocks).
+    `runtime` defaults to CuPy.
     """
 
     name = "cuda"
 
-    def __init__(self, check_values: bool = True, runtime: KernelRuntime | None = None) -> None:
-        self.check_values = check_values
+    def __init__(
+        self, check_values: bool | None = None, runtime: KernelRuntime | None = None
+    ) -> None:
+        self.check_values = debug_checks() if check_values is None else check_values
         self.runtime = runtime
 
     def write_kv(
@@ -120,6 +138,7 @@ class CudaBackend:
 __all__ = [
     "CACHE_THREADS",
     "COPY_THREADS",
+    "DEBUG_CHECKS_ENV",
     "DECODE_THREADS",
     "HEADS_PER_CTA",
     "MAX_GRID_Y",
@@ -135,6 +154,7 @@ __all__ = [
     "choose_partition_size",
     "copy_blocks",
     "cuda_available",
+    "debug_checks",
     "default_runtime",
     "num_partitions",
     "paged_decode",

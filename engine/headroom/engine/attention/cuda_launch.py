@@ -38,6 +38,22 @@ def _ptr(t: torch.Tensor | None) -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr())
 
 
+# The per-layer address table of copy_blocks, uploaded once per set of caches: a host-to-device
+# copy from pageable memory synchronises the stream, and the addresses never change.
+_LAYER_TABLES: dict[tuple[str, tuple[tuple[int, int, int, int], ...]], torch.Tensor] = {}
+
+
+def _layer_table(rows: tuple[tuple[int, int, int, int], ...], device: torch.device) -> torch.Tensor:
+    key = (str(device), rows)
+    table = _LAYER_TABLES.get(key)
+    if table is None:
+        if len(_LAYER_TABLES) >= 8:  # engines in one process are few; drop the oldest
+            _LAYER_TABLES.pop(next(iter(_LAYER_TABLES)))
+        table = torch.tensor(rows, dtype=torch.int64).to(device)
+        _LAYER_TABLES[key] = table
+    return table
+
+
 def paged_decode(
     query: torch.Tensor,
     cache: LayerKVCache,
@@ -216,16 +232,16 @@ def copy_blocks(
     first = caches[0]
     device = first.key.device
     per_block_scales = first.kv_dtype == "int8"
-    rows = [
-        [
+    rows = tuple(
+        (
             c.key.data_ptr(),
             c.value.data_ptr(),
             c.k_scale.data_ptr() if per_block_scales and c.k_scale is not None else 0,
             c.v_scale.data_ptr() if per_block_scales and c.v_scale is not None else 0,
-        ]
+        )
         for c in caches
-    ]
-    layers = torch.tensor(rows, dtype=torch.int64).to(device)
+    )
+    layers = _layer_table(rows, device)
     pairs = torch.stack([src.to(torch.int64), dst.to(torch.int64)], dim=1).contiguous()
     block_bytes = first.block_size * first.num_kv_heads * first.head_dim * first.key.element_size()
     scale_bytes = first.block_size * first.num_kv_heads * 4 if per_block_scales else 0

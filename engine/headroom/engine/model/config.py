@@ -1,4 +1,5 @@
-"""The decoder architecture record, parsed from a Hugging Face `config.json`.
+"""The decoder's config: the contract's architecture record plus what torch needs, parsed
+from a Hugging Face `config.json`.
 
 Both spellings of RoPE settings are read: transformers 5 writes `rope_parameters` (with
 `rope_theta` inside), checkpoints from before write `rope_theta` and `rope_scaling`.
@@ -9,6 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from headroom.contract.budget import ModelArch, estimate_parameters
+from headroom.contract.budget import from_hf_dict as arch_from_hf_dict
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -35,22 +39,17 @@ class RopeConfig(BaseModel):
     original_max_position_embeddings: int = 8192
 
 
-class ModelConfig(BaseModel):
-    """What the torch decoder needs to build itself and load weights."""
+class ModelConfig(ModelArch):
+    """The contract's architecture record (`headroom.contract.budget.ModelArch`, the one the
+    KV arithmetic runs on) plus what the torch decoder needs to build itself and load weights.
+    `num_parameters` defaults to the Llama-shaped estimate."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+    name: str = "custom"
+    num_parameters: int = Field(default=1, ge=1, description="default: the Llama estimate")
     architecture: str
-    vocab_size: int = Field(ge=1)
-    hidden_size: int = Field(ge=1)
     intermediate_size: int = Field(ge=1)
-    num_layers: int = Field(ge=1)
-    num_heads: int = Field(ge=1)
-    num_kv_heads: int = Field(ge=1)
-    head_dim: int = Field(ge=1)
     rms_norm_eps: float = Field(default=1e-6, gt=0)
     rope: RopeConfig = RopeConfig()
-    max_position_embeddings: int = Field(default=4096, ge=1)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
@@ -59,15 +58,34 @@ class ModelConfig(BaseModel):
     sliding_windows: tuple[int | None, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    dtype: str = "float32"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        windows = [w for w in data.get("sliding_windows", ()) if w is not None]
+        if windows:  # the budget's view of the per-layer windows
+            data.setdefault("sliding_window", min(windows))
+            data.setdefault("num_sliding_window_layers", len(windows))
+        if data.get("num_parameters") is None:
+            fields = ("num_layers", "hidden_size", "intermediate_size", "num_attention_heads")
+            if all(isinstance(data.get(f), int) for f in fields):
+                heads = data["num_attention_heads"]
+                data["num_parameters"] = estimate_parameters(
+                    data["num_layers"],
+                    data["hidden_size"],
+                    data["intermediate_size"],
+                    heads,
+                    data.get("num_kv_heads") or heads,
+                    data.get("head_dim") or data["hidden_size"] // heads,
+                    data.get("vocab_size", 1),
+                    tied=bool(data.get("tie_word_embeddings", False)),
+                )
+        return data
 
     @model_validator(mode="after")
-    def _check(self) -> ModelConfig:
-        if self.num_heads % self.num_kv_heads:
-            raise UnsupportedModel(
-                f"num_attention_heads {self.num_heads} is not a multiple of "
-                f"num_key_value_heads {self.num_kv_heads}"
-            )
+    def _check_windows(self) -> ModelConfig:
         if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
             raise ValueError(
                 f"sliding_windows has {len(self.sliding_windows)} entries for "
@@ -154,29 +172,25 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModel(f"hidden_act {act!r} is not supported (only silu)")
-    heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
-    layers = int(cfg["num_hidden_layers"])
+    record = arch_from_hf_dict(cfg)
+    if record.num_attention_heads % record.num_kv_heads:
+        raise UnsupportedModel(
+            f"num_attention_heads {record.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads {record.num_kv_heads}"
+        )
     attention_bias = bool(cfg.get("attention_bias", False))
+    budget_windows = {"sliding_window", "num_sliding_window_layers", "num_parameters"}
     return ModelConfig(
+        **record.model_dump(exclude=budget_windows),
         architecture=arch,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope=_rope_from_hf(cfg),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases; Llama's attention_bias covers o_proj too.
         qkv_bias=family == "qwen2" or attention_bias,
         o_bias=family != "qwen2" and attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        sliding_windows=_sliding_windows(cfg, family, layers),
+        sliding_windows=_sliding_windows(cfg, family, record.num_layers),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_token_ids(cfg.get("eos_token_id")),
-        dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
     )

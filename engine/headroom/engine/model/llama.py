@@ -42,11 +42,11 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
+            cfg.num_attention_heads,
             cfg.num_kv_heads,
             cfg.head_dim,
         )
-        self.q_size = cfg.num_heads * cfg.head_dim
+        self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
@@ -191,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         unexpected: list[str] = []
         cfg = self.config
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         fused = {
             "q_proj": ("qkv_proj", 0, q),
             "k_proj": ("qkv_proj", q, kv),

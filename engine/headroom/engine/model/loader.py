@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from headroom.contract.budget import DTYPE_NAMES
 from headroom.engine.model.config import ModelConfig, from_hf_dict
 from headroom.engine.model.llama import LlamaForCausalLM
 from headroom.engine.model.tiny import TINY_NAME, build_tiny
@@ -48,11 +49,12 @@ def resolve_dtype(
     name: str, device: torch.device, checkpoint_dtype: str = "float32"
 ) -> torch.dtype:
     """The weight dtype to run with; "auto" is float32 on CPU (exact and fast enough there) and
-    the checkpoint's dtype on CUDA."""
+    the checkpoint's dtype (a torch name or the contract's short one) on CUDA."""
     if name == "auto":
         if device.type == "cpu":
             return torch.float32
-        name = checkpoint_dtype if checkpoint_dtype in DTYPES else "bfloat16"
+        short = DTYPE_NAMES.get(checkpoint_dtype)
+        name = next((t for t in DTYPES if DTYPE_NAMES[t] == short), "bfloat16")
     if name not in DTYPES:
         raise UnsupportedDtype(f"dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
     dtype = DTYPES[name]
@@ -139,7 +141,7 @@ def load_model(name: str, dtype: str = "auto", device: str | torch.device = "cpu
         return LoadedModel(TINY_NAME, model.config, model, tok, dt)
     path = Path(name).expanduser()
     cfg = from_hf_dict(read_config(path))
-    dt = resolve_dtype(dtype, dev, cfg.dtype)
+    dt = resolve_dtype(dtype, dev, cfg.weight_dtype)
     files = weight_files(path)
     tokenizer = load_tokenizer(path, cfg)
     with torch.device("meta"):

@@ -16,12 +16,13 @@ TINY_SEED = 0
 def tiny_config(max_position_embeddings: int = 8192) -> ModelConfig:
     """The tiny architecture: hidden 128, 4 layers, 4 query / 2 KV heads of 32, byte vocab."""
     return ModelConfig(
+        name=TINY_NAME,
         architecture="LlamaForCausalLM",
         vocab_size=258,
         hidden_size=128,
         intermediate_size=344,
         num_layers=4,
-        num_heads=4,
+        num_attention_heads=4,
         num_kv_heads=2,
         head_dim=32,
         rms_norm_eps=1e-6,
@@ -30,7 +31,7 @@ def tiny_config(max_position_embeddings: int = 8192) -> ModelConfig:
         tie_word_embeddings=False,
         bos_token_id=ByteTokenizer.BOS,
         eos_token_ids=(ByteTokenizer.EOS,),
-        dtype="float32",
+        weight_dtype="fp32",
     )
 
 

@@ -1,8 +1,11 @@
 """The aiohttp application's wiring: OpenAI-compatible `/v1/*` (completions.py, chat.py) on top
 of the async engine, plus the operational endpoints `/health`, `/ready` and `/stats` here.
 
-Request life cycle: the body is read up to `max_body_bytes` (413 beyond), parsed (400 for
-malformed JSON), validated by the pydantic models in `protocol` (400 naming the field),
+Request life cycle: the connection comes through listener.Listener (a cap on open connections,
+header and keep-alive timeouts; malformed HTTP is a 400 and one log line, see http_log). The
+body is read up to `max_body_bytes` (413 beyond) within `body_timeout_s` (408 after), parsed
+(400 for malformed or too deeply nested JSON, or text with a lone UTF-16 surrogate, which no
+tokenizer can encode), validated by the pydantic models in `protocol` (400 naming the field),
 tokenized and checked by the engine's own rules (headroom.engine.validation: a 400 whose
 `param` names the field and whose message has the numbers), then each prompt becomes
 one engine request. Engine outputs are merged into one response or one SSE stream. However
@@ -23,7 +26,11 @@ from headroom.engine.server.auth import auth_middleware
 from headroom.engine.server.chat import handle_chat
 from headroom.engine.server.completions import handle_completions
 from headroom.engine.server.errors import APIError
-from headroom.engine.server.middleware import admission_middleware, error_middleware
+from headroom.engine.server.middleware import (
+    admission_middleware,
+    connection_middleware,
+    error_middleware,
+)
 from headroom.engine.server.protocol import ModelCard, ModelList
 from headroom.engine.server.state import (
     DEFAULT_MAX_BODY_BYTES,
@@ -87,7 +94,7 @@ def add_ops_routes(app: web.Application) -> None:
 
 def create_app(state: ServerState, *, api: bool = True) -> web.Application:
     """The application; `api=False` builds the open operational listener only."""
-    middlewares: list[Any] = [error_middleware]
+    middlewares: list[Any] = [connection_middleware, error_middleware]
     if api:
         middlewares.append(admission_middleware)
         if state.settings.api_key:

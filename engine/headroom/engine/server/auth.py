@@ -32,6 +32,15 @@ def key_matches(expected: str, given: str | None) -> bool:
     return hmac.compare_digest(expected.encode(), given.encode())
 
 
+def is_utf8(header: str) -> bool:
+    """Whether a header value arrived as UTF-8 (aiohttp keeps other bytes as lone surrogates)."""
+    try:
+        header.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def auth_middleware(
     api_key: str,
 ) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
@@ -40,7 +49,15 @@ def auth_middleware(
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith(PROTECTED_PREFIX) or request.path == PROTECTED_PREFIX[:-1]:
-            given = bearer_token(request.headers.get("Authorization"))
+            header = request.headers.get("Authorization")
+            if header is not None and not is_utf8(header):
+                return error_response(
+                    400,
+                    "the Authorization header is not valid UTF-8: "
+                    "send 'Authorization: Bearer <key>'",
+                    code="invalid_authorization_header",
+                )
+            given = bearer_token(header)
             if not key_matches(api_key, given):
                 message = (
                     "missing API key: send 'Authorization: Bearer <key>'"

@@ -6,6 +6,7 @@ Pure arithmetic over `headroom.contract.budget`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from headroom.contract.budget import (
     KVCacheDtype,
@@ -17,26 +18,9 @@ from headroom.contract.budget import (
 
 MIB = 2**20
 
-# torch dtype names -> the budget model's element types.
-_BUDGET_DTYPES: dict[str, KVCacheDtype] = {
-    "float32": "fp32",
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "fp32": "fp32",
-    "bf16": "bf16",
-    "fp16": "fp16",
-}
-
 
 class PoolTooSmall(ValueError):
     """The KV pool cannot hold one sequence of `max_model_len` tokens."""
-
-
-def budget_kv_dtype(kv_cache_dtype: str, model_dtype: str) -> KVCacheDtype:
-    """The budget model's KV element type: `auto` stores KV in the model's dtype."""
-    if kv_cache_dtype in ("fp8", "int8"):
-        return kv_cache_dtype  # type: ignore[return-value]
-    return _BUDGET_DTYPES.get(model_dtype, "bf16")
 
 
 def _mib(n: float) -> str:
@@ -110,7 +94,18 @@ class BudgetReport:
         )
 
 
-def blocks_from_memory(arch: ModelArch, memory_bytes: int, block_size: int,
-                       kv_dtype: KVCacheDtype) -> int:  # fmt: skip
-    """Blocks a KV memory budget holds for this architecture."""
-    return memory_bytes // kv_bytes_per_block(arch, block_size, kv_dtype)
+def budget_report(engine: Any) -> BudgetReport:
+    """The startup figures of a built (sync) `Engine`: pool as allocated, weights as loaded."""
+    loaded, cfg = engine.loaded, engine.config
+    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    return BudgetReport(
+        model=str(loaded.name),
+        arch=loaded.config,
+        weights_bytes=weights,
+        weights_dtype=str(loaded.dtype).removeprefix("torch."),
+        kv_dtype=engine.kv_dtype,
+        block_size=cfg.block_size,
+        num_blocks=engine.scheduler.num_blocks,
+        max_model_len=engine.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+    )

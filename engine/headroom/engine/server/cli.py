@@ -15,7 +15,11 @@ from pydantic import ValidationError
 from headroom.engine.config import EngineConfig
 from headroom.engine.server.auth import API_KEY_ENV
 from headroom.engine.server.runner import ListenConfig, serve
-from headroom.engine.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings
+from headroom.engine.server.state import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    ServerSettings,
+)
 
 _UNITS = {
     "": 1,
@@ -61,6 +65,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--stats-port", type=int, help="default: served on the main listener only")
     h.add_argument("--api-key", help=f"bearer token for /v1/* (env {API_KEY_ENV})")
     h.add_argument("--max-body-bytes", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES)
+    h.add_argument("--keepalive-timeout", type=float, default=5.0,
+                   help="seconds an idle connection stays open (from its start and after "
+                   "each response) until a request's headers are in")  # fmt: skip
+    h.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds from the first byte of a request to its last header")  # fmt: skip
+    h.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="seconds from the end of the headers to the end of the body "
+                   "(then 408)")  # fmt: skip
+    h.add_argument("--max-connections", type=int,
+                   help="open connections per listener; more wait in the listen queue "
+                   "(default: what the open-files limit allows, at most 4096)")  # fmt: skip
     h.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM")  # fmt: skip
     h.add_argument("--log-level", default="warning",
@@ -115,10 +130,17 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerSetting
         served_model_name=name,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
         shutdown_grace_s=args.shutdown_grace,
     )
     listen = ListenConfig(
-        host=args.host, port=args.port, stats_host=args.stats_host, stats_port=args.stats_port
+        host=args.host,
+        port=args.port,
+        stats_host=args.stats_host,
+        stats_port=args.stats_port,
+        keepalive_timeout_s=args.keepalive_timeout,
+        header_timeout_s=args.header_timeout,
+        max_connections=args.max_connections,
     )
     return engine, settings, listen
 
@@ -128,6 +150,9 @@ def _flag_errors(err: ValidationError) -> str:
         "kv_cache_memory_bytes": "--kv-cache-memory",
         "shutdown_grace_s": "--shutdown-grace",
         "served_model_name": "--served-model-name",
+        "body_timeout_s": "--body-timeout",
+        "keepalive_timeout_s": "--keepalive-timeout",
+        "header_timeout_s": "--header-timeout",
     }
     parts = []
     for e in err.errors(include_url=False):

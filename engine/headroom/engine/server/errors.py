@@ -17,6 +17,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     503: "service_unavailable",
 }
@@ -26,13 +27,20 @@ class APIError(Exception):
     """An error a handler turns into an OpenAI error response."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.close = close  # end the connection after this response (the request is unfinished)
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(
@@ -45,10 +53,14 @@ class APIError(Exception):
         )
 
     def response(self) -> web.Response:
-        return web.json_response(self.body().model_dump(), status=self.status)
+        resp = web.json_response(self.body().model_dump(), status=self.status)
+        if self.close:
+            resp.force_close()
+        return resp
 
 
-def _loc(loc: tuple[int | str, ...]) -> str:
+def json_path(loc: tuple[int | str, ...]) -> str:
+    """A location as a client writes it: `messages[0].content`."""
     out = ""
     for part in loc:
         if isinstance(part, int):
@@ -69,7 +81,7 @@ def _first_field_error(err: ValidationError) -> tuple[str, dict[str, Any]]:
     errors = err.errors(include_url=False)
     e = max(errors, key=lambda x: len(x["loc"]))
     loc = tuple(x for x in e["loc"] if not (isinstance(x, str) and _TYPE_TAG.match(x)))
-    return _loc(loc), dict(e)
+    return json_path(loc), dict(e)
 
 
 def from_validation_error(err: ValidationError) -> APIError:

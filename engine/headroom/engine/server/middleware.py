@@ -1,11 +1,13 @@
 """The request pipeline around every handler: OpenAI error bodies for every failure, admission
-(503 while loading, draining or unhealthy), and bounded JSON body parsing."""
+(503 while loading, draining or unhealthy), and bounded JSON body parsing (size, time,
+nesting, and text that is valid Unicode)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -13,7 +15,8 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from headroom.engine.errors import RequestRejected
-from headroom.engine.server.errors import APIError, from_validation_error, rejected
+from headroom.engine.server.errors import APIError, from_validation_error, json_path, rejected
+from headroom.engine.server.listener import ConnectionHandler
 from headroom.engine.server.sse import ClientDisconnected
 from headroom.engine.server.state import state_of
 
@@ -21,6 +24,20 @@ log = logging.getLogger("headroom.server")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _Req = TypeVar("_Req", bound=BaseModel)
+
+
+@web.middleware
+async def connection_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Tells the connection that a request's headers are in (their deadline stops) and when the
+    handler is done (the next request's headers get a deadline of their own)."""
+    proto = request.protocol
+    if not isinstance(proto, ConnectionHandler):  # e.g. aiohttp's test server
+        return await handler(request)
+    proto.request_started()
+    try:
+        return await handler(request)
+    finally:
+        proto.request_finished()
 
 
 @web.middleware
@@ -71,8 +88,32 @@ async def admission_middleware(request: web.Request, handler: Handler) -> web.St
 # --- body parsing ------------------------------------------------------------------------
 
 
-async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object; 413 beyond `limit` bytes, 400 when malformed."""
+# A UTF-16 surrogate escape, or the UTF-8-style bytes of one (json.loads decodes bytes with
+# "surrogatepass"): only a body that has one can decode to a string with a lone surrogate.
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+# After decoding, a valid pair is one code point: any surrogate left is a lone one.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(body: Any) -> tuple[str, int, str] | None:
+    """The first string (or key) in a decoded JSON value with a lone UTF-16 surrogate, which no
+    tokenizer can encode: (its path like `messages[0].content`, the index, the code point)."""
+    stack: list[tuple[tuple[int | str, ...], Any]] = [((), body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if m := _SURROGATE.search(value):
+                return json_path(path), m.start(), m.group()
+        elif isinstance(value, dict):
+            for k, v in reversed(value.items()):
+                stack.append(((*path, k), v))
+                stack.append((path, k))  # a bad key is reported at its object
+        elif isinstance(value, list):
+            stack.extend(((*path, i), v) for i, v in reversed(list(enumerate(value))))
+    return None
+
+
+async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
     too_large = APIError(
         413, f"request body exceeds the limit of {limit} bytes", code="request_too_large"
     )
@@ -80,23 +121,54 @@ async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
         raise too_large
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.content.iter_chunked(64 * 1024):
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.content.iter_chunked(64 * 1024):
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        expected = "" if request.content_length is None else f" of {request.content_length}"
+        raise APIError(
+            408,
+            f"request body not received within {timeout_s:g}s ({size}{expected} bytes arrived)",
+            code="request_timeout",
+            close=True,
+        ) from None
+    return b"".join(chunks)
+
+
+async def read_json(request: web.Request, limit: int, timeout_s: float = 30.0) -> dict[str, Any]:
+    """The request body as a JSON object: 413 beyond `limit` bytes, 408 when it takes over
+    `timeout_s` seconds to arrive, 400 when malformed, too deeply nested or not valid Unicode."""
+    raw = await _read_body(request, limit, timeout_s)
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from e
+    except RecursionError:
+        # The C decoder recurses once per level; Python's recursion limit is its bound.
+        raise APIError(
+            400, "malformed JSON body: arrays or objects nested too deeply", code="invalid_json"
+        ) from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    if _MAYBE_SURROGATE.search(raw) and (bad := lone_surrogate(body)) is not None:
+        where, index, char = bad
+        raise APIError(
+            400,
+            f"field '{where}' has a lone UTF-16 surrogate ({char!r} at index {index}): text "
+            "must be valid Unicode (a surrogate only as half of a pair)",
+            param=where or None,
+            code="invalid_unicode",
+        )
     return body
 
 
 async def parse_request(request: web.Request, model: type[_Req]) -> _Req:
-    body = await read_json(request, state_of(request).settings.max_body_bytes)
+    settings = state_of(request).settings
+    body = await read_json(request, settings.max_body_bytes, settings.body_timeout_s)
     try:
         return model.model_validate(body)
     except ValidationError as e:

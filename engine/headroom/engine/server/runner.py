@@ -18,12 +18,18 @@ from typing import Any, TextIO
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from headroom.contract.budget import ModelArch
 from headroom.engine.async_engine import AsyncEngine
 from headroom.engine.config import EngineConfig
 from headroom.engine.server.app import ServerSettings, ServerState, create_app
-from headroom.engine.server.budget_report import BudgetReport, budget_kv_dtype
+from headroom.engine.server.budget_report import budget_report
 from headroom.engine.server.chat_template import ChatTemplate, load_chat_template
+from headroom.engine.server.http_log import rate_limited_accept_errors
+from headroom.engine.server.listener import (
+    ConnectionLimits,
+    Listener,
+    default_max_connections,
+    open_files_limit,
+)
 
 log = logging.getLogger("headroom.server")
 
@@ -32,7 +38,9 @@ HANDLER_FLUSH_S = 5.0
 
 
 class ListenConfig(BaseModel):
-    """Where to listen; the stats listener (open /health, /ready, /stats) defaults to the main."""
+    """Where to listen; the stats listener (open /health, /ready, /stats) defaults to the main.
+    Timeouts in seconds; `max_connections` per listener, None: derived from the open-files
+    limit (see listener.default_max_connections)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -40,6 +48,9 @@ class ListenConfig(BaseModel):
     port: int = Field(default=8000, ge=0, le=65535)
     stats_host: str | None = None
     stats_port: int | None = Field(default=None, ge=0, le=65535)
+    keepalive_timeout_s: float = Field(default=5.0, gt=0)
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    max_connections: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> ListenConfig:
@@ -51,44 +62,15 @@ class ListenConfig(BaseModel):
     def separate_stats(self) -> bool:
         return self.stats_port is not None
 
-
-def model_arch(engine: Any) -> ModelArch:
-    """The budget model's record of a (sync) `Engine`'s loaded architecture."""
-    loaded = engine.loaded
-    cfg = loaded.config
-    params = sum(p.numel() for p in loaded.model.parameters())
-    return ModelArch(
-        name=str(loaded.name),
-        num_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        vocab_size=cfg.vocab_size,
-        max_position_embeddings=cfg.max_position_embeddings,
-        num_parameters=max(1, params),
-        weight_dtype=budget_kv_dtype("auto", str(loaded.dtype).removeprefix("torch.")),
-    )
-
-
-def budget_report(engine: Any, config: EngineConfig) -> BudgetReport:
-    """The startup figures of a built (sync) `Engine`: pool as allocated, weights as loaded."""
-    loaded = engine.loaded
-    sched = engine.scheduler.config
-    dtype = str(loaded.dtype).removeprefix("torch.")
-    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-    return BudgetReport(
-        model=str(loaded.name),
-        arch=model_arch(engine),
-        weights_bytes=weights,
-        weights_dtype=dtype,
-        kv_dtype=budget_kv_dtype(config.kv_cache_dtype, dtype),
-        block_size=sched.block_size,
-        num_blocks=sched.num_blocks,
-        max_model_len=sched.max_model_len,
-        max_num_seqs=sched.max_num_seqs,
-    )
+    def limits(self) -> ConnectionLimits:
+        """Each listener's timeouts and connection cap."""
+        listeners = 2 if self.separate_stats else 1
+        cap = self.max_connections or default_max_connections(open_files_limit(), listeners)
+        return ConnectionLimits(
+            keepalive_timeout_s=self.keepalive_timeout_s,
+            header_timeout_s=self.header_timeout_s,
+            max_connections=cap,
+        )
 
 
 def build_engine(config: EngineConfig) -> AsyncEngine:
@@ -96,13 +78,13 @@ def build_engine(config: EngineConfig) -> AsyncEngine:
     return AsyncEngine.from_config(config)
 
 
-async def _start_site(runner: web.AppRunner, host: str, port: int) -> tuple[web.TCPSite, int]:
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    server = site._server  # aiohttp keeps the bound sockets here; needed for port 0
-    sockets = getattr(server, "sockets", None) or []
-    bound = sockets[0].getsockname()[1] if sockets else port
-    return site, int(bound)
+async def _listen(
+    runner: web.AppRunner, host: str, port: int, limits: ConnectionLimits, handler_args: Any
+) -> tuple[Listener, int]:
+    """Serve `runner`'s app on host:port through our accept loop (capped, with timeouts)."""
+    assert runner.server is not None
+    listener = Listener(runner.server, limits, handler_args)
+    return listener, await listener.start(host, port)
 
 
 def attach_engine(
@@ -130,6 +112,7 @@ async def serve(
     out = out or sys.stdout
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
+    loop.set_exception_handler(rate_limited_accept_errors())
     for sig in (signal.SIGTERM, signal.SIGINT):
         # Fails off the main thread (tests run serve() in one); the caller sets `stop` then.
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
@@ -137,8 +120,13 @@ async def serve(
     state = ServerState(settings, max_model_len=config.max_model_len or 0)
     access_log = logging.getLogger("aiohttp.access") if log.isEnabledFor(logging.DEBUG) else None
     runners: list[web.AppRunner] = []
+    listeners: list[Listener] = []
+    limits = listen.limits()
+    # After a response, aiohttp reads (and drops) an unread body for `lingering_time` so the
+    # client sees the response and not a reset; a client gets no longer than for the body.
+    linger = min(10.0, settings.body_timeout_s)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its
-    # engine requests (see app.Generation) instead of computing tokens nobody reads.
+    # engine requests (see generation.Generation) instead of computing tokens nobody reads.
     main = web.AppRunner(
         create_app(state),
         handler_cancellation=True,
@@ -147,7 +135,10 @@ async def serve(
     )
     await main.setup()
     runners.append(main)
-    _, port = await _start_site(main, listen.host, listen.port)
+    listener, port = await _listen(
+        main, listen.host, listen.port, limits, {"access_log": access_log, "lingering_time": linger}
+    )
+    listeners.append(listener)
     print(f"headroom serve: listening on http://{listen.host}:{port}", file=out, flush=True)
     if listen.separate_stats:
         ops = web.AppRunner(
@@ -157,7 +148,14 @@ async def serve(
         runners.append(ops)
         stats_host = listen.stats_host or listen.host
         assert listen.stats_port is not None
-        _, sport = await _start_site(ops, stats_host, listen.stats_port)
+        ops_listener, sport = await _listen(
+            ops,
+            stats_host,
+            listen.stats_port,
+            limits,
+            {"access_log": None, "lingering_time": linger},
+        )
+        listeners.append(ops_listener)
         print(f"headroom serve: /health /ready /stats on http://{stats_host}:{sport}", file=out,
               flush=True)  # fmt: skip
     try:
@@ -167,7 +165,7 @@ async def serve(
             state.load_error = f"model failed to load: {e}"
             print(f"headroom serve: {state.load_error}", file=sys.stderr, flush=True)
             return 1
-        report = budget_report(engine.engine, config)
+        report = budget_report(engine.engine)
         print(f"headroom serve: {report.line()}", file=out, flush=True)
         try:
             report.check()
@@ -191,6 +189,8 @@ async def serve(
             log.warning("handlers still running after drain: %d", state.active)
     finally:
         state.draining = True
+        for ln in listeners:
+            await ln.close()
         for r in reversed(runners):
             await r.cleanup()
     print("headroom serve: stopped", file=out, flush=True)

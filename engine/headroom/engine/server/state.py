@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # the CLI reads the settings without importing torch
     from headroom.engine.model.tokenizer import Tokenizer
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
 class ServerSettings(BaseModel):
@@ -28,6 +29,7 @@ class ServerSettings(BaseModel):
     served_model_name: str = Field(min_length=1)
     api_key: str | None = None
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=1024)
+    body_timeout_s: float = Field(default=DEFAULT_BODY_TIMEOUT_S, gt=0)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
 
 

@@ -6,11 +6,12 @@ OpenAPI the API server enforces) and of the operator's own validation, so both a
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import Field, field_validator
+from pydantic import BeforeValidator, Field, WithJsonSchema, field_validator
 
-from headroom.contract.budget import GPU_PRESETS, MODEL_PRESETS
+from headroom.contract.budget import GPU_PRESETS, MODEL_PRESETS, KVCacheDtype
 from headroom.contract.budget.presets import GPU_ALIASES
 from headroom.operator.crd.rules import CRDModel, Rule
 
@@ -26,14 +27,26 @@ MODEL_PRESET_NAMES = tuple(sorted(MODEL_PRESETS))
 GPU_TYPE_NAMES = tuple(sorted(GPU_PRESETS)) + tuple(sorted(GPU_ALIASES))
 
 WeightDtype = Literal["fp32", "bf16", "fp16", "fp8", "int8", "int4"]
-KVCacheDtype = Literal["auto", "fp8", "int8"]
+# engine.kvCacheDtype: "auto" keeps the weights' precision, else one of the budget's KV element
+# types (`KVCacheDtype`, the contract's) that an engine can be told to store.
+KVCacheSetting = Literal["auto", "fp8", "int8"]
+assert set(get_args(KVCacheSetting)) - {"auto"} <= set(get_args(KVCacheDtype))
 AttentionBackend = Literal["auto", "torch", "cuda"]
 Runtime = Literal["headroom", "vllm", "sglang"]
 ScalingMode = Literal["auto", "advisory"]
 MetricsSource = Literal["sidecar", "prometheus"]
 ConditionStatus = Literal["True", "False", "Unknown"]
 
-_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# A value the engine's command line receives as an argument must not read as a flag
+# (`model.path: --trust-remote-code` would otherwise render `vllm serve --trust-remote-code`).
+_NOT_A_FLAG = r"^[^-\s]"
+# A Kubernetes resource quantity without a sign (the grammar of apimachinery's
+# resource.Quantity): 4, 500m, 1.5, 32Gi, 512M, 4e9.
+QUANTITY_PATTERN = (
+    r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
 _ARCH_FIELDS = (
     "numLayers",
     "numAttentionHeads",
@@ -76,6 +89,56 @@ def _cel_all(aliases: tuple[str, ...]) -> str:
 
 def _cel_any(aliases: tuple[str, ...]) -> str:
     return " || ".join(f"has(self.{a})" for a in aliases)
+
+
+def _integer_quantity(value: Any) -> Any:
+    # YAML `cpu: 4` arrives as a number, which the API server keeps (int-or-string): the pod
+    # gets the quantity it spells. A negative number then fails the pattern, as it must.
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+Quantity = Annotated[
+    str,
+    BeforeValidator(_integer_quantity),
+    Field(max_length=32, pattern=QUANTITY_PATTERN),
+    WithJsonSchema(
+        {
+            "x-kubernetes-int-or-string": True,
+            # The one union a structural schema allows; pattern and maxLength bind strings,
+            # minimum binds integers.
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "minimum": 0,
+            "maxLength": 32,
+            "pattern": QUANTITY_PATTERN,
+        }
+    ),
+]
+
+# An extended resource name: a DNS-subdomain prefix, '/', a name (what the device plugin
+# advertises); names without a prefix, and kubernetes.io's, are Kubernetes' own resources.
+_EXTENDED_RESOURCE = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+
+# The children take the resource's name: the Service (a DNS-1035 label, so no dots and a letter
+# first) and the pods' labels (63 characters at most). Checked at the object's root, where CEL
+# sees `self.metadata.name`; `name_error` is the operator's twin.
+_CHILD_NAME = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_RULE = Rule(
+    cel=f"size(self.metadata.name) <= 63 && self.metadata.name.matches('{_CHILD_NAME}')",
+    message=(
+        "metadata.name must be a DNS-1035 label: at most 63 lower-case letters, digits and '-', "
+        "starting with a letter and ending with a letter or digit (it names the Service and "
+        "labels the pods)"
+    ),
+    check=lambda obj: (
+        len(obj["metadata"]["name"]) <= 63
+        and re.search(_CHILD_NAME, obj["metadata"]["name"]) is not None
+    ),
+)
+
+
+def name_error(name: str) -> str | None:
+    """Why the children cannot take `name` (NAME_RULE's message), or None when they can."""
+    return None if NAME_RULE.check({"metadata": {"name": name}}) else NAME_RULE.message
 
 
 class ModelSpec(CRDModel):
@@ -144,13 +207,21 @@ class ModelSpec(CRDModel):
     served_model_name: str | None = Field(
         default=None,
         max_length=253,
-        description="name clients send as `model`; defaults to the preset or the resource name",
+        pattern=_NOT_A_FLAG,
+        description=(
+            "name clients send as `model`; defaults to the preset or the resource name (it is "
+            "a command-line argument: it cannot start with '-' or a space)"
+        ),
     )
     path: str = Field(
         default="tiny",
         min_length=1,
         max_length=1024,
-        description="weights directory inside the pod, or 'tiny' for the built-in test model",
+        pattern=_NOT_A_FLAG,
+        description=(
+            "weights directory inside the pod (or a Hugging Face id), or 'tiny' for the built-in "
+            "test model (it is a command-line argument: it cannot start with '-' or a space)"
+        ),
     )
     volume_claim_name: str | None = Field(
         default=None,
@@ -189,15 +260,27 @@ class ModelSpec(CRDModel):
 # The image each runtime runs when engine.image is unset (the operator resolves it, so the CRD
 # leaves engine.image without a default: a default cannot depend on another field). The stock
 # images are pinned: their flags and /metrics names change between releases.
+# headroom's two images (the Dockerfile's targets, tagged by scripts/image.sh): `headroom` runs
+# the operator and the sidecar and has no torch; `headroom-engine` runs `headroom serve`.
 _HEADROOM_REPO = "ghcr.io/headroom-dev/headroom"
 HEADROOM_IMAGE = f"{_HEADROOM_REPO}:0.1.0"
+HEADROOM_ENGINE_IMAGE = f"{_HEADROOM_REPO}-engine:0.1.0"
 RUNTIME_IMAGES: dict[str, str] = {
-    "headroom": HEADROOM_IMAGE,
+    "headroom": HEADROOM_ENGINE_IMAGE,
     "vllm": "vllm/vllm-openai:v0.11.0",
     "sglang": "lmsysorg/sglang:v0.5.3",
 }
-# vLLM's `--block-size` choices (vllm.config.cache.BlockSize); argparse refuses any other.
-VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
+# vLLM's `--block-size` choices (vllm.config.cache.BlockSize: 1, 8, 16, 32, 64, 128) that its
+# 0.11 attention backends allocate on SM 8.0 and later: flash_attn.py and triton_attn.py raise
+# "Block size must be a multiple of 16" for 1 and 8, and the pod crash-loops.
+VLLM_BLOCK_SIZES = (16, 32, 64, 128)
+
+
+class SecretKeySelector(CRDModel):
+    """A key of a Secret in the InferenceDeployment's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN)
+    key: str = Field(default="api-key", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
 
 
 class EngineSpec(CRDModel):
@@ -244,20 +327,56 @@ class EngineSpec(CRDModel):
             check=lambda e: e.runtime != "vllm" or e.block_size in VLLM_BLOCK_SIZES,
             field_path=".blockSize",
         ),
+        # vLLM's SchedulerConfig refuses it at start ("must be greater than or equal to
+        # max_num_seqs"): every running sequence takes at least one token of a step.
+        Rule(
+            cel="self.runtime != 'vllm' || self.maxNumBatchedTokens >= self.maxNumSeqs",
+            message=(
+                "runtime vllm needs engine.maxNumBatchedTokens (vLLM --max-num-batched-tokens) of "
+                "at least engine.maxNumSeqs (--max-num-seqs)"
+            ),
+            check=lambda e: e.runtime != "vllm" or e.max_num_batched_tokens >= e.max_num_seqs,
+            field_path=".maxNumBatchedTokens",
+        ),
+        # SGLang's check_server_args asserts this at start (server_args.py).
+        Rule(
+            cel="self.runtime != 'sglang' || self.maxNumBatchedTokens % self.blockSize == 0",
+            message=(
+                "runtime sglang needs engine.maxNumBatchedTokens (SGLang --chunked-prefill-size) "
+                "to be a multiple of engine.blockSize (--page-size)"
+            ),
+            check=lambda e: e.runtime != "sglang" or e.max_num_batched_tokens % e.block_size == 0,
+            field_path=".maxNumBatchedTokens",
+        ),
         Rule(
             cel=(
                 "self.runtime == 'headroom' || !has(self.image) || "
-                f"!self.image.startsWith('{_HEADROOM_REPO}:')"
+                f"!self.image.startsWith('{_HEADROOM_REPO}')"
             ),
             message=(
-                "engine.image is the headroom engine's image, which has no vLLM or SGLang "
+                "engine.image is one of headroom's images, which have no vLLM or SGLang "
                 "server: name the runtime's image or remove engine.image for its pinned default "
                 "(objects created before engine.runtime existed stored the headroom image: "
                 "kubectl patch --type json -p "
                 '\'[{"op": "remove", "path": "/spec/engine/image"}]\')'
             ),
             check=lambda e: (
-                e.runtime == "headroom"
+                e.runtime == "headroom" or e.image is None or not e.image.startswith(_HEADROOM_REPO)
+            ),
+            field_path=".image",
+        ),
+        Rule(
+            cel=(
+                "self.runtime != 'headroom' || !has(self.image) || "
+                f"!self.image.startsWith('{_HEADROOM_REPO}:')"
+            ),
+            message=(
+                f"engine.image {_HEADROOM_REPO} is the small image (operator and sidecar, no "
+                f"torch): the headroom engine runs from {_HEADROOM_REPO}-engine; name it, or "
+                "remove engine.image for the pinned default"
+            ),
+            check=lambda e: (
+                e.runtime != "headroom"
                 or e.image is None
                 or not e.image.startswith(f"{_HEADROOM_REPO}:")
             ),
@@ -290,7 +409,7 @@ class EngineSpec(CRDModel):
         ),
     )
     block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV block")
-    kv_cache_dtype: KVCacheDtype = Field(
+    kv_cache_dtype: KVCacheSetting = Field(
         default="auto",
         description=(
             "auto keeps the weights' precision; fp8/int8 halve KV (int8 only with runtime "
@@ -321,8 +440,18 @@ class EngineSpec(CRDModel):
             "kubelet restarts it (the startup probe's failureThreshold x periodSeconds)"
         ),
     )
-    cpu: str = Field(default="4", max_length=32, description="CPU request of the engine")
-    memory: str = Field(default="32Gi", max_length=32, description="memory request and limit")
+    cpu: Quantity = Field(default="4", description="CPU request of the engine (a quantity)")
+    memory: Quantity = Field(
+        default="32Gi", description="memory request and limit (a quantity: 32Gi, 128G, ...)"
+    )
+    api_key_secret: SecretKeySelector | None = Field(
+        default=None,
+        description=(
+            "a Secret key holding the API key clients must send (Authorization: Bearer): it "
+            "reaches the engine as an environment variable, never as a literal argument; "
+            "/health, /metrics and the sidecar's reads stay open"
+        ),
+    )
 
 
 class GPUSpec(CRDModel):
@@ -343,11 +472,35 @@ class GPUSpec(CRDModel):
             check=lambda g: g.tensor_parallel is None or g.count_per_pod % g.tensor_parallel == 0,
             field_path=".tensorParallel",
         ),
+        # A core resource (cpu, memory, ...) here would replace the engine's own request and
+        # limit for it: `memory` gave the pod 1 byte.
+        Rule(
+            cel=(
+                f"self.resourceName.matches('{_EXTENDED_RESOURCE}') && "
+                "!self.resourceName.contains('kubernetes.io/')"
+            ),
+            message=(
+                "gpu.resourceName must be an extended resource, domain/name such as "
+                "nvidia.com/gpu or amd.com/gpu: core resources (cpu, memory, ephemeral-storage, "
+                "hugepages-*, names under kubernetes.io) are not GPUs"
+            ),
+            check=lambda g: (
+                re.search(_EXTENDED_RESOURCE, g.resource_name) is not None
+                and "kubernetes.io/" not in g.resource_name
+            ),
+            field_path=".resourceName",
+        ),
     )
 
     type: str | None = Field(
         default=None,
-        description="a GPU headroom knows the memory of",
+        description=(
+            "a GPU headroom knows the memory of. It sizes the KV pool only and does not steer "
+            "scheduling: set gpu.nodeSelector to the label your nodes carry for this GPU (GPU "
+            "Feature Discovery's nvidia.com/gpu.product, e.g. NVIDIA-H100-80GB-HBM3, or your "
+            "cloud's, e.g. cloud.google.com/gke-accelerator: nvidia-h100-80gb), or a pod sized "
+            "for one GPU may land on a smaller one"
+        ),
         json_schema_extra={"enum": list(GPU_TYPE_NAMES)},
     )
     memory_gib: float | None = Field(
@@ -361,8 +514,19 @@ class GPUSpec(CRDModel):
     tensor_parallel: int | None = Field(
         default=None, ge=1, le=64, description="tensor-parallel ranks; defaults to countPerPod"
     )
-    resource_name: str = Field(default="nvidia.com/gpu", min_length=1, max_length=253)
-    node_selector: dict[str, str] = Field(default_factory=dict)
+    resource_name: str = Field(
+        default="nvidia.com/gpu",
+        min_length=1,
+        max_length=253,
+        description="the extended resource the device plugin advertises (nvidia.com/gpu, ...)",
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "node labels the pods require; the way to put them on nodes with gpu.type (which "
+            "itself does not steer scheduling)"
+        ),
+    )
 
     @field_validator("type")
     @classmethod
@@ -418,10 +582,22 @@ class ScalingSpec(CRDModel):
     min_replicas: int = Field(default=1, ge=1, le=10_000)
     max_replicas: int = Field(default=10, ge=1, le=10_000)
     target_occupancy: float = Field(
-        default=0.7, gt=0.0, lt=1.0, description="KV occupancy a scale-out sizes to"
+        default=0.85,
+        gt=0.0,
+        lt=1.0,
+        description=(
+            "the share of each pod's KV pool the forecast demand may fill on average; its upper "
+            "band (forecastQuantile) must also fit the pools, less room for one long request"
+        ),
     )
     scale_out_occupancy: float = Field(
-        default=0.85, gt=0.0, le=1.0, description="mean KV occupancy that triggers a scale-out"
+        default=0.95,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "present occupancy above which the KV in use alone is enough to scale out (the "
+            "forecast covers the rest: below this line, KV about to leave buys no pods)"
+        ),
     )
     scale_in_hysteresis: float = Field(
         default=0.05,
@@ -433,7 +609,28 @@ class ScalingSpec(CRDModel):
         default=180,
         ge=1,
         le=86400,
-        description="scale out when a pod would fill its KV cache sooner than this",
+        description=(
+            "the HeadroomKVSaturationSoon alert fires when a pod's saturation ETA is below this"
+        ),
+    )
+    pod_start_seconds: int = Field(
+        default=180,
+        ge=0,
+        le=7200,
+        description=(
+            "a new pod's start time (scheduling, image pull, weight load, warm-up) until the "
+            "operator has measured this deployment's own pods (status.podStartSeconds); the "
+            "forecast looks this far ahead, plus intervalSeconds"
+        ),
+    )
+    forecast_quantile: float = Field(
+        default=0.95,
+        ge=0.5,
+        lt=1.0,
+        description=(
+            "the demand forecast's band: this quantile of the deployment's own past forecast "
+            "errors (never below Poisson noise) is added before sizing"
+        ),
     )
     scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
     scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=86400)
@@ -463,21 +660,17 @@ class ScalingSpec(CRDModel):
         ge=0,
         le=3600,
         description=(
-            "a pod ready for less than this, and every pod for this long after a scale-in, "
-            "fills from redistributed load: its KV growth and saturation ETA are not counted as "
-            "demand growth (its used blocks, occupancy and preemptions are); scale-in steps are "
-            "this far apart"
+            "scale-in steps are at least this far apart, so the load of the removed pods "
+            "settles on the others before the next step is measured"
         ),
     )
     growth_window_seconds: int = Field(
-        default=90,
+        default=180,
         ge=0,
         le=3600,
         description=(
-            "the sidecars' KV growth is projected over the lookahead only as far as the "
-            "deployment's total demand over this window of decisions confirms it; a window "
-            "shorter than intervalSeconds holds no earlier decision, so it confirms nothing and "
-            "the sidecars' slope is projected as measured"
+            "the demand trend is fitted over this window of decisions (segmented: a ramp that "
+            "started inside it is read at its new slope); 0 fits none and projects no trend"
         ),
     )
 
@@ -553,6 +746,19 @@ class KVStatus(CRDModel):
     waiting: int | None = None
     preemption_rate_per_second: float | None = None
     pods_reporting: int | None = None
+    demand_blocks: float | None = Field(
+        default=None,
+        description="KV the arriving traffic holds at steady state (arrival rate x block-seconds "
+        "per request, Little's law); the KV in use when the pods report no demand counters",
+    )
+    arrival_rate_per_second: float | None = Field(default=None, description="requests/s")
+    forecast_blocks: float | None = Field(
+        default=None, description="the demand forecast at the horizon (pod start + period)"
+    )
+    forecast_band_blocks: float | None = Field(
+        default=None, description="how far above the forecast the deployment is sized"
+    )
+    horizon_seconds: float | None = Field(default=None, description="how far the forecast looks")
     observed_at: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
 
 
@@ -580,6 +786,11 @@ class DecisionInputs(CRDModel):
     preemption_rate_per_second: float | None = None
     demand_blocks: float | None = None
     projected_occupancy: float | None = None
+    present_blocks: float | None = None
+    forecast_blocks: float | None = None
+    forecast_band_blocks: float | None = None
+    horizon_seconds: float | None = None
+    needed_replicas: int | None = None
 
 
 class DecisionRecord(CRDModel):
@@ -608,8 +819,14 @@ class InferenceDeploymentStatus(CRDModel):
     selector: str | None = Field(default=None, max_length=1024, description="for /scale")
     budget: Budget | None = None
     kv: KVStatus | None = None
+    pod_start_seconds: float | None = Field(
+        default=None,
+        description="this deployment's pod start time (creation to ready, 90th percentile of the "
+        "pods the operator saw start): the forecast's horizon",
+    )
+    pod_starts_observed: int | None = Field(default=None, description="pod starts it is from")
     conditions: list[Condition] = Field(default_factory=list, max_length=16)
     last_decisions: list[DecisionRecord] = Field(default_factory=list, max_length=MAX_DECISIONS)
 
 
-CONDITION_TYPES = ("Ready", "Feasible", "KVSaturated", "ScalingLimited")
+CONDITION_TYPES = ("Ready", "Feasible", "KVSaturated", "ScalingLimited", "PoolMatchesPlan")

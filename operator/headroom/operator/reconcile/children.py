@@ -19,6 +19,7 @@ from headroom.operator.reconcile.runtimes import (
     engine_command,
     engine_image,
     needs_shm,
+    sidecar_api_key_env,
     sidecar_image,
     sidecar_source_args,
     startup_failure_threshold,
@@ -110,6 +111,8 @@ def _engine_container(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) 
         {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
     ]
     env += [{"name": k, "value": v} for k, v in run.env.items()]
+    if run.api_key_env:
+        env.append(_secret_env(run.api_key_env, spec))
     return {
         "name": "engine",
         "image": engine_image(spec),
@@ -150,10 +153,26 @@ def _engine_container(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) 
     }
 
 
-def _sidecar_container(spec: InferenceDeploymentSpec, name: str) -> dict[str, Any]:
+def _secret_env(var: str, spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """`var` from engine.apiKeySecret: the kubelet reads the Secret, the operator never does."""
+    ref = spec.engine.api_key_secret
+    assert ref is not None
+    return {"name": var, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+
+
+def _sidecar_container(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> dict[str, Any]:
     def field(path: str) -> dict[str, Any]:
         return {"fieldRef": {"fieldPath": path}}
 
+    env: list[dict[str, Any]] = [
+        {"name": "POD_NAME", "valueFrom": field("metadata.name")},
+        {"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
+        {"name": "HEADROOM_INFERENCEDEPLOYMENT", "value": name},
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    key_env = sidecar_api_key_env(spec)
+    if key_env:
+        env.append(_secret_env(key_env, spec))
     return {
         "name": "sidecar",
         "image": sidecar_image(spec),
@@ -165,14 +184,12 @@ def _sidecar_container(spec: InferenceDeploymentSpec, name: str) -> dict[str, An
             f"http://127.0.0.1:{ENGINE_PORT}",
             "--port",
             str(SIDECAR_PORT),
+            # The plan, so a running pool smaller than planned can be seen and alerted on.
+            "--planned-blocks",
+            str(sizing.plan.kv_blocks_per_pod),
             *sidecar_source_args(spec),
         ],
-        "env": [
-            {"name": "POD_NAME", "valueFrom": field("metadata.name")},
-            {"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
-            {"name": "HEADROOM_INFERENCEDEPLOYMENT", "value": name},
-            {"name": "HOME", "value": "/tmp"},
-        ],
+        "env": env,
         "ports": [{"name": "metrics", "containerPort": SIDECAR_PORT, "protocol": "TCP"}],
         "resources": {
             "requests": {"cpu": "100m", "memory": "128Mi"},
@@ -214,7 +231,7 @@ def deployment(
         "terminationGracePeriodSeconds": 60,
         "containers": [
             _engine_container(spec, sizing, owner.name),
-            _sidecar_container(spec, owner.name),
+            _sidecar_container(spec, sizing, owner.name),
         ],
         "volumes": volumes,
         "tolerations": [
@@ -344,6 +361,18 @@ def alert_rules(owner: Owner, spec: InferenceDeploymentSpec) -> list[dict[str, A
             "annotations": {
                 "summary": f"{target}: sequences are preempted for lack of KV blocks",
                 "description": "{{ $value | humanize }} preemptions/s over 5 minutes.",
+            },
+        },
+        {
+            "alert": "HeadroomKVPoolBelowPlan",
+            "expr": f"min by (namespace, inferencedeployment, pod) "
+            f"(headroom_kv_blocks_capacity{{{sel}}} / headroom_kv_blocks_planned{{{sel}}}) < 0.98",
+            "for": "5m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": f"{target}: a pod runs a smaller KV pool than planned",
+                "description": "Pod {{ $labels.pod }} runs {{ $value | humanizePercentage }} of "
+                "its planned KV blocks: each pod holds fewer sequences than the plan says.",
             },
         },
         {

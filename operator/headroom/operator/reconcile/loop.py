@@ -11,7 +11,8 @@ import logging
 from functools import partial
 from typing import Any
 
-from headroom.operator.crd.models import InferenceDeploymentSpec
+from headroom.operator.bounds import clamp
+from headroom.operator.crd.models import InferenceDeploymentSpec, name_error
 from headroom.operator.kube import KubeAPI, KubeError, owner_of, owns_field, with_retries
 from headroom.operator.reconcile.children import (
     FIELD_MANAGER,
@@ -20,7 +21,6 @@ from headroom.operator.reconcile.children import (
     selector_string,
 )
 from headroom.operator.reconcile.sizing import Sizing, budget, parse, summary
-from headroom.operator.scaling.decide import clamp
 from headroom.operator.status import (
     Event,
     Outcome,
@@ -105,6 +105,17 @@ def apply_children(
     return applied_deployment, events
 
 
+def apply_failed(body: dict[str, Any], exc: KubeError, now: float) -> Outcome:
+    """The status and Event of an apply the API server refused for good (an invalid child):
+    retrying the same object cannot succeed, so it waits for the next spec change."""
+    out = Outcome()
+    out.status["observedGeneration"] = body["metadata"].get("generation")
+    message = f"the API server refused a child of this spec ({exc}); fix the spec"
+    out.events.append(Event("Warning", "ApplyFailed", message))
+    set_status_condition(body, out.status, "Ready", "False", "ApplyFailed", message, now)
+    return out
+
+
 def reconcile(kube: KubeAPI, body: dict[str, Any], now: float) -> Outcome:
     """Bring the children in line with the spec; the returned status goes to .status."""
     out = Outcome()
@@ -112,6 +123,14 @@ def reconcile(kube: KubeAPI, body: dict[str, Any], now: float) -> Outcome:
     meta = body["metadata"]
     st["observedGeneration"] = meta.get("generation")
     st["selector"] = selector_string(meta["name"])
+    bad_name = name_error(meta["name"])
+    if bad_name is not None:
+        # Stored before the CRD refused such names: the Service and labels cannot take it.
+        if condition_changed(body, "Feasible", "False", "InvalidName"):
+            out.events.append(Event("Warning", "InvalidName", bad_name))
+        set_status_condition(body, st, "Feasible", "False", "InvalidName", bad_name, now)
+        set_status_condition(body, st, "Ready", "False", "InvalidName", bad_name, now)
+        return out
     parsed = parse(body.get("spec"))
     if parsed.error is not None or parsed.sizing is None or parsed.spec is None:
         message = parsed.error or "spec could not be sized"

@@ -13,6 +13,14 @@ runs and the scaling loop's pod capacity is the engine's:
 The command is spelled out for the stock images rather than left to their entrypoints, which
 changed across releases. kvCacheDtype fp8 is vLLM's `fp8` (e4m3 on CUDA) and SGLang's
 `fp8_e4m3`; int8 exists only in headroom's engine, and the CRD refuses it for the others.
+
+Every engine knob the budget reads (block size, KV dtype, prefix caching, max sequences, batched
+tokens, max model length, parallelism, memory fraction) is passed, so the engine runs the
+arithmetic `status.budget` shows. The API key (`engine.apiKeySecret`) reaches each engine as an
+environment variable from the Secret, never as a literal: headroom reads HEADROOM_API_KEY, vLLM
+VLLM_API_KEY, and SGLang, which has only `--api-key`, gets `--api-key $(HEADROOM_API_KEY)`, which
+the kubelet expands. All three guard the OpenAI routes only; /health and /metrics (and
+headroom's /ready and /stats) stay open for the probes and the sidecar.
 """
 
 from __future__ import annotations
@@ -27,6 +35,16 @@ from headroom.operator.reconcile.sizing import Sizing, served_model_name
 
 STARTUP_PERIOD_SECONDS = 10
 SGLANG_KV_DTYPE = {"auto": "auto", "fp8": "fp8_e4m3"}
+# The environment variable each engine reads its API key from (headroom's is
+# headroom.engine.server.auth.API_KEY_ENV; a test keeps them equal). SGLang reads none: its
+# --api-key argument names this variable for the kubelet to expand.
+API_KEY_ENVS = {
+    "headroom": "HEADROOM_API_KEY",
+    "vllm": "VLLM_API_KEY",
+    "sglang": "HEADROOM_API_KEY",
+}
+# The sidecar's copy of the key, for engine endpoints behind it (SGLang's server info).
+SIDECAR_API_KEY_ENV = "HEADROOM_API_KEY"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +55,7 @@ class EngineCommand:
     args: list[str]
     ready_path: str  # readiness probe; liveness and startup probe /health on every runtime
     env: dict[str, str]  # beyond HOME and XDG_CACHE_HOME, which every runtime gets
+    api_key_env: str | None = None  # filled from engine.apiKeySecret's Secret key, when set
 
 
 def headroom_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> EngineCommand:
@@ -52,6 +71,9 @@ def headroom_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -
         "0.0.0.0",
         "--port",
         str(ENGINE_PORT),
+        # The pool was planned in the GPU's memory; the engine's own default device is the CPU.
+        "--device",
+        "cuda",
         "--block-size",
         str(e.block_size),
         "--num-blocks",
@@ -62,11 +84,21 @@ def headroom_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -
         str(sizing.max_model_len),
         "--max-num-seqs",
         str(e.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(e.max_num_batched_tokens),
         "--enable-prefix-caching" if e.prefix_caching else "--no-enable-prefix-caching",
         "--attention-backend",
         e.attention_backend,
     ]
-    return EngineCommand(command=["headroom"], args=args, ready_path="/ready", env={})
+    return EngineCommand(
+        command=["headroom"], args=args, ready_path="/ready", env={},
+        api_key_env=_key_env(spec),
+    )  # fmt: skip
+
+
+def _key_env(spec: InferenceDeploymentSpec) -> str | None:
+    """The variable the engine's API key arrives in, or None without engine.apiKeySecret."""
+    return API_KEY_ENVS[spec.engine.runtime] if spec.engine.api_key_secret else None
 
 
 # A uid without a passwd entry (the pod runs as 10001 on images built for root) makes
@@ -109,6 +141,7 @@ def vllm_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> En
         args=args,
         ready_path="/health",
         env={**_STOCK_ENV, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"},
+        api_key_env=_key_env(spec),
     )
 
 
@@ -147,11 +180,15 @@ def sglang_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> 
     ]
     if not e.prefix_caching:
         args.append("--disable-radix-cache")
+    key_env = _key_env(spec)
+    if key_env:
+        args += ["--api-key", f"$({key_env})"]  # the kubelet expands it from the env
     return EngineCommand(
         command=["python3", "-m", "sglang.launch_server"],
         args=args,
         ready_path="/health",
         env=dict(_STOCK_ENV),
+        api_key_env=key_env,
     )
 
 
@@ -173,8 +210,9 @@ def engine_image(spec: InferenceDeploymentSpec) -> str:
 
 
 def sidecar_image(spec: InferenceDeploymentSpec) -> str:
-    """engine.sidecarImage; else the engine's image for runtime headroom (one image holds both),
-    else headroom's own (the stock images have no `headroom sidecar`)."""
+    """engine.sidecarImage; else the engine's image for runtime headroom (headroom-engine holds
+    the sidecar too: no second pull), else the small headroom image (the stock images have no
+    `headroom sidecar`, and it has no torch)."""
     if spec.engine.sidecar_image:
         return spec.engine.sidecar_image
     return engine_image(spec) if spec.engine.runtime == "headroom" else HEADROOM_IMAGE
@@ -188,6 +226,14 @@ def sidecar_source_args(spec: InferenceDeploymentSpec) -> list[str]:
     if runtime == "sglang":
         return ["--source", "sglang", "--page-size", str(spec.engine.block_size)]
     return []
+
+
+def sidecar_api_key_env(spec: InferenceDeploymentSpec) -> str | None:
+    """The variable the sidecar gets the engine's key in: only SGLang guards a route the sidecar
+    reads (its server info); headroom's /stats and vLLM's /metrics are open."""
+    if spec.engine.api_key_secret and spec.engine.runtime == "sglang":
+        return SIDECAR_API_KEY_ENV
+    return None
 
 
 def startup_failure_threshold(spec: InferenceDeploymentSpec) -> int:

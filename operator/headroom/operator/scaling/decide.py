@@ -1,34 +1,42 @@
 """The scaling decision: pure, deterministic, and free of Kubernetes.
 
-It acts on time-to-saturation rather than a fixed percentage. The rules, in order:
+It sizes the deployment for the KV demand forecast at the moment a pod asked for now would
+start serving, not for the occupancy of the moment. The rules, in order:
 
 1. Bounds first: replicas outside [min, max] (the spec changed) go to the nearest bound.
 2. No fresh sample from any ready pod: hold (fail static) and say why. Absent metrics never
    move replicas in either direction.
-3. Scale out when a ready pod's saturation ETA is inside the lookahead, the mean occupancy is
-   above `scale_out_occupancy`, or pods are preempting. The step comes from the KV math: the
-   replicas that bring the projected demand (used blocks + waiting requests + growth over the
-   lookahead) to `target_occupancy`. The growth projected is the sidecars' 30 s slope only as
-   far as the deployment's total demand over the last `growth_window_seconds` of decisions
-   confirms it: arrivals are bursty, and a burst extrapolated over minutes is not a trend.
-   The step is taken only when that projection, over the whole deployment, crosses
-   `scale_out_occupancy`; otherwise the trigger came from one unevenly loaded pod or a short
-   burst, which more pods would not fix: hold and say so.
-4. Pods that exist but are not ready yet (loading weights) count as capacity on the way, so
-   a scale-out already in flight is not repeated while they load. A pod that became ready
-   less than `warmup_seconds` ago fills from the backlog, and after a scale-in the remaining
-   pods take over the removed pods' load; for `warmup_seconds` those slopes are redistribution,
-   not demand growth, so they are left out (used blocks still count, and so do the occupancy
-   and preemption triggers).
-5. Scale in only when every ready pod reports, nothing is starting, and the occupancy after
-   removal stays below `target - hysteresis` (and would not fill within the lookahead at the
-   current growth) for the whole down-stabilization window, and no scale-up happened within
-   it; then go to the highest count recommended during the window (HPA's sliding window).
-6. Pods being removed still hold KV and their load moves to the others: their used blocks and
-   (negative) growth count, so the pods left behind filling up is not mistaken for growth.
-7. Step sizes are capped (max pods per step), and a scale-up within the up-stabilization
-   window of the previous one is deferred; scale-in steps are `warmup_seconds` apart so each
-   redistribution settles before the next.
+3. Demand, measured. Present KV: used blocks (of draining pods too: they still hold it) plus
+   what the waiting requests will claim. Demand: Little's law over every pod's counters,
+   pooled: arrival rate x block-seconds per departed request (`headroom.contract.demand`). The
+   arrival rate is taken between two decisions from each pod's cumulative counters (the
+   sidecar's window rate for a pod seen for the first time); block-seconds per request is
+   averaged over `PER_REQUEST_WINDOW_SECONDS`. Demand equals present usage when traffic is
+   steady and leads it when traffic changes. Pods without demand counters (an older engine,
+   a server that exports none) fall back to present usage. Silent ready pods are assumed to
+   carry the reporting pods' average.
+4. Forecast over the provisioning horizon: the pod start time learned from this deployment's
+   own pods (creation to ready, their 90th percentile; the spec's `podStartSeconds` until one
+   has been seen), plus the decision period, plus half the span the rates are averaged over.
+   The demand series of the last `growth_window_seconds` is fitted by least squares; a slope
+   within two standard errors of zero is not projected, and none is before half that window
+   has been measured (pods filling from empty are not a ramp). The band above the forecast is
+   its prediction interval at `forecast_quantile`, from the series' own scatter and the
+   scatter of the KV in use, never less than the Poisson noise of the requests in flight.
+5. Scale out to the pods that keep the forecast's mean at `target_occupancy` and its upper band
+   within the usable pools (the engine stops admitting at its watermark), less room on each
+   pod for one long request: a pod asked for now serves at the horizon, so the horizon's
+   demand is what it must hold. When present occupancy is over `scale_out_occupancy` (the
+   demand signals lag or are missing), the KV in use alone is enough to scale out. Pods asked
+   for but not ready count as capacity on the way (they are in the Deployment's replicas), so
+   a scale-out in flight is not repeated. Steps are capped (`max_scale_up_pods`); a scale-up
+   within the up-stabilization window of the previous one is deferred.
+6. Scale in with the same forecast: only when every ready pod reports, nothing is starting,
+   the demand history already spans the horizon (a new deployment starts from the plan, and
+   stays there until it has measured what to do instead), and the forecast and the KV in use
+   fit fewer pods with `scale_in_hysteresis` to spare for the whole down-stabilization window;
+   then go to the highest count recommended during it (HPA's sliding window), at most
+   `max_scale_down_pods` per step and `warmup_seconds` apart.
 """
 
 from __future__ import annotations
@@ -37,10 +45,23 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from headroom.contract.forecast import least_squares_slope
+from headroom.contract.demand import (
+    CounterSample,
+    DemandForecast,
+    DemandRates,
+    forecast_demand,
+    pooled,
+)
+from headroom.operator.bounds import clamp
 
 Action = Literal["scale-out", "scale-in", "hold"]
 MetricsState = Literal["ok", "partial", "missing"]
+
+# Pod start times remembered (creation to ready), newest last.
+POD_STARTS_KEPT = 20
+# Block-seconds per request is a property of the request mix, not of the load: averaged this
+# long it is steady, so the demand's noise is the arrival rate's alone.
+PER_REQUEST_WINDOW_SECONDS = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +79,8 @@ class PodSample:
     capacity_blocks: int | None = None
     growth_blocks_per_second: float | None = None
     engine_up: bool = True
+    demand: DemandRates | None = None  # the demand counters' rates over the sidecar's window
+    counters: CounterSample | None = None  # the demand counters themselves (cumulative)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,16 +98,16 @@ class PodView:
 @dataclass(frozen=True, slots=True)
 class Policy:
     """The spec's scaling policy plus the planned pod capacity. No defaults: the CRD model
-    (models.ScalingSpec) holds them, and `scaling.policy_for` is the one place that builds it."""
+    (crd.models.ScalingSpec) holds them, and `scaling.loop.policy_for` is the one place that
+    builds it."""
 
     min_replicas: int
     max_replicas: int
     blocks_per_pod: int  # the planned pool, used when a pod does not report its capacity
-    blocks_per_sequence: float  # what one waiting request will claim
+    blocks_per_sequence: float  # what one waiting request will claim (until measured)
     target_occupancy: float
     scale_out_occupancy: float
     scale_in_hysteresis: float
-    lookahead_seconds: float
     scale_up_stabilization_seconds: float
     scale_down_stabilization_seconds: float
     max_scale_up_pods: int
@@ -93,6 +116,10 @@ class Policy:
     startup_grace_seconds: float
     warmup_seconds: float
     growth_window_seconds: float
+    interval_seconds: float
+    pod_start_seconds: float  # the horizon's pod start until the deployment's own are seen
+    forecast_quantile: float
+    usable_occupancy: float  # the share of a pool the engine fills before it stops admitting
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -103,6 +130,10 @@ class Policy:
             raise ValueError("need 0 <= scale_in_hysteresis < target_occupancy")
         if self.blocks_per_pod < 1 or self.blocks_per_sequence <= 0:
             raise ValueError("a pod must hold at least one block and a sequence some blocks")
+        if not 0.5 <= self.forecast_quantile < 1:
+            raise ValueError("need 0.5 <= forecast_quantile < 1")
+        if not 0 < self.usable_occupancy <= 1:
+            raise ValueError("need 0 < usable_occupancy <= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +150,24 @@ class ScaleInWindow:
 
 
 @dataclass(frozen=True, slots=True)
+class Memory:
+    """What one decision hands the next: the scaling loop keeps it and nothing else does.
+
+    After an operator restart it starts empty, except for what status keeps (the last changes
+    and the learned pod start time, given back through `Inputs`)."""
+
+    demand: tuple[tuple[float, float], ...] = ()  # (time, deployment demand in blocks)
+    held: tuple[tuple[float, float], ...] = ()  # (time, KV in use incl. waiting requests')
+    # (time, block-seconds/s, departures/s) of the whole deployment, for block-s per request
+    lifetimes: tuple[tuple[float, float, float], ...] = ()
+    pod_starts: tuple[tuple[str, float], ...] = ()  # (pod, seconds from creation to ready)
+    counters: tuple[tuple[str, CounterSample], ...] = ()  # each pod's last demand counters
+    scale_in: ScaleInWindow | None = None
+    last_up: float | None = None
+    last_down: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Inputs:
     """Everything one decision looks at."""
 
@@ -126,14 +175,12 @@ class Inputs:
     current_replicas: int  # what the Deployment asks for
     pods: tuple[PodView, ...]
     policy: Policy
-    last_scale_up_at: float | None = None
-    last_scale_down_at: float | None = None
-    scale_in: ScaleInWindow | None = None
-    recent: tuple[tuple[float, float], ...] = ()  # earlier decisions' (time, present demand)
+    memory: Memory = Memory()
+    learned_pod_start_seconds: float | None = None  # from status, until `memory` has its own
 
 
 @dataclass(frozen=True, slots=True)
-class Figures:
+class DecisionFigures:
     """The numbers behind a decision (for status, events and logs)."""
 
     ready: int
@@ -145,10 +192,14 @@ class Figures:
     waiting: int = 0
     preemption_rate: float = 0.0
     hit_ratio: float | None = None
-    demand_blocks: float | None = None
-    projected_occupancy: float | None = None  # demand over current replicas' capacity
-    growth_blocks_per_second: float | None = None  # the sidecars' slope, before confirmation
     present_blocks: float | None = None  # used (incl. draining) + waiting requests' blocks
+    demand_blocks: float | None = None  # Little's law now (present when not measurable)
+    arrival_rate: float | None = None  # requests per second, the deployment's
+    block_seconds_per_request: float | None = None
+    forecast: DemandForecast | None = None
+    pod_start_seconds: float | None = None  # learned (or the spec's until learned)
+    needed_replicas: int | None = None  # what the forecast (or present KV) needs at target
+    projected_occupancy: float | None = None  # the forecast's upper band over current pods
     stuck: int = 0  # pods not ready after the startup grace
 
 
@@ -160,14 +211,40 @@ class Decision:
     action: Action
     reason: str  # CamelCase, used as the Event reason
     message: str
-    figures: Figures
+    figures: DecisionFigures
     metrics: MetricsState
     limited: str | None = None  # CamelCase reason when bounds, rate or metrics held it back
     limited_message: str = ""
     saturated: bool = False
     saturated_message: str = ""
-    scale_in: ScaleInWindow | None = None
-    recent: tuple[tuple[float, float], ...] = field(default=())  # feed back as Inputs.recent
+    memory: Memory = field(default_factory=Memory)  # hand to the next decision's Inputs
+
+
+def decide(inp: Inputs) -> Decision:
+    """Decide the replica count for one InferenceDeployment: the rules of the module docstring,
+    in order, the first that decides wins."""
+    pods = _pods(inp)
+    memory = _learn_pod_starts(inp)
+    base = Decision(
+        replicas=inp.current_replicas,
+        action="hold",
+        reason="Hold",
+        message="",
+        figures=DecisionFigures(
+            ready=pods.ready,
+            starting=pods.on_the_way,
+            reporting=len(pods.samples),
+            stuck=pods.stuck,
+        ),
+        metrics=pods.metrics,
+        memory=memory,
+    )
+    decided = _rule_bounds(inp, base) or _rule_no_metrics(inp, pods, base)
+    if decided is not None:
+        return decided
+    d = _measure(inp, pods, base.memory)
+    base = _with_figures(inp, pods, d, base)
+    return _rule_scale_out(inp, pods, d, base) or _rule_scale_in(inp, pods, d, base)
 
 
 def _fresh(pod: PodView, now: float, max_age: float) -> bool:
@@ -185,105 +262,34 @@ def _used(sample: PodSample, policy: Policy) -> float:
     return sample.occupancy * _capacity(sample, policy)
 
 
-def _growth(sample: PodSample, policy: Policy) -> float:
-    """Net blocks per second the pod's KV use changes by (negative while it drains)."""
-    if sample.growth_blocks_per_second is not None:
-        return sample.growth_blocks_per_second
-    if sample.eta_seconds is None or sample.eta_seconds <= 0:
-        return 0.0
-    free = max(0.0, _capacity(sample, policy) - _used(sample, policy))
-    return free / sample.eta_seconds
-
-
-def clamp(n: int, lo: int, hi: int) -> int:
-    """n within [lo, hi]: the replica bounds, for decide() and for reconcile's first count."""
-    return max(lo, min(hi, n))
-
-
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.0%}"
 
 
 @dataclass(frozen=True, slots=True)
 class _Pods:
-    """The pods as one decision sees them (rules 4 and 6 decide what counts)."""
+    """The pods as one decision sees them."""
 
     ready: int
     on_the_way: int  # asked for but not ready: loading, scheduling or not yet created
     stuck: int  # not ready after the startup grace
     samples: list[PodSample]  # fresh samples of ready pods
-    settled: list[PodSample]  # of those, pods whose growth is demand (rule 4)
-    draining: list[PodSample]  # fresh samples of pods being removed (rule 6)
-    redistributing: bool  # within warmup_seconds of a scale-in
+    draining: list[PodSample]  # fresh samples of pods being removed
     metrics: MetricsState
-
-
-@dataclass(frozen=True, slots=True)
-class _Demand:
-    """The deployment's KV demand in blocks, from the pods that report."""
-
-    capacity: float  # blocks per pod
-    present: float  # used (incl. draining) + waiting requests' blocks
-    measured: float  # the sidecars' growth, blocks per second, before confirmation
-    growth: float  # confirmed growth, blocks per second, >= 0
-    demand: float  # present + growth over the lookahead
-    mean_occupancy: float
-    min_eta: float | None
-    preempt: float
-    waiting: int  # requests queued at the reporting pods
-    recent: tuple[tuple[float, float], ...]  # the demand history, this decision's included
-
-
-def decide(inp: Inputs) -> Decision:
-    """Decide the replica count for one InferenceDeployment: the rules of the module docstring,
-    in order, the first that decides wins."""
-    pods = _pods(inp)
-    base = Decision(
-        replicas=inp.current_replicas,
-        action="hold",
-        reason="Hold",
-        message="",
-        figures=Figures(
-            ready=pods.ready,
-            starting=pods.on_the_way,
-            reporting=len(pods.samples),
-            stuck=pods.stuck,
-        ),
-        metrics=pods.metrics,
-        scale_in=inp.scale_in,
-    )
-    decided = _rule_bounds(inp, base) or _rule_no_metrics(inp, pods, base)
-    if decided is not None:
-        return decided
-    d = _measure(inp, pods)
-    base = _with_figures(inp, pods, d, base)
-    return _rule_scale_out(inp, pods, d, base) or _rule_scale_in(inp, pods, d, base)
+    names: tuple[str, ...]  # of samples + draining, in that order
 
 
 def _pods(inp: Inputs) -> _Pods:
-    """Rules 4 and 6: which pods count as ready, starting, settled and draining."""
+    """Which pods count as ready, starting and draining, and whose samples are fresh."""
     p, now = inp.policy, inp.now
     live = [pod for pod in inp.pods if not pod.terminating]
     ready = [pod for pod in live if pod.ready]
     fresh = [pod for pod in ready if _fresh(pod, now, p.metrics_max_age_seconds)]
+    leaving = [
+        pod for pod in inp.pods if pod.terminating and _fresh(pod, now, p.metrics_max_age_seconds)
+    ]
     samples = [pod.sample for pod in fresh if pod.sample is not None]
-    draining = [
-        pod.sample
-        for pod in inp.pods
-        if pod.terminating
-        and pod.sample is not None
-        and _fresh(pod, now, p.metrics_max_age_seconds)
-    ]
-    redistributing = (
-        inp.last_scale_down_at is not None and now - inp.last_scale_down_at < p.warmup_seconds
-    )
-    settled = [
-        pod.sample
-        for pod in fresh
-        if pod.sample is not None
-        and not redistributing
-        and (pod.ready_since is None or now - pod.ready_since >= p.warmup_seconds)
-    ]
+    draining = [pod.sample for pod in leaving if pod.sample is not None]
     metrics: MetricsState = (
         "missing" if not samples else "partial" if len(samples) < len(ready) else "ok"
     )
@@ -294,11 +300,38 @@ def _pods(inp: Inputs) -> _Pods:
             1 for pod in live if not pod.ready and now - pod.created_at > p.startup_grace_seconds
         ),
         samples=samples,
-        settled=settled,
         draining=draining,
-        redistributing=redistributing,
         metrics=metrics,
+        names=tuple(pod.name for pod in (*fresh, *leaving)),
     )
+
+
+def _learn_pod_starts(inp: Inputs) -> Memory:
+    """Record the start time (creation to ready) of every pod seen ready for the first time."""
+    mem = inp.memory
+    known = {name for name, _ in mem.pod_starts}
+    new = tuple(
+        (pod.name, pod.ready_since - pod.created_at)
+        for pod in inp.pods
+        if pod.ready
+        and pod.name not in known
+        and pod.ready_since is not None
+        and pod.ready_since >= pod.created_at
+    )
+    if not new:
+        return mem
+    return replace(mem, pod_starts=(mem.pod_starts + new)[-POD_STARTS_KEPT:])
+
+
+def pod_start_seconds(inp: Inputs, memory: Memory) -> float:
+    """The pod start time the horizon uses: the 90th percentile of the starts this operator
+    has seen, else the one kept in status, else the spec's."""
+    starts = sorted(s for _, s in memory.pod_starts)
+    if starts:
+        return starts[min(len(starts) - 1, math.ceil(0.9 * len(starts)) - 1)]
+    if inp.learned_pod_start_seconds is not None:
+        return inp.learned_pod_start_seconds
+    return inp.policy.pod_start_seconds
 
 
 def _rule_bounds(inp: Inputs, base: Decision) -> Decision | None:
@@ -315,7 +348,7 @@ def _rule_bounds(inp: Inputs, base: Decision) -> Decision | None:
         reason="SpecBounds",
         message=f"{current} replicas is outside [{p.min_replicas}, {p.max_replicas}]; "
         f"moving to {word} {bounded}",
-        scale_in=None,
+        memory=_moved(base.memory, inp.now, bounded - current),
     )
 
 
@@ -324,12 +357,13 @@ def _rule_no_metrics(inp: Inputs, pods: _Pods, base: Decision) -> Decision | Non
     if pods.samples:
         return None
     p, current = inp.policy, inp.current_replicas
+    quiet = replace(base.memory, scale_in=None)
     if not pods.ready:
         return replace(
             base,
             reason="WaitingForPods",
             message=f"0/{current} pods ready; {pods.on_the_way} on the way, nothing to measure yet",
-            scale_in=None,
+            memory=quiet,
         )
     return replace(
         base,
@@ -338,49 +372,119 @@ def _rule_no_metrics(inp: Inputs, pods: _Pods, base: Decision) -> Decision | Non
         f"(older than {p.metrics_max_age_seconds:.0f} s or absent); holding {current}",
         limited="MetricsUnavailable",
         limited_message="scaling holds while KV metrics are missing or stale",
-        scale_in=None,
+        memory=quiet,
     )
 
 
-def _measure(inp: Inputs, pods: _Pods) -> _Demand:
-    """Demand, measured on the reporting pods and extrapolated to the silent ready ones, with
-    the growth the deployment's total confirms (rule 3) and draining pods' load (rule 6)."""
+@dataclass(frozen=True, slots=True)
+class _Demand:
+    """The deployment's KV, measured and forecast."""
+
+    capacity: float  # blocks per pod
+    present: float  # used (incl. draining) + waiting requests' blocks
+    demand: float  # Little's law, or present when the pods report no demand counters
+    rates: DemandRates | None
+    per_departure: float | None  # block-seconds per departed request, over the long window
+    per_request: float  # blocks a running request holds (for the Poisson band, waiting ones)
+    forecast: DemandForecast
+    mean_occupancy: float
+    min_eta: float | None
+    preempt: float
+    waiting: int
+    memory: Memory
+
+
+def _measure(inp: Inputs, pods: _Pods, mem: Memory) -> _Demand:
+    """Rules 3 and 4: present KV, demand and its forecast at the horizon, and the memory the
+    next decision needs (the demand series, the forecast to check, the errors measured)."""
     p, now = inp.policy, inp.now
-    samples, settled, draining = pods.samples, pods.settled, pods.draining
+    samples, draining = pods.samples, pods.draining
+    scale = pods.ready / len(samples)  # silent ready pods carry the reporting pods' average
     capacity = sum(_capacity(s, p) for s in samples) / len(samples)
-    used = sum(_used(s, p) for s in samples)
-    # Net growth of the settled pods, extrapolated to all ready pods: per-pod noise cancels,
-    # and a deployment whose pods fill and drain in turn is not growing.
-    growth = sum(_growth(s, p) for s in settled) / len(settled) if settled else 0.0
+    used = sum(_used(s, p) for s in samples) * scale + sum(_used(s, p) for s in draining)
+    running = sum(s.running for s in samples) * scale + sum(s.running for s in draining)
+    per_request = used / running if running >= 1 else p.blocks_per_sequence
     waiting = sum(s.waiting for s in samples)
-    used_all = used * pods.ready / len(samples) + sum(_used(s, p) for s in draining)
-    measured = growth * pods.ready + sum(_growth(s, p) for s in draining)
-    present = used_all + waiting * p.blocks_per_sequence
-    # The sidecars fit 30 s; projected over a lookahead of minutes that slope mostly carries
-    # arrival noise. Only growth that also shows in the deployment's total demand over the
-    # last `growth_window_seconds` of decisions is projected.
-    recent = tuple(r for r in inp.recent if r[0] >= now - p.growth_window_seconds and r[0] < now)
-    recent += ((now, present),)
-    observed = least_squares_slope(recent)
-    confirmed = measured if observed is None else min(measured, observed)
-    growth_all = max(0.0, confirmed)
-    etas = [s.eta_seconds for s in settled if s.eta_seconds is not None]
+    present = used + waiting * per_request
+
+    parts, counters = _tick_rates(pods, mem, now)
+    # Demand counters from every fresh pod, or none: a mix would undercount the silent ones.
+    rates = pooled([r for r in parts if r is not None]) if None not in parts else None
+    lifetimes = tuple(x for x in mem.lifetimes if x[0] > now - PER_REQUEST_WINDOW_SECONDS)
+    if rates is not None:
+        lifetimes += ((now, rates.block_seconds, rates.departures),)
+    departed = sum(x[2] for x in lifetimes)
+    per_departure = sum(x[1] for x in lifetimes) / departed if departed > 0 else None
+    demand = present
+    if rates is not None and per_departure is not None:
+        arrivals = sum(r.arrivals for r in parts[: len(samples)] if r is not None) * scale
+        arrivals += sum(r.arrivals for r in parts[len(samples) :] if r is not None)
+        demand = arrivals * per_departure
+        rates = replace(rates, arrivals=arrivals)
+    window = rates.window_seconds if rates is not None else 0.0
+
+    history = tuple(h for h in mem.demand if now - p.growth_window_seconds <= h[0] < now)
+    history += ((now, demand),)
+    start = pod_start_seconds(inp, mem)
+    horizon = start + p.interval_seconds + window / 2
+    held = tuple(h for h in mem.held if now - p.growth_window_seconds <= h[0] < now)
+    held += ((now, present),)
+    # A trend needs history: the first minutes of a deployment (pods filling from empty) are
+    # not a ramp to project, so until half the growth window is measured only the level counts.
+    measured = now - history[0][0] >= p.growth_window_seconds / 2
+    fc = forecast_demand(
+        history,
+        horizon,
+        p.forecast_quantile,
+        per_request,
+        averaging=window,
+        held=held,
+        significance=2.0 if measured else math.inf,
+    )
+    assert fc is not None  # history holds at least this decision's point
+    etas = [s.eta_seconds for s in samples if s.eta_seconds is not None]
     return _Demand(
         capacity=capacity,
         present=present,
-        measured=measured,
-        growth=growth_all,
-        demand=present + growth_all * p.lookahead_seconds,
+        demand=demand,
+        rates=rates,
+        per_request=per_request,
+        forecast=fc,
         mean_occupancy=sum(s.occupancy for s in samples) / len(samples),
         min_eta=min(etas) if etas else None,
         preempt=sum(s.preemption_rate for s in samples),
         waiting=waiting,
-        recent=recent,
+        per_departure=per_departure,
+        memory=replace(mem, demand=history, held=held, lifetimes=lifetimes, counters=counters),
     )
 
 
+def _tick_rates(
+    pods: _Pods, mem: Memory, now: float
+) -> tuple[list[DemandRates | None], tuple[tuple[str, CounterSample], ...]]:
+    """Each reporting pod's demand rates since the last decision, from its cumulative counters
+    (independent from one decision to the next, unlike the sidecar's sliding window); a pod
+    seen for the first time, or whose engine restarted, falls back to the sidecar's window."""
+    last = dict(mem.counters)
+    out: list[DemandRates | None] = []
+    kept: list[tuple[str, CounterSample]] = []
+    for name, s in zip(pods.names, (*pods.samples, *pods.draining), strict=True):
+        cur, prev = s.counters, last.get(name)
+        rate = s.demand
+        if cur is not None:
+            kept.append((name, cur))
+            if prev is not None and prev.epoch == cur.epoch and cur.t > prev.t:
+                d = (cur.arrived - prev.arrived, cur.departed - prev.departed)
+                bs = cur.block_seconds - prev.block_seconds
+                if min(*d, bs) >= 0:
+                    span = cur.t - prev.t
+                    rate = DemandRates(d[0] / span, d[1] / span, bs / span, span)
+        out.append(rate)
+    return out, tuple(kept)
+
+
 def _with_figures(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Decision:
-    """The measured figures, saturation and the demand history on the base decision."""
+    """The measured figures, saturation and the new memory on the base decision."""
     samples = pods.samples
     max_occ = max(s.occupancy for s in samples)
     hits = [s.hit_ratio for s in samples if s.hit_ratio is not None]
@@ -392,10 +496,14 @@ def _with_figures(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Decis
         waiting=d.waiting,
         preemption_rate=d.preempt,
         hit_ratio=sum(hits) / len(hits) if hits else None,
-        demand_blocks=d.demand,
-        projected_occupancy=d.demand / (inp.current_replicas * d.capacity),
-        growth_blocks_per_second=d.measured,
         present_blocks=d.present,
+        demand_blocks=d.demand,
+        arrival_rate=None if d.rates is None else d.rates.arrivals,
+        block_seconds_per_request=d.per_departure,
+        forecast=d.forecast,
+        pod_start_seconds=pod_start_seconds(inp, d.memory),
+        needed_replicas=_need(inp.policy, d, inp.current_replicas)[0],
+        projected_occupancy=d.forecast.upper / (inp.current_replicas * d.capacity),
     )
     saturated = max_occ >= 1.0 or d.preempt > 0
     sat_msg = (
@@ -405,75 +513,91 @@ def _with_figures(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Decis
         else ""
     )
     return replace(
-        base, figures=figures, saturated=saturated, saturated_message=sat_msg, recent=d.recent
+        base, figures=figures, saturated=saturated, saturated_message=sat_msg, memory=d.memory
     )
 
 
-def _rule_scale_out(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Decision | None:
-    """Rule 3 (with 4's capacity on the way and 7's step caps): scale out on a near
-    saturation ETA, high occupancy or preemption, when the deployment's projection confirms."""
-    p, now, current = inp.policy, inp.now, inp.current_replicas
-    eta_hit = d.min_eta is not None and d.min_eta < p.lookahead_seconds
-    occ_hit = d.mean_occupancy > p.scale_out_occupancy
-    if not (eta_hit or occ_hit or d.preempt > 0):
-        return None
-    if d.preempt > 0:
-        reason, why = "Preempting", f"{d.preempt:.2f} preemptions/s"
-    elif eta_hit:
-        assert d.min_eta is not None
-        reason = "SaturationSoon"
-        why = f"a pod saturates in {d.min_eta:.0f} s (lookahead {p.lookahead_seconds:.0f} s)"
-    else:
-        reason = "HighOccupancy"
-        why = f"mean occupancy {d.mean_occupancy:.0%} > {p.scale_out_occupancy:.0%}"
-    need = math.ceil(d.demand / (d.capacity * p.target_occupancy))
-    # Act when the whole deployment's projection crosses the scale-out line: a trigger that
-    # the total does not confirm is one pod (or one burst) running ahead of the rest.
-    wanted = need if d.demand > current * d.capacity * p.scale_out_occupancy else current
-    if wanted <= current:
-        if pods.on_the_way > 0:
-            return replace(
-                base,
-                reason="CapacityPending",
-                message=f"{why}; {pods.on_the_way} pod(s) already on the way cover the "
-                f"projected demand ({d.demand:.0f} blocks needs {need} at "
-                f"{p.target_occupancy:.0%})",
-                scale_in=None,
-            )
-        return replace(
-            base,
-            reason="LoadImbalance",
-            message=f"{why}, but the deployment's projected demand ({d.demand:.0f} blocks, "
-            f"{_pct(base.figures.projected_occupancy)} of {current} pods) stays under "
-            f"{p.scale_out_occupancy:.0%}: one pod or a burst runs ahead, not the whole",
-            scale_in=None,
+def _moved(memory: Memory, now: float, delta: int) -> Memory:
+    """The memory after a change of `delta` replicas at `now`."""
+    if delta > 0:
+        return replace(memory, last_up=now, scale_in=None)
+    if delta < 0:
+        return replace(memory, last_down=now)
+    return memory
+
+
+def _demand_words(d: _Demand) -> str:
+    fc = d.forecast
+    if d.rates is not None and d.per_departure is not None:
+        now = (
+            f"demand {d.demand:,.0f} blocks ({d.rates.arrivals:.2f} req/s x "
+            f"{d.per_departure:,.0f} block-s per request)"
         )
+    else:
+        now = f"KV in use {d.present:,.0f} blocks (no demand counters)"
+    return (
+        f"{now}, trend {fc.slope:+,.1f} blocks/s; at {fc.horizon:.0f} s: {fc.mean:,.0f} + "
+        f"{fc.band:,.0f} (p{fc.quantile * 100:.0f}) = {fc.upper:,.0f} blocks"
+    )
+
+
+def _pods_for(d: _Demand, target: float, full: float, large: float) -> int:
+    """Pods that keep the forecast's mean at `target` of their pools and its upper band within
+    `full` of them, less room for one `large` request on each: a pod admits a request only when
+    it alone has the request's blocks free, so a deployment whose free blocks are spread thin
+    queues its long prompts while its total looks fine."""
+    room = max(d.capacity * full - large, d.capacity * full / 2)
+    # A target above what the engine admits to (its watermark) is the watermark.
+    return max(
+        math.ceil(d.forecast.mean / (d.capacity * min(target, full))),
+        math.ceil(d.forecast.upper / room),
+    )
+
+
+def _need(p: Policy, d: _Demand, current: int) -> tuple[int, str]:
+    """The pods the forecast needs at the horizon (or the present KV, when present occupancy
+    is over the scale-out line), and the reason to name."""
+    need = _pods_for(d, p.target_occupancy, p.usable_occupancy, p.blocks_per_sequence)
+    # Present KV alone buys pods only over the scale-out line: below it, KV that is about to
+    # leave (demand falling) would buy pods that arrive after it has gone.
+    hot = d.present > current * d.capacity * p.scale_out_occupancy
+    by_present = math.ceil(d.present / (d.capacity * p.target_occupancy))
+    if d.preempt > 0:
+        return max(need, by_present if hot else 0), "Preempting"
+    if hot and by_present >= need:
+        return by_present, "HighOccupancy"
+    return need, "DemandForecast" if d.rates is not None else "KVForecast"
+
+
+def _rule_scale_out(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Decision | None:
+    """Rule 5: scale out to the pods the forecast's upper band (or the present KV) needs."""
+    p, now, current = inp.policy, inp.now, inp.current_replicas
+    need, reason = _need(p, d, current)
+    if need <= current:
+        return None
+    why = f"{_demand_words(d)} needs {need} pods at {p.target_occupancy:.0%}"
     if (
-        inp.last_scale_up_at is not None
-        and now - inp.last_scale_up_at < p.scale_up_stabilization_seconds
+        p.scale_up_stabilization_seconds > 0
+        and inp.memory.last_up is not None
+        and now - inp.memory.last_up < p.scale_up_stabilization_seconds
     ):
         return replace(
             base,
             reason="Stabilizing",
-            message=f"{why}; the last scale-up was {now - inp.last_scale_up_at:.0f} s ago "
+            message=f"{why}; the last scale-up was {now - inp.memory.last_up:.0f} s ago "
             f"(scaleUpStabilizationSeconds {p.scale_up_stabilization_seconds:.0f})",
             limited="RateLimited",
             limited_message="scale-up deferred by the up-stabilization window",
-            scale_in=None,
+            memory=replace(base.memory, scale_in=None),
         )
-    target = min(wanted, current + p.max_scale_up_pods)
+    target = min(need, current + p.max_scale_up_pods)
     limited, limited_msg = None, ""
-    if target < wanted:
-        limited = "RateLimited"
-        limited_msg = f"wanted {wanted}, capped at +{p.max_scale_up_pods} per step"
+    if target < need:
+        limited, limited_msg = "RateLimited", f"wanted {need}, capped at +{p.max_scale_up_pods}"
     if target > p.max_replicas:
         target = p.max_replicas
-        limited = "AtMaxReplicas"
-        limited_msg = f"wanted {wanted} replicas, maxReplicas is {p.max_replicas}"
-    message = (
-        f"{why}; demand {d.demand:.0f} blocks needs {need} pods at "
-        f"{p.target_occupancy:.0%} (ready {pods.ready}, starting {pods.on_the_way})"
-    )
+        limited, limited_msg = "AtMaxReplicas", f"wanted {need}, maxReplicas is {p.max_replicas}"
+    message = f"{why} (ready {pods.ready}, starting {pods.on_the_way})"
     if target <= current:
         return replace(
             base,
@@ -481,7 +605,7 @@ def _rule_scale_out(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Dec
             message=message + f"; already at maxReplicas {p.max_replicas}",
             limited=limited,
             limited_message=limited_msg,
-            scale_in=None,
+            memory=replace(base.memory, scale_in=None),
         )
     return replace(
         base,
@@ -491,66 +615,72 @@ def _rule_scale_out(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Dec
         message=message + f"; {current} -> {target}",
         limited=limited,
         limited_message=limited_msg,
-        scale_in=None,
+        memory=_moved(base.memory, now, target - current),
     )
 
 
 def _rule_scale_in(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Decision:
-    """Rule 5 (with 7's step cap and spacing): scale in only when every ready pod reports,
-    nothing is starting, and the lower count held for the whole down-stabilization window."""
+    """Rule 6: scale in on the same forecast, after the down-stabilization window."""
     p, now, current = inp.policy, inp.now, inp.current_replicas
-    # The fewest replicas that keep today's demand below target - hysteresis and that the
-    # current growth would still not fill within the lookahead. (Adding a noisy 30 s slope
-    # times the whole lookahead to the target test would veto nearly every scale-in.)
     floor = p.target_occupancy - p.scale_in_hysteresis
-    recommend = math.ceil(d.present / (d.capacity * floor))
-    if d.growth > 0:
-        recommend = max(recommend, math.ceil(d.demand / d.capacity))
-    recommend = clamp(recommend, p.min_replicas, p.max_replicas)
+    # A pod removed is gone now: the present KV must fit the rest at once, not only the forecast.
+    keep = max(
+        _pods_for(d, floor, p.usable_occupancy - p.scale_in_hysteresis, p.blocks_per_sequence),
+        math.ceil(d.present / (d.capacity * (p.usable_occupancy - p.scale_in_hysteresis))),
+    )
+    recommend = clamp(keep, p.min_replicas, p.max_replicas)
+    quiet = replace(base.memory, scale_in=None)
     if recommend >= current:
         return replace(
             base,
             reason="WithinTarget",
-            message=f"occupancy {d.mean_occupancy:.0%}, projected "
-            f"{_pct(base.figures.projected_occupancy)} on {current} pods; removing one would "
-            f"exceed {floor:.0%}",
-            scale_in=None,
+            message=f"{_demand_words(d)}: fits {current} pods between "
+            f"{floor:.0%} and {p.target_occupancy:.0%}",
+            memory=quiet,
         )
-    if pods.metrics != "ok" or pods.on_the_way > 0:
-        why = "some ready pods do not report" if pods.metrics != "ok" else "pods are still starting"
+    history_span = now - d.memory.demand[0][0] if d.memory.demand else 0.0
+    if pods.metrics != "ok" or pods.on_the_way > 0 or history_span < d.forecast.horizon:
+        why = (
+            "some ready pods do not report" if pods.metrics != "ok"
+            else "pods are still starting" if pods.on_the_way > 0
+            else f"the demand history ({history_span:.0f} s) does not span the horizon yet "
+            f"({d.forecast.horizon:.0f} s): the plan's count holds until it does"
+        )  # fmt: skip
         return replace(
             base,
-            reason="Hold",
+            reason="Hold" if pods.metrics != "ok" or pods.on_the_way > 0 else "Learning",
             message=f"scale-in to {recommend} possible but {why}; holding {current}",
-            scale_in=None,
+            memory=quiet,
         )
     span = p.scale_down_stabilization_seconds
-    prior = inp.scale_in
+    prior = base.memory.scale_in
     history = (prior.history if prior else ()) + ((now, recommend),)
     window = ScaleInWindow(
         since=prior.since if prior else now,
         history=tuple(h for h in history if h[0] >= now - span),
     )
-    since_up = math.inf if inp.last_scale_up_at is None else now - inp.last_scale_up_at
+    last_up, last_down = base.memory.last_up, base.memory.last_down
+    since_up = math.inf if last_up is None else now - last_up
     hold_for = span - min(now - window.since, since_up)
-    if pods.redistributing:
-        hold_for = max(hold_for, p.warmup_seconds - (now - (inp.last_scale_down_at or now)))
+    if last_down is not None:
+        hold_for = max(hold_for, p.warmup_seconds - (now - last_down))
+    kept = replace(base.memory, scale_in=window)
     if hold_for > 0 or window.replicas >= current:
         wait = f"scale-in in {hold_for:.0f} s" if hold_for > 0 else "waiting for the window"
         return replace(
             base,
             reason="Stabilizing",
-            message=f"occupancy would stay below {floor:.0%} on {window.replicas} pods; {wait} "
-            f"unless load returns",
-            scale_in=window,
+            message=f"{_demand_words(d)}: {window.replicas} pods would stay under {floor:.0%}; "
+            f"{wait} unless load returns",
+            memory=kept,
         )
     target = max(window.replicas, current - p.max_scale_down_pods)
     return replace(
         base,
         replicas=target,
         action="scale-in",
-        reason="LowOccupancy",
-        message=f"demand {d.present:.0f} blocks stayed below {floor:.0%} of {window.replicas} "
-        f"pods for {span:.0f} s; {current} -> {target}",
-        scale_in=window,
+        reason="LowDemand",
+        message=f"{_demand_words(d)}: {window.replicas} pods stayed enough for {span:.0f} s; "
+        f"{current} -> {target}",
+        memory=_moved(kept, now, target - current),
     )

@@ -1,8 +1,10 @@
 """The scaling loop's tick: observe pods and KV metrics, call `decide()`, act, report.
 
 A shell: everything it decides comes from `decide.decide`; everything it writes is returned as
-an `Outcome` (status patch + Events) except the Deployment apply itself, which in auto mode is
-the point of the tick. The kopf timer in handlers.py calls `tick()` once per interval per CR.
+an `Outcome` (the status this loop owns, and Events), except the change of replicas itself,
+which in auto mode is the point of the tick: a patch of the Deployment's scale subresource.
+The decision's `Memory` goes in and comes back out; its one owner is the per-resource daemon in
+handlers.py, which calls `tick()` every `scaling.intervalSeconds`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
+from headroom.contract.admission import DEFAULT_WATERMARK
 from headroom.operator.crd.models import (
     MAX_DECISIONS,
     DecisionInputs,
@@ -20,26 +23,29 @@ from headroom.operator.crd.models import (
     KVStatus,
 )
 from headroom.operator.kube import KubeAPI, KubeError, owner_of, with_retries
-from headroom.operator.reconcile.children import deployment, selector_string
-from headroom.operator.reconcile.sizing import Sizing, blocks_per_sequence, parse
+from headroom.operator.reconcile.children import selector_string
+from headroom.operator.reconcile.sizing import Parsed, Sizing, blocks_per_sequence
 from headroom.operator.scaling.decide import (
     Decision,
     Inputs,
+    Memory,
+    PodSample,
     PodView,
     Policy,
-    ScaleInWindow,
     decide,
 )
 from headroom.operator.scaling.metrics_sources import (
     MetricsError,
     MetricsSource,
     PodInfo,
-    Target,
+    ScrapeTarget,
     pod_infos,
 )
 from headroom.operator.status import (
+    SCALING_MANAGER,
     Event,
     Outcome,
+    Status,
     condition_changed,
     parse_time,
     ready_condition,
@@ -48,6 +54,8 @@ from headroom.operator.status import (
 )
 
 log = logging.getLogger("headroom.operator.scaling.loop")
+# A running pool within this of the plan is the plan (pools round to whole pages).
+POOL_TOLERANCE = 0.02
 
 
 def policy_for(spec: InferenceDeploymentSpec, sizing: Sizing) -> Policy:
@@ -61,7 +69,6 @@ def policy_for(spec: InferenceDeploymentSpec, sizing: Sizing) -> Policy:
         target_occupancy=s.target_occupancy,
         scale_out_occupancy=s.scale_out_occupancy,
         scale_in_hysteresis=s.scale_in_hysteresis,
-        lookahead_seconds=float(s.saturation_lookahead_seconds),
         scale_up_stabilization_seconds=float(s.scale_up_stabilization_seconds),
         scale_down_stabilization_seconds=float(s.scale_down_stabilization_seconds),
         max_scale_up_pods=s.max_scale_up_pods,
@@ -70,6 +77,12 @@ def policy_for(spec: InferenceDeploymentSpec, sizing: Sizing) -> Policy:
         startup_grace_seconds=float(s.startup_grace_seconds),
         warmup_seconds=float(s.warmup_seconds),
         growth_window_seconds=float(s.growth_window_seconds),
+        interval_seconds=float(s.interval_seconds),
+        pod_start_seconds=float(s.pod_start_seconds),
+        forecast_quantile=s.forecast_quantile,
+        # headroom's engine admits only while its watermark stays free; vLLM and SGLang fill
+        # their pools and preempt.
+        usable_occupancy=1.0 - DEFAULT_WATERMARK if spec.engine.runtime == "headroom" else 1.0,
     )
 
 
@@ -106,17 +119,23 @@ def kv_status(d: Decision, now: float) -> dict[str, Any]:
     """status.kv from a decision's figures."""
     f = d.figures
     eta = f.min_eta_seconds
+    fc = f.forecast
     kv = KVStatus(
-        occupancy=round(f.mean_occupancy, 4) if f.mean_occupancy is not None else None,
+        occupancy=_r(f.mean_occupancy),
         occupancy_percent=round(100 * f.mean_occupancy) if f.mean_occupancy is not None else None,
-        max_occupancy=round(f.max_occupancy, 4) if f.max_occupancy is not None else None,
-        hit_ratio=round(f.hit_ratio, 4) if f.hit_ratio is not None else None,
+        max_occupancy=_r(f.max_occupancy),
+        hit_ratio=_r(f.hit_ratio),
         hit_percent=round(100 * f.hit_ratio) if f.hit_ratio is not None else None,
         eta_seconds=round(eta) if eta is not None else None,
         eta=(f"{eta:.0f}s" if eta is not None else "steady") if f.reporting else None,
         waiting=f.waiting if f.reporting else None,
-        preemption_rate_per_second=round(f.preemption_rate, 4) if f.reporting else None,
+        preemption_rate_per_second=_r(f.preemption_rate) if f.reporting else None,
         pods_reporting=f.reporting,
+        demand_blocks=_r(f.demand_blocks),
+        arrival_rate_per_second=_r(f.arrival_rate),
+        forecast_blocks=_r(fc.mean) if fc else None,
+        forecast_band_blocks=_r(fc.band) if fc else None,
+        horizon_seconds=_r(fc.horizon) if fc else None,
         observed_at=rfc3339(now),
     )
     return kv.merge_patch()
@@ -125,6 +144,7 @@ def kv_status(d: Decision, now: float) -> dict[str, Any]:
 def decision_record(d: Decision, current: int, now: float, applied: bool) -> dict[str, Any]:
     """One entry of status.lastDecisions."""
     f = d.figures
+    fc = f.forecast
     rec = DecisionRecord(
         time=rfc3339(now),
         from_=current,
@@ -143,6 +163,11 @@ def decision_record(d: Decision, current: int, now: float, applied: bool) -> dic
             preemption_rate_per_second=_r(f.preemption_rate) if f.reporting else None,
             demand_blocks=_r(f.demand_blocks),
             projected_occupancy=_r(f.projected_occupancy),
+            present_blocks=_r(f.present_blocks),
+            forecast_blocks=_r(fc.mean) if fc else None,
+            forecast_band_blocks=_r(fc.band) if fc else None,
+            horizon_seconds=_r(fc.horizon) if fc else None,
+            needed_replicas=f.needed_replicas,
         ),
     )
     return rec.wire()
@@ -152,65 +177,87 @@ def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
+def pool_condition(samples: dict[str, PodSample], planned: int) -> tuple[Status, str, str]:
+    """PoolMatchesPlan: whether every reporting pod runs the KV pool the plan sized it for (an
+    engine that profiles less memory than planned quietly runs a smaller pool)."""
+    pools = {name: s.capacity_blocks for name, s in samples.items() if s.capacity_blocks}
+    if not pools:
+        return "Unknown", "NoPoolReported", "no pod reports its KV pool size"
+    name, smallest = min(pools.items(), key=lambda kv: kv[1])
+    if smallest < planned * (1 - POOL_TOLERANCE):
+        return (
+            "False",
+            "PoolBelowPlan",
+            f"pod {name} runs {smallest:,} KV blocks against the {planned:,} planned "
+            f"({smallest / planned:.0%}): each pod holds fewer sequences than the plan says",
+        )
+    return "True", "PoolAsPlanned", f"{len(pools)} pod(s) run at least the {planned:,} planned"
+
+
 @dataclass
 class TickResult:
-    """A tick's outcome plus what the caller keeps between ticks."""
+    """A tick's outcome, the decision, and the memory to hand the next tick."""
 
     outcome: Outcome
+    memory: Memory
     decision: Decision | None = None
-    scale_in: ScaleInWindow | None = None
-    recent: tuple[tuple[float, float], ...] = ()
     current: int | None = None
     mode: str = "auto"
-    # The Deployment is gone (someone deleted it): the caller reconciles to recreate it.
-    needs_reconcile: bool = False
+
+
+def seeded(memory: Memory | None, status: dict[str, Any]) -> Memory:
+    """The memory to decide with: the loop's own, or after a restart what status kept."""
+    if memory is not None:
+        return memory
+    up, down = last_changes(status)
+    return Memory(last_up=up, last_down=down)
 
 
 async def tick(
     kube: KubeAPI,
     source: MetricsSource,
     body: dict[str, Any],
+    parsed: Parsed,
     now: float,
-    scale_in: ScaleInWindow | None = None,
-    recent: tuple[tuple[float, float], ...] = (),
+    memory: Memory | None = None,
 ) -> TickResult:
-    """One scaling decision for one InferenceDeployment."""
+    """One scaling decision for one InferenceDeployment (`parsed`: its spec, parsed and sized
+    once by the caller)."""
+    status = body.get("status") or {}
+    mem = seeded(memory, status)
     if body.get("metadata", {}).get("deletionTimestamp"):
-        return TickResult(Outcome())  # going away: its children are being collected
-    parsed = parse(body.get("spec"))
+        return TickResult(Outcome(), mem)  # going away: its children are being collected
     if parsed.spec is None or parsed.sizing is None or not parsed.sizing.feasible:
-        return TickResult(Outcome())  # reconcile() reports why; nothing to scale
+        return TickResult(Outcome(), mem)  # reconcile() reports why; nothing to scale
     spec, sizing = parsed.spec, parsed.sizing
     owner = owner_of(body)
-    status = body.get("status") or {}
 
     live = await asyncio.to_thread(kube.get, "apps/v1", "Deployment", owner.namespace, owner.name)
     if live is None:
-        # Someone deleted the Deployment: recreate the children rather than wait for an update.
-        return TickResult(Outcome(), needs_reconcile=True)
+        # Not created yet, or deleted: the reconcile loop (and its watch on the Deployment)
+        # brings it back; there is nothing to scale until it does.
+        return TickResult(Outcome(), mem)
     current = int(live.get("spec", {}).get("replicas", 1) or 0)
     pods = await asyncio.to_thread(
         kube.list, "v1", "Pod", owner.namespace, selector_string(owner.name)
     )
     infos = pod_infos(pods, parse_time)
-    target = Target(owner.namespace, owner.name, spec.scaling.prometheus_url)
+    target = ScrapeTarget(owner.namespace, owner.name, spec.scaling.prometheus_url)
     metrics_error: str | None = None
     try:
         samples = await source.sample(target, infos)
     except MetricsError as exc:
         samples, metrics_error = {}, str(exc)
 
-    last_up, last_down = last_changes(status)
+    policy = policy_for(spec, sizing)
     d = decide(
         Inputs(
             now=now,
             current_replicas=current,
             pods=views(infos, samples),
-            policy=policy_for(spec, sizing),
-            last_scale_up_at=last_up,
-            last_scale_down_at=last_down,
-            scale_in=scale_in,
-            recent=recent,
+            policy=policy,
+            memory=mem,
+            learned_pod_start_seconds=status.get("podStartSeconds"),
         )
     )
     if metrics_error and d.reason == "MetricsUnavailable":
@@ -222,14 +269,16 @@ async def tick(
     records = list(status.get("lastDecisions") or [])
     applied_replicas = current
     if d.replicas != current and auto:
-        manifest = deployment(owner, spec, sizing, d.replicas)
         try:
-            applied = await asyncio.to_thread(with_retries, lambda: kube.apply(manifest))
+            applied_replicas = await asyncio.to_thread(
+                with_retries,
+                lambda: kube.scale(owner.namespace, owner.name, d.replicas,
+                                   field_manager=SCALING_MANAGER),
+            )  # fmt: skip
         except KubeError as exc:
             out.events.append(Event("Warning", "ScaleFailed", f"{current} -> {d.replicas}: {exc}"))
             raise
-        applied_replicas = int(applied.get("spec", {}).get("replicas", d.replicas))
-        live = applied
+        live = {**live, "spec": {**live.get("spec", {}), "replicas": applied_replicas}}
         verb = "ScaledOut" if d.replicas > current else "ScaledIn"
         out.events.append(Event("Normal", verb, f"{current} -> {d.replicas}: {d.message}"))
         records.append(decision_record(d, current, now, applied=True))
@@ -238,27 +287,34 @@ async def tick(
             d.reason, extra={"namespace": owner.namespace, "inferencedeployment": owner.name,
                              "from": current, "to": d.replicas, "reason": d.reason},
         )  # fmt: skip
-    elif not auto and d.replicas != status.get("desiredReplicas"):
-        if d.replicas != current:
-            out.events.append(
-                Event("Normal", "Advised", f"advisory: {current} -> {d.replicas}: {d.message}")
-            )
-        records.append(decision_record(d, current, now, applied=False))
     else:
-        log.debug("hold %s/%s at %d: %s", owner.namespace, owner.name, current, d.message)
-    if records != list(status.get("lastDecisions") or []):
-        st["lastDecisions"] = records[-MAX_DECISIONS:]
-
+        # Nothing acted on: the decision's record of a change must not stand.
+        d = replace(d, memory=replace(d.memory, last_up=mem.last_up, last_down=mem.last_down))
+        if not auto and d.replicas != status.get("desiredReplicas"):
+            if d.replicas != current:
+                out.events.append(
+                    Event("Normal", "Advised", f"advisory: {current} -> {d.replicas}: {d.message}")
+                )
+            records.append(decision_record(d, current, now, applied=False))
+        else:
+            log.debug("hold %s/%s at %d: %s", owner.namespace, owner.name, current, d.message)
+    # This loop owns lastDecisions: it is written whole every time (an apply that left it out
+    # would remove it).
+    st["lastDecisions"] = records[-MAX_DECISIONS:]
     st["desiredReplicas"] = d.replicas
     st["replicas"] = applied_replicas
     st["readyReplicas"] = d.figures.ready
     st["kv"] = kv_status(d, now)
+    starts = d.memory.pod_starts
+    if d.figures.pod_start_seconds is not None and (starts or "podStartSeconds" in status):
+        st["podStartSeconds"] = round(d.figures.pod_start_seconds, 1)
+        st["podStartsObserved"] = max(len(starts), int(status.get("podStartsObserved") or 0))
     _conditions(body, st, d, auto, current, now, out)
-    ready = ready_condition(live)
-    set_status_condition(body, st, "Ready", *ready, now)
-    return TickResult(
-        out, d, d.scale_in, d.recent, current=applied_replicas, mode=spec.scaling.mode
+    set_status_condition(body, st, "Ready", *ready_condition(live), now)
+    set_status_condition(
+        body, st, "PoolMatchesPlan", *pool_condition(samples, policy.blocks_per_pod), now
     )
+    return TickResult(out, d.memory, d, current=applied_replicas, mode=spec.scaling.mode)
 
 
 def _with_message(d: Decision, message: str) -> Decision:

@@ -16,6 +16,8 @@ from typing import Any, Protocol
 import aiohttp
 from pydantic import ValidationError
 
+from headroom.contract import metric_names as m
+from headroom.contract.demand import CounterSample, DemandRates
 from headroom.contract.ports import SIDECAR_PORT
 from headroom.contract.report import SaturationReport
 from headroom.operator.scaling.decide import PodSample
@@ -38,7 +40,7 @@ class PodInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class Target:
+class ScrapeTarget:
     """The InferenceDeployment being measured."""
 
     namespace: str
@@ -49,10 +51,43 @@ class Target:
 class MetricsSource(Protocol):
     """Reads per-pod samples for one InferenceDeployment."""
 
-    async def sample(self, target: Target, pods: list[PodInfo]) -> dict[str, PodSample]: ...
+    async def sample(self, target: ScrapeTarget, pods: list[PodInfo]) -> dict[str, PodSample]: ...
 
 
 # ---------------------------------------------------------------------------- sidecar
+
+
+def demand_from_report(report: SaturationReport) -> DemandRates | None:
+    """The report's demand rates; None when the source has no demand counters."""
+    if (
+        report.arrival_rate_per_second is None
+        or report.departure_rate_per_second is None
+        or report.kv_block_seconds_per_second is None
+    ):
+        return None
+    return DemandRates(
+        arrivals=report.arrival_rate_per_second,
+        departures=report.departure_rate_per_second,
+        block_seconds=report.kv_block_seconds_per_second,
+        window_seconds=report.demand_window_seconds or 0.0,
+    )
+
+
+def counters_from_report(report: SaturationReport) -> CounterSample | None:
+    """The report's cumulative demand counters, stamped with the engine's restart epoch."""
+    if (
+        report.requests_arrived_total is None
+        or report.requests_departed_total is None
+        or report.kv_block_seconds_total is None
+    ):
+        return None
+    return CounterSample(
+        t=report.time - (report.age_seconds or 0.0),
+        arrived=report.requests_arrived_total,
+        departed=report.requests_departed_total,
+        block_seconds=report.kv_block_seconds_total,
+        epoch=report.engine_restarts_total,
+    )
 
 
 def sample_from_report(report: SaturationReport) -> PodSample | None:
@@ -71,6 +106,8 @@ def sample_from_report(report: SaturationReport) -> PodSample | None:
         capacity_blocks=report.capacity_blocks,
         growth_blocks_per_second=report.growth_blocks_per_second,
         engine_up=report.engine_up and report.fresh,
+        demand=demand_from_report(report),
+        counters=counters_from_report(report),
     )
 
 
@@ -95,7 +132,7 @@ class SidecarSource:
         except (aiohttp.ClientError, TimeoutError, ValidationError, OSError):
             return pod.name, None  # a silent pod: decide() holds rather than guess
 
-    async def sample(self, target: Target, pods: list[PodInfo]) -> dict[str, PodSample]:
+    async def sample(self, target: ScrapeTarget, pods: list[PodInfo]) -> dict[str, PodSample]:
         """Samples of the ready (and terminating, still draining) pods that answered."""
         wanted = [p for p in pods if p.ip and (p.ready or p.terminating)]
         results = await asyncio.gather(*(self._one(p) for p in wanted))
@@ -106,17 +143,25 @@ class SidecarSource:
 
 # One instant query per InferenceDeployment: each series is tagged with `q` so that `or`
 # (which matches label sets, ignoring the metric name) keeps them all apart.
+# The demand rates use the sidecar's default window (1m), as its own gauge does.
 _SERIES = (
-    ("occupancy", "headroom_kv_block_occupancy_ratio{%s}"),
-    ("eta", "headroom_kv_saturation_eta_seconds{%s}"),
-    ("up", "headroom_engine_up{%s}"),
-    ("time", "timestamp(headroom_engine_up{%s})"),
-    ("hit", "headroom_prefix_cache_hit_ratio{%s}"),
-    ("capacity", "headroom_kv_blocks_capacity{%s}"),
-    ("used", 'headroom_kv_blocks{%s,state="used"}'),
-    ("waiting", 'headroom_requests{%s,state="waiting"}'),
-    ("running", 'headroom_requests{%s,state="running"}'),
-    ("preempt", "rate(headroom_preemptions_total{%s}[1m])"),
+    ("occupancy", m.KV_OCCUPANCY + "{%s}"),
+    ("eta", m.SATURATION_ETA + "{%s}"),
+    ("up", m.ENGINE_UP + "{%s}"),
+    ("time", f"timestamp({m.ENGINE_UP}{{%s}})"),
+    ("hit", m.PREFIX_HIT_RATIO + "{%s}"),
+    ("capacity", m.KV_BLOCKS_CAPACITY + "{%s}"),
+    ("used", m.KV_BLOCKS + '{%s,state="used"}'),
+    ("waiting", m.REQUESTS + '{%s,state="waiting"}'),
+    ("running", m.REQUESTS + '{%s,state="running"}'),
+    ("preempt", f"rate({m.PREEMPTIONS}{{%s}}[1m])"),
+    ("arrivals", f"rate({m.REQUESTS_ARRIVED}{{%s}}[1m])"),
+    ("departures", f"rate({m.REQUESTS_DEPARTED}{{%s}}[1m])"),
+    ("block_seconds", f"rate({m.KV_BLOCK_SECONDS}{{%s}}[1m])"),
+    ("arrived_total", m.REQUESTS_ARRIVED + "{%s}"),
+    ("departed_total", m.REQUESTS_DEPARTED + "{%s}"),
+    ("block_seconds_total", m.KV_BLOCK_SECONDS + "{%s}"),
+    ("restarts", m.SIDECAR_ENGINE_RESTARTS + "{%s}"),
 )
 
 
@@ -124,7 +169,7 @@ def _quote(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"')
 
 
-def promql(target: Target) -> str:
+def promql(target: ScrapeTarget) -> str:
     """The PromQL that fetches every per-pod figure of one InferenceDeployment."""
     sel = f'namespace="{_quote(target.namespace)}",inferencedeployment="{_quote(target.name)}"'
     parts = [f'label_replace({expr % sel}, "q", "{q}", "", "")' for q, expr in _SERIES]
@@ -176,8 +221,33 @@ def parse_prometheus(doc: dict[str, Any]) -> dict[str, PodSample]:
             used_blocks=count("used"),
             capacity_blocks=count("capacity"),
             engine_up=fig.get("up", 0.0) >= 1.0,
+            demand=_demand(fig),
+            counters=_counters(fig),
         )
     return out
+
+
+def _counters(fig: dict[str, float]) -> CounterSample | None:
+    values = [fig.get(k) for k in ("arrived_total", "departed_total", "block_seconds_total")]
+    if any(v is None or not math.isfinite(v) for v in values):
+        return None
+    arrived, departed, block_seconds = (float(v) for v in values if v is not None)
+    restarts = fig.get("restarts", 0.0)
+    return CounterSample(
+        t=fig.get("time", fig["_ts"]),
+        arrived=arrived,
+        departed=departed,
+        block_seconds=block_seconds,
+        epoch=int(restarts) if math.isfinite(restarts) else 0,
+    )
+
+
+def _demand(fig: dict[str, float]) -> DemandRates | None:
+    values = [fig.get(k) for k in ("arrivals", "departures", "block_seconds")]
+    if any(v is None or not math.isfinite(v) for v in values):
+        return None
+    arrivals, departures, block_seconds = (float(v) for v in values if v is not None)
+    return DemandRates(arrivals, departures, block_seconds, window_seconds=60.0)
 
 
 class PrometheusSource:
@@ -193,7 +263,7 @@ class PrometheusSource:
         self.default_url = default_url
         self.timeout = aiohttp.ClientTimeout(total=timeout)
 
-    async def sample(self, target: Target, pods: list[PodInfo]) -> dict[str, PodSample]:
+    async def sample(self, target: ScrapeTarget, pods: list[PodInfo]) -> dict[str, PodSample]:
         """Samples for the pods Prometheus has series for, restricted to `pods`."""
         base = target.prometheus_url or self.default_url
         if not base:

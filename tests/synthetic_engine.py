@@ -1,5 +1,8 @@
 """A scriptable stand-in for an engine's `/stats`, for the sidecar's benchmark and fault tests.
 
+A test double: it lives with the tests (and `bench/sidecar.py` imports it from here), not in
+the shipped package.
+
 It produces real `StatsSnapshot` bodies (the engine's own model) from state the caller sets, and
 can misbehave on purpose: answer slowly, answer garbage, answer an unknown schema version,
 answer HTTP errors, or restart (new `instance_id`, counters back to zero). It is not an engine:
@@ -45,6 +48,11 @@ class SyntheticEngine:
     running: int = 0
     waiting: int = 0
     preemptions_total: int = 0
+    # the demand counters (cumulative, like the engine's)
+    requests_arrived_total: int = 0
+    prompt_tokens_arrived_total: int = 0
+    kv_block_seconds_total: float = 0.0
+    requests_finished_total: int = 0
     ttft_counts: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS_S))
     ttft_sum: float = 0.0
     ttft_count: int = 0
@@ -71,6 +79,9 @@ class SyntheticEngine:
         self.started_at = time.time()
         self.used = self.cached = self.running = self.waiting = 0
         self.queries_tokens_total = self.hits_tokens_total = self.preemptions_total = 0
+        self.requests_arrived_total = self.prompt_tokens_arrived_total = 0
+        self.requests_finished_total = 0
+        self.kv_block_seconds_total = 0.0
         self.ttft_counts = [0] * len(TTFT_BUCKETS_S)
         self.ttft_sum, self.ttft_count = 0.0, 0
 
@@ -98,6 +109,10 @@ class SyntheticEngine:
             requests=RequestStats(running=self.running, waiting=self.waiting),
             preemptions_total=self.preemptions_total,
             steps_total=0,
+            requests_arrived_total=self.requests_arrived_total,
+            prompt_tokens_arrived_total=self.prompt_tokens_arrived_total,
+            kv_block_seconds_total=self.kv_block_seconds_total,
+            requests_finished_total=self.requests_finished_total,
             time_to_first_token_seconds=Histogram(
                 buckets=list(TTFT_BUCKETS_S),
                 counts=list(self.ttft_counts),

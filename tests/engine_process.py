@@ -1,4 +1,4 @@
-"""Run `headroom serve` as a subprocess (tests, benchmarks, the demo): start it on a free port,
+"""Run `headroom serve` as a subprocess (tests and benchmarks): start it on a free port,
 wait for `/ready`, keep its output, and stop it with SIGTERM like Kubernetes does."""
 
 from __future__ import annotations

@@ -1,0 +1,228 @@
+"""The comparison itself: every KV setting on the same prompts at each context length, scored
+against the first setting (the auto cache), and the verdict per context."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel
+
+from headroom.engine.attention import AttentionBackend
+from headroom.engine.kv_check import metrics, needle
+from headroom.engine.kv_check.prompts import Haystacks
+from headroom.engine.kv_check.session import KVSetting, Session
+from headroom.engine.model.llama import LlamaForCausalLM
+from headroom.engine.model.tokenizer import Tokenizer
+
+# A quantized setting is safe at a context when its needle score is within NEEDLE_DROP of the
+# auto cache's and its next-token top-1 agreement is at least TOP1_MIN.
+NEEDLE_DROP = 0.05
+TOP1_MIN = 0.90
+# Below this the model itself does not retrieve, and the needle score says little.
+RELIABLE_NEEDLE = 0.5
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckConfig:
+    """What is measured at each context length."""
+
+    contexts: tuple[int, ...]
+    num_prompts: int = 4
+    depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    positions: int = 32  # teacher-forced next-token positions per prompt
+    greedy_tokens: int = 32
+    seed: int = 0
+
+
+class SettingResult(BaseModel):
+    """One KV setting at one context, against the auto cache (the reference row is exact)."""
+
+    setting: str
+    kv_dtype: str
+    top1_agreement: float
+    kl_divergence: float
+    greedy_match_tokens: float  # mean tokens matched before the first divergence
+    greedy_full_match: float  # fraction of prompts whose whole greedy run matched
+    needle_score: float
+    needle_trials: int
+
+
+class ContextResult(BaseModel):
+    context: int
+    settings: list[SettingResult]
+
+    def of(self, name: str) -> SettingResult:
+        return next(s for s in self.settings if s.setting == name)
+
+
+@dataclass
+class _Trial:
+    """One setting's raw outputs at one context."""
+
+    logits: list[torch.Tensor]
+    greedy: list[list[int]]
+    needles: list[bool]
+
+
+def needle_prompts(
+    tokenizer: Tokenizer, hay: Haystacks, context: int, cfg: CheckConfig
+) -> list[tuple[list[int], needle.Needle, int]]:
+    """(prompt ids, needle, tokens to generate) for every prompt x depth at `context`."""
+    trials = []
+    drawn = needle.draw_needles(cfg.num_prompts * len(cfg.depths), cfg.seed + context)
+    k = 0
+    for i in range(cfg.num_prompts):
+        for depth in cfg.depths:
+            nd = drawn[k]
+            k += 1
+            fact = tokenizer.encode(" " + nd.fact + " ", add_special_tokens=False)
+            ask = tokenizer.encode(" " + nd.question, add_special_tokens=False)
+            room = context - len(fact) - len(ask) - (hay.bos is not None)
+            if room < 1:
+                raise ValueError(
+                    f"context {context} is too short for the needle ({len(fact) + len(ask)} "
+                    "tokens of fact and question)"
+                )
+            ids = hay.with_bos(
+                needle.insert_at_depth(hay.window(i, room, cfg.num_prompts), fact, ask, depth)
+            )
+            answer = len(tokenizer.encode(" " + nd.value, add_special_tokens=False))
+            trials.append((ids, nd, answer + 2))
+    return trials
+
+
+def _run(
+    session: Session,
+    tokenizer: Tokenizer,
+    hay: Haystacks,
+    context: int,
+    cfg: CheckConfig,
+    tick: Callable[[], None],
+) -> _Trial:
+    body = context - (hay.bos is not None)
+    trial = _Trial([], [], [])
+    for i in range(cfg.num_prompts):
+        tokens = hay.with_bos(hay.window(i, body + cfg.positions, cfg.num_prompts))
+        trial.logits.append(session.next_token_logits(tokens, context))
+        tick()
+        trial.greedy.append(session.greedy(tokens[:context], cfg.greedy_tokens))
+        tick()
+    for ids, nd, n in needle_prompts(tokenizer, hay, context, cfg):
+        text = tokenizer.decode(session.greedy(ids, n))
+        trial.needles.append(needle.answered(text, nd.value))
+        tick()
+    return trial
+
+
+def _score(setting: KVSetting, trial: _Trial, ref: _Trial) -> SettingResult:
+    top1 = [metrics.top1_agreement(a, b) for a, b in zip(ref.logits, trial.logits, strict=True)]
+    kl = [metrics.kl_divergence(a, b) for a, b in zip(ref.logits, trial.logits, strict=True)]
+    match = [metrics.matched_prefix(a, b) for a, b in zip(ref.greedy, trial.greedy, strict=True)]
+    full = [m == len(g) for m, g in zip(match, ref.greedy, strict=True)]
+    return SettingResult(
+        setting=setting.name,
+        kv_dtype=setting.kv_dtype,
+        top1_agreement=metrics.mean(top1),
+        kl_divergence=metrics.mean(kl),
+        greedy_match_tokens=metrics.mean([float(m) for m in match]),
+        greedy_full_match=metrics.mean([float(f) for f in full]),
+        needle_score=metrics.mean([float(x) for x in trial.needles]),
+        needle_trials=len(trial.needles),
+    )
+
+
+def run_check(
+    model: LlamaForCausalLM,
+    tokenizer: Tokenizer,
+    backend: AttentionBackend,
+    device: torch.device,
+    settings: Sequence[KVSetting],
+    hay: Haystacks,
+    cfg: CheckConfig,
+    progress: Progress | None = None,
+) -> list[ContextResult]:
+    """Run every setting (the first is the reference) at every context of `cfg`."""
+    per_run = cfg.num_prompts * (2 + len(cfg.depths))
+    total = per_run * len(settings) * len(cfg.contexts)
+    done = 0
+    results = []
+    for context in cfg.contexts:
+        ref: _Trial | None = None
+        rows = []
+        for setting in settings:
+            label = f"context {context}, {setting.name}"
+
+            def tick(label: str = label) -> None:
+                nonlocal done
+                done += 1
+                if progress is not None:
+                    progress(done, total, label)
+
+            session = Session(model, backend, setting, device)
+            trial = _run(session, tokenizer, hay, context, cfg, tick)
+            ref = ref or trial
+            rows.append(_score(setting, trial, ref))
+        results.append(ContextResult(context=context, settings=rows))
+    return results
+
+
+def short_context(n: int) -> str:
+    """1024 -> "1k", 16384 -> "16k", 1000 -> "1000"."""
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def is_safe(row: SettingResult, ref: SettingResult) -> bool:
+    """The verdict rule: needle within NEEDLE_DROP of the reference and top-1 >= TOP1_MIN."""
+    return row.needle_score >= ref.needle_score - NEEDLE_DROP and row.top1_agreement >= TOP1_MIN
+
+
+def _why(row: SettingResult, ref: SettingResult) -> str:
+    parts = []
+    if row.needle_score < ref.needle_score - NEEDLE_DROP:
+        parts.append(
+            f"the needle score drops from {ref.needle_score:.2f} to {row.needle_score:.2f}"
+        )
+    if row.top1_agreement < TOP1_MIN:
+        parts.append(f"top-1 agreement is {row.top1_agreement:.0%} (< {TOP1_MIN:.0%})")
+    return " and ".join(parts)
+
+
+def verdict(results: Sequence[ContextResult], setting: str, reference: str = "auto") -> str:
+    """One sentence: up to which context `setting` is safe, and what breaks after it."""
+    ordered = sorted(results, key=lambda r: r.context)
+    safe_upto: int | None = None
+    for r in ordered:
+        row, ref = r.of(setting), r.of(reference)
+        if not is_safe(row, ref):
+            at = short_context(r.context)
+            head = (
+                f"{setting} safe up to {short_context(safe_upto)}; at {at} "
+                if safe_upto is not None
+                else f"{setting} not safe at {at}: "
+            )
+            return head + _why(row, ref)
+        safe_upto = r.context
+    last = ordered[-1]
+    row, ref = last.of(setting), last.of(reference)
+    return (
+        f"{setting} safe at every context checked (up to {short_context(last.context)}): "
+        f"needle score {row.needle_score:.2f} vs {ref.needle_score:.2f} with the auto cache, "
+        f"top-1 agreement {row.top1_agreement:.0%}"
+    )
+
+
+def caveats(results: Sequence[ContextResult], reference: str = "auto") -> list[str]:
+    """Contexts where the model itself does not retrieve, so the needle proves little."""
+    out = []
+    for r in results:
+        ref = r.of(reference)
+        if ref.needle_score < RELIABLE_NEEDLE:
+            out.append(
+                f"at {short_context(r.context)} the model retrieves poorly even with the auto "
+                f"cache (needle {ref.needle_score:.2f}), so the needle score there says little"
+            )
+    return out

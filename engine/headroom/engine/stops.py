@@ -1,0 +1,41 @@
+"""Detokenization and stop conditions of one completion, in the order they are checked: a stop
+token id or EOS (unless `ignore_eos`) ends it with the token kept; a stop string ends it with
+the text cut before the string; `max_tokens` ends it with `length`."""
+
+from __future__ import annotations
+
+from collections.abc import Set
+
+from headroom.engine.outputs import FinishReason
+from headroom.engine.requests import Completion
+from headroom.engine.sampling import SamplingParams
+
+
+def add_token(comp: Completion, token: int, params: SamplingParams, eos: Set[int]) -> None:
+    """Record one sampled token: its text, and the finish reason when it ends `comp`."""
+    comp.token_ids.append(token)
+    if token in params.stop_token_ids or (not params.ignore_eos and token in eos):
+        finish(comp, "stop", token)
+        return
+    delta = comp.detok.add(token)
+    if delta:
+        old = len(comp.text)
+        comp.text += delta
+        # Only a stop string ending in the new text can be new: search from just before it.
+        start = max(0, old - params.max_stop_len + 1)
+        hits = [(i, s) for s in params.stop if (i := comp.text.find(s, start)) >= 0]
+        if hits:
+            at, stop = min(hits, key=lambda h: h[0])  # the earliest; a tie goes to the first listed
+            comp.text = comp.text[:at]
+            finish(comp, "stop", stop)
+            return
+    if len(comp.token_ids) >= params.max_tokens:
+        finish(comp, "length", None)
+
+
+def finish(comp: Completion, reason: FinishReason, stop_reason: str | int | None) -> None:
+    """End `comp`; the detokenizer's held-back bytes are flushed unless a stop string cut it."""
+    if not isinstance(stop_reason, str):
+        comp.text += comp.detok.flush()
+    comp.finish_reason = reason
+    comp.stop_reason = stop_reason

@@ -1,0 +1,73 @@
+"""`headroom simulate --png`: GPU-hours against KV-limited seconds, one point per (setting,
+seed), each setting's median labelled by its quantile, the service level and the pick."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from headroom.operator.simulate.sweep import SERVE_MEDIAN_SECONDS, SERVE_WORST_SECONDS, Setting
+
+
+def plot(settings: Sequence[Setting], best: Setting | None, title: str, path: Path) -> None:
+    """Draw the sweep into `path` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.0, 4.6))
+    for s in settings:
+        ax.scatter(
+            [r.gpu_hours for r in s.results],
+            [r.limited_seconds for r in s.results],
+            s=10,
+            color="C0",
+            alpha=0.35,
+        )
+    xs = [s.median("gpu_hours") for s in settings]
+    ys = [s.median("limited_seconds") for s in settings]
+    ax.plot(xs, ys, "o-", color="C0", lw=1.2, label="median of the seeds, by forecastQuantile")
+    for i, (s, x, y) in enumerate(zip(settings, xs, ys, strict=True)):
+        # Alternate above and below: neighbouring settings often cost about the same.
+        ax.annotate(
+            f"{s.quantile:.2f}",
+            (x, y),
+            fontsize=7,
+            color="C0",
+            xytext=(3, 4 if i % 2 == 0 else -10),
+            textcoords="offset points",
+        )
+    if best is not None:
+        ax.scatter(
+            [best.median("gpu_hours")],
+            [best.median("limited_seconds")],
+            marker="*",
+            s=160,
+            color="C3",
+            zorder=5,
+            label="cheapest that serves",
+        )
+    ax.axhline(
+        SERVE_MEDIAN_SECONDS,
+        color="0.4",
+        ls="--",
+        lw=0.8,
+        label=f"serves: median <= {SERVE_MEDIAN_SECONDS:g} s",
+    )
+    ax.axhline(
+        SERVE_WORST_SECONDS,
+        color="0.6",
+        ls=":",
+        lw=0.8,
+        label=f"and worst seed <= {SERVE_WORST_SECONDS:g} s",
+    )
+    ax.set_yscale("symlog", linthresh=10)
+    ax.set_xlabel("GPU-hours")
+    ax.set_ylabel("KV-limited seconds")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, lw=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90, metadata={"Software": None})
+    plt.close(fig)

@@ -1,0 +1,139 @@
+"""Profile a trace before sizing for it: how many requests are in flight, how long they are, how
+bursty their arrivals, how much their prompts overlap, and what that means for the KV cache.
+
+In-flight concurrency assumes no queueing: a request is in flight from its arrival through its
+prefill (`prefill_tps`) and its decode (`decode_tps` tokens per second), the same service model
+the simulator uses. The verdict follows the decision matrix: paging always; prefix caching when
+prompts really overlap; KV quantization only if the deployment is still memory-bound, and only
+after `headroom kv-check` has validated it on the user's own long-context prompts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+
+from headroom.operator.simulate.trace import Trace
+
+PERCENTILES = (50, 90, 95, 99)
+BURST_WINDOWS = (1.0, 10.0, 60.0)
+# Below this ideal hit ratio the prefix cache's bookkeeping buys little; above it, turn it on.
+PREFIX_WORTHWHILE = 0.10
+
+
+@dataclass(frozen=True)
+class Burstiness:
+    """Arrival counts per window: index of dispersion (variance / mean: 1 for Poisson) and the
+    busiest window against the mean."""
+
+    window: float
+    dispersion: float
+    peak_to_mean: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What `headroom profile` reports."""
+
+    name: str
+    requests: int
+    duration: float
+    rate: float  # requests/s on average
+    concurrency: dict[int, float]  # percentile -> requests in flight
+    concurrency_max: int
+    kv_tokens: dict[int, float]  # percentile -> tokens held in flight
+    context: dict[int, float]  # percentile -> prompt + output tokens
+    prompt: dict[int, float]
+    output: dict[int, float]
+    burstiness: tuple[Burstiness, ...]
+    ideal_hit_ratio: float | None  # unlimited cache, from the trace's block ids; None if absent
+    decode_tps: float
+    prefill_tps: float
+
+
+def _pct(values: np.ndarray) -> dict[int, float]:
+    if len(values) == 0:
+        return dict.fromkeys(PERCENTILES, 0.0)
+    return {p: float(np.percentile(values, p)) for p in PERCENTILES}
+
+
+def in_flight(
+    trace: Trace, decode_tps: float, prefill_tps: float, step: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """(requests, KV tokens) in flight at every `step` seconds (t = 0, step, ...), with no
+    queueing."""
+    n = math.ceil(trace.duration / step) + 2
+    ends = trace.arrival + trace.prompt / prefill_tps + trace.output / decode_tps
+    n = max(n, math.ceil(float(ends.max()) / step) + 2) if len(trace) else n
+    count = np.zeros(n + 1)
+    tokens = np.zeros(n + 1)
+    # Sampled at instants, a request counts at k * step for arrival <= k * step < end: on
+    # average its lifetime / step samples, so the mean is Little's law's rate x lifetime.
+    # (Counting every step a request touches would add rate x step to every sample.)
+    start = np.ceil(trace.arrival / step).astype(np.int64)
+    stop = np.ceil(ends / step).astype(np.int64)
+    np.add.at(count, start, 1)
+    np.add.at(count, stop, -1)
+    # Tokens held: the prompt from arrival, plus the output as it is decoded (the average of the
+    # two ends over the request's life is enough for percentiles of the total).
+    held = trace.prompt + trace.output / 2
+    np.add.at(tokens, start, held)
+    np.add.at(tokens, stop, -held)
+    return np.cumsum(count)[:n], np.cumsum(tokens)[:n]
+
+
+def burstiness(trace: Trace, window: float) -> Burstiness:
+    """Dispersion and peak-to-mean of the arrival counts per whole `window` seconds (a last,
+    partial window is left out: folded into the one before, it would read as a burst)."""
+    bins = max(1, int(trace.duration // window))
+    idx = (trace.arrival / window).astype(np.int64)
+    counts = np.bincount(idx[idx < bins], minlength=bins)
+    mean = float(counts.mean())
+    if mean <= 0:
+        return Burstiness(window, 0.0, 0.0)
+    return Burstiness(window, float(counts.var()) / mean, float(counts.max()) / mean)
+
+
+def ideal_hit_ratio(trace: Trace) -> float | None:
+    """Prompt tokens an unlimited prefix cache would find: a block id seen before is a hit
+    (ids are prefix-chained, so a repeated id means the whole prefix up to it repeats)."""
+    if trace.prefix_blocks is None:
+        return None
+    # One flat array of every block id in arrival order: a block is a hit unless it is its id's
+    # first occurrence (numpy, so that a million requests take seconds, not minutes).
+    lengths = np.fromiter(map(len, trace.prefix_blocks), dtype=np.int64, count=len(trace))
+    flat = np.fromiter(chain.from_iterable(trace.prefix_blocks), dtype=np.int64)
+    if len(flat) == 0:
+        return None
+    bt = trace.prefix_block_tokens
+    position = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    size = np.minimum(bt, np.repeat(trace.prompt, lengths) - position * bt)
+    hit = np.ones(len(flat), dtype=bool)
+    hit[np.unique(flat, return_index=True)[1]] = False
+    total = int(size.sum())
+    return int(size[hit].sum()) / total if total else None
+
+
+def profile(trace: Trace, decode_tps: float = 20.0, prefill_tps: float = 10_000.0) -> Profile:
+    """Profile `trace` under the given service rates."""
+    count, tokens = in_flight(trace, decode_tps, prefill_tps)
+    duration = max(trace.duration, 1e-9)
+    return Profile(
+        name=trace.name,
+        requests=len(trace),
+        duration=trace.duration,
+        rate=len(trace) / duration,
+        concurrency=_pct(count),
+        concurrency_max=int(count.max()) if len(count) else 0,
+        kv_tokens=_pct(tokens),
+        context=_pct(trace.prompt + trace.output),
+        prompt=_pct(trace.prompt),
+        output=_pct(trace.output),
+        burstiness=tuple(burstiness(trace, w) for w in BURST_WINDOWS if w < duration),
+        ideal_hit_ratio=ideal_hit_ratio(trace),
+        decode_tps=decode_tps,
+        prefill_tps=prefill_tps,
+    )

@@ -1,0 +1,271 @@
+"""What `headroom profile` and `headroom simulate` print: plain tables a person reads top to
+bottom, and the same figures as JSON."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from headroom.operator.simulate.profile import PERCENTILES, Profile
+from headroom.operator.simulate.sweep import SERVE_MEDIAN_SECONDS, SERVE_WORST_SECONDS, Setting
+from headroom.operator.simulate.trace import Trace
+from headroom.operator.simulate.verdict import LOW_PERCENTILE, Advice, Fit, Load
+from headroom.operator.simulate.world import PodShape
+
+WIDTH = 100
+
+
+def _row(label: str, values: Sequence[str], first: int = 18, width: int = 10) -> str:
+    return f"{label:<{first}}" + "".join(f"{v:>{width}}" for v in values)
+
+
+def _num(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.1f} min"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+
+
+def _pods(n: int) -> str:
+    return _count(n, "pod")
+
+
+def trace_line(trace: Trace) -> str:
+    """What was read: requests, duration, mean rate."""
+    head = f"{trace.name}: {_count(len(trace), 'request')}"
+    if trace.duration <= 0:
+        return f"{head}, all at one instant"
+    per_s = len(trace) / trace.duration
+    return f"{head} over {_duration(trace.duration)}, {per_s:.2f} requests/s"
+
+
+def _wrapped(label: str, text: str, indent: int) -> list[str]:
+    return textwrap.wrap(
+        text, WIDTH, initial_indent=f"{label:<{indent}}", subsequent_indent=" " * indent
+    )
+
+
+def profile_text(
+    trace: Trace,
+    rate: float,
+    p: Profile,
+    ld: Load,
+    f: Fit | None,
+    advice: Sequence[Advice],
+    spec_yaml: str,
+) -> str:
+    """The whole `headroom profile` report, the YAML block last."""
+    pct = [f"p{q}" for q in PERCENTILES]
+    lines = [
+        trace_line(trace) + ("" if rate == 1 else f" (the trace at x{rate:g} its recorded rate)"),
+        f"service: decode {p.decode_tps:g} tokens/s a sequence, prefill {p.prefill_tps:,.0f} "
+        "tokens/s, no queueing",
+        "",
+        _row("in flight", [*pct, "max"]),
+        _row("requests", [_num(p.concurrency[q]) for q in PERCENTILES] + [str(ld.peak_requests)]),
+        _row("KV tokens", [_num(p.kv_tokens[q]) for q in PERCENTILES] + [_num(ld.peak_tokens)]),
+        "",
+        _row("tokens", pct),
+        _row("prompt", [_num(p.prompt[q]) for q in PERCENTILES]),
+        _row("output", [_num(p.output[q]) for q in PERCENTILES]),
+        _row("prompt + output", [_num(p.context[q]) for q in PERCENTILES]),
+        "",
+    ]
+    if p.burstiness:
+        lines.append(
+            _row("arrivals", ["dispersion", "peak/mean"], width=12)
+            + "   (dispersion: variance / mean of the"
+        )
+        aside = ["    arrivals per window, 1 for Poisson)"]
+        for i, b in enumerate(p.burstiness):
+            values = [f"{b.dispersion:.2f}", f"{b.peak_to_mean:.2f}"]
+            lines.append(
+                _row(f"per {b.window:g} s", values, width=12) + (aside[i] if i < len(aside) else "")
+            )
+    else:
+        lines.append("arrivals          the trace is shorter than one 1 s window")
+    lines.append("")
+    if p.ideal_hit_ratio is None:
+        lines.append("prefix overlap    unknown: the trace carries no block hashes")
+    else:
+        lines.append(
+            f"prefix overlap    ideal hit ratio {p.ideal_hit_ratio:.1%} of prompt tokens "
+            "(an unlimited cache: an upper bound)"
+        )
+    if f is not None:
+        lines += _wrapped(
+            "pod",
+            f"{f.pod}, {f.tokens_per_pod:,} tokens of KV: at {f.target_occupancy:.0%} occupancy "
+            f"the trace's in-flight KV needs {_pods(f.min_replicas)} at its p{LOW_PERCENTILE} and "
+            f"{_pods(f.peak_replicas)} at its peak",
+            18,
+        )
+    lines += ["", "verdict"]
+    for a in advice:
+        lines += _wrapped(f"  {a.topic}", f"{a.decision}: {a.why}", 19)
+    lines += ["", spec_yaml.rstrip("\n")]
+    return "\n".join(lines)
+
+
+def profile_json(
+    p: Profile, ld: Load, f: Fit | None, advice: Sequence[Advice], spec: dict[str, Any], text: str
+) -> dict[str, Any]:
+    """The profile, the verdict and the suggested spec as one JSON object."""
+    out = asdict(p)
+    out["burstiness"] = [asdict(b) for b in p.burstiness]
+    out["peak_kv_tokens"] = ld.peak_tokens
+    out["tokens_per_request_in_flight"] = ld.tokens_per_request()
+    out["longest_context"] = ld.longest
+    if f is not None:
+        out["pod"] = asdict(f)
+    out["verdict"] = [asdict(a) for a in advice]
+    out["spec"] = spec
+    out["spec_yaml"] = text
+    return out
+
+
+FIGURES = (
+    ("GPU-h", "gpu_hours", "median", "{:.2f}"),
+    ("limited s", "limited_seconds", "median", "{:.0f}"),
+    ("worst s", "limited_seconds", "worst", "{:.0f}"),
+    ("full s", "saturated_seconds", "median", "{:.0f}"),
+    ("queued s", "queued_seconds", "median", "{:.0f}"),
+    ("peak pods", "peak_replicas", "worst", "{:.0f}"),
+    ("refused", "refused", "median", "{:.0f}"),
+)
+
+
+def _figure(s: Setting, attr: str, case: str) -> float:
+    return s.median(attr) if case == "median" else s.worst(attr)
+
+
+def simulate_header(
+    trace: Trace, rate: float, seeds: Sequence[int], pod: str, shape: PodShape, s: Setting
+) -> list[str]:
+    """What was replayed on what, fixed before the table is read."""
+    pol = s.policy
+    return [
+        *_wrapped(
+            "trace",
+            f"{trace_line(trace)}, replayed at x{rate:g} its rate; "
+            f"{_count(len(seeds), 'seed')}, each request moved by up to +-5 s",
+            8,
+        ),
+        *_wrapped(
+            "pod",
+            f"{pod}: {shape.capacity_blocks:,} KV blocks of {shape.block_size} tokens, max "
+            f"model length {shape.max_model_len:,}, batch cap {shape.max_num_seqs}; a new pod "
+            f"serves {shape.pod_start:g} s after it is asked for; decode {shape.decode_tps:g} "
+            f"tokens/s a sequence, prefill {shape.prefill_tps:,.0f} tokens/s",
+            8,
+        ),
+        *_wrapped(
+            "policy",
+            f"the operator's decide() every {pol.interval_seconds:g} s with the spec's scaling "
+            f"(replicas {pol.min_replicas}-{pol.max_replicas}), target occupancy "
+            f"{pol.target_occupancy:g} and scale-out line {pol.scale_out_occupancy:g}; one row "
+            "per forecastQuantile",
+            8,
+        ),
+        *_wrapped(
+            "serves",
+            f"median KV-limited seconds <= {SERVE_MEDIAN_SECONDS:g} and the worst seed's <= "
+            f"{SERVE_WORST_SECONDS:g}",
+            8,
+        ),
+    ]
+
+
+def simulate_table(settings: Sequence[Setting], best: Setting | None) -> list[str]:
+    """One row per setting: cost against KV-limited time, the cheapest that serves marked."""
+    lines = [_row("quantile", [name for name, *_ in FIGURES], first=10, width=11)]
+    for s in settings:
+        values = [fmt.format(_figure(s, attr, case)) for _, attr, case, fmt in FIGURES]
+        mark = "  <- pick" if s is best else ("" if s.serves else "  (misses)")
+        lines.append(_row(f"{s.quantile:.2f}", values, first=10, width=11) + mark)
+    lines += _wrapped(
+        "",
+        "medians of the seeds. limited s: KV-limited seconds, either full s (a pod's cache full "
+        "or preempting) or queued s (requests waiting at the door for blocks); worst s: the worst "
+        "seed's; peak pods: the most asked for on any seed; refused: longer than the max model "
+        "length; pick: the cheapest setting that serves",
+        0,
+    )
+    return lines
+
+
+def simulate_advice(settings: Sequence[Setting], best: Setting | None) -> list[str]:
+    """What to deploy, or why nothing serves."""
+    lines: list[str] = []
+    if best is not None:
+        p = best.policy
+        lines += _wrapped(
+            "deploy",
+            f"forecastQuantile {best.quantile:.2f}, the cheapest setting that serves "
+            f"({best.median('gpu_hours'):.2f} GPU-hours, {best.median('limited_seconds'):.0f} "
+            f"KV-limited s median): set scaling.forecastQuantile: {best.quantile:g}, "
+            f"targetOccupancy: {p.target_occupancy:g}, scaleOutOccupancy: "
+            f"{p.scale_out_occupancy:g} (the policy simulated)",
+            8,
+        )
+    else:
+        top = max(settings, key=lambda s: s.quantile)
+        capped = top.worst("peak_replicas") >= top.policy.max_replicas
+        why = (
+            f"the highest quantile reached scaling.maxReplicas ({top.policy.max_replicas}): "
+            "raise it"
+            if capped
+            else "try higher quantiles, a larger minReplicas for a standing reserve, or a pod "
+            "that starts faster (scaling.podStartSeconds is what the forecast looks ahead)"
+        )
+        lines += _wrapped("deploy", f"no setting serves: {why}", 8)
+    rejected = round(max(s.worst("refused") for s in settings))
+    if rejected:
+        were = "request was" if rejected == 1 else "requests were"
+        lines += _wrapped(
+            "note",
+            f"up to {rejected:,} {were} refused at the door: longer than the engine's max model "
+            "length (engine.maxModelLen)",
+            8,
+        )
+    return lines
+
+
+def simulate_json(
+    trace: Trace,
+    rate: float,
+    pod: str,
+    shape: PodShape,
+    settings: Sequence[Setting],
+    best: Setting | None,
+) -> dict[str, Any]:
+    """Every run of the sweep, each setting's medians and worsts, and the pick."""
+    return {
+        "trace": {"name": trace.name, "requests": len(trace), "duration_s": trace.duration},
+        "rate": rate,
+        "pod": {"description": pod, **asdict(shape)},
+        "serves": {"median_seconds": SERVE_MEDIAN_SECONDS, "worst_seconds": SERVE_WORST_SECONDS},
+        "settings": [
+            {
+                "forecast_quantile": s.quantile,
+                "target_occupancy": s.policy.target_occupancy,
+                "scale_out_occupancy": s.policy.scale_out_occupancy,
+                "serves": s.serves,
+                "median": {a: s.median(a) for _, a, _, _ in FIGURES},
+                "worst": {a: s.worst(a) for _, a, _, _ in FIGURES},
+                "runs": [
+                    {"seed": seed, **asdict(r), "refused": n}
+                    for seed, r, n in zip(s.seeds, s.results, s.refused, strict=True)
+                ],
+            }
+            for s in settings
+        ],
+        "cheapest_serving_quantile": None if best is None else best.quantile,
+    }

@@ -1,0 +1,121 @@
+"""`headroom simulate`'s sweep: one spec replayed at several forecast quantiles on the same seeded
+realizations of a trace, and the cheapest setting that serves.
+
+A seed is one realization of the recorded traffic (`scaled(trace, rate, seed, JITTER_SECONDS)`:
+every request moved by up to +-5 s, copied as the rate says), the same for every setting, as in
+the autoscaling bench. A setting serves when its median KV-limited seconds are <= 30 and its
+worst seed's <= 120, the bench's service level.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from headroom.operator.crd.models import InferenceDeploymentSpec
+from headroom.operator.reconcile.sizing import Sizing
+from headroom.operator.scaling.decide import Policy
+from headroom.operator.simulate.progress import Progress
+from headroom.operator.simulate.replay import (
+    HeadroomPolicy,
+    Result,
+    opening_replicas,
+    policy_at,
+    replay,
+    shape_for,
+)
+from headroom.operator.simulate.trace import Trace, scaled
+from headroom.operator.simulate.world import World
+
+JITTER_SECONDS = 5.0
+SERVE_MEDIAN_SECONDS = 30.0
+SERVE_WORST_SECONDS = 120.0
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One forecast quantile, the policy it makes, and one result per seed (with the requests
+    of that seed's realization the engine refuses: longer than its max model length)."""
+
+    quantile: float
+    policy: Policy
+    seeds: tuple[int, ...]
+    results: tuple[Result, ...]
+    refused: tuple[int, ...]
+
+    def _values(self, attr: str) -> list[float]:
+        if attr == "refused":
+            return [float(n) for n in self.refused]
+        return [float(getattr(r, attr)) for r in self.results]
+
+    def median(self, attr: str) -> float:
+        """The median over the seeds of one `Result` figure (or of `refused`)."""
+        return float(statistics.median(self._values(attr)))
+
+    def worst(self, attr: str) -> float:
+        """The largest over the seeds of one `Result` figure (or of `refused`)."""
+        return max(self._values(attr))
+
+    @property
+    def serves(self) -> bool:
+        """Median KV-limited seconds <= 30 and the worst seed's <= 120."""
+        return (
+            self.median("limited_seconds") <= SERVE_MEDIAN_SECONDS
+            and self.worst("limited_seconds") <= SERVE_WORST_SECONDS
+        )
+
+
+def policies(
+    spec: InferenceDeploymentSpec, sizing: Sizing, quantiles: Sequence[float]
+) -> tuple[Policy, ...]:
+    """The policy at each quantile (raises ValueError when the spec's scaling makes none)."""
+    return tuple(policy_at(spec, q, sizing) for q in quantiles)
+
+
+def sweep(
+    trace: Trace,
+    spec: InferenceDeploymentSpec,
+    sizing: Sizing,
+    quantiles: Sequence[float],
+    seeds: Sequence[int],
+    rate: float,
+    progress: Progress | None = None,
+) -> tuple[Setting, ...]:
+    """Replay every (quantile, seed) through the operator's `decide()` on the spec's pods."""
+    shape = shape_for(spec, sizing)
+    runs = {s: scaled(trace, rate, s, JITTER_SECONDS) for s in seeds}
+    starts = {s: opening_replicas(t, shape) for s, t in runs.items()}
+    # Counted here, not from Result.rejected: the replay's warm-up refuses its copy of the
+    # opening's long requests too.
+    refused = {s: int(((t.prompt + t.output) > shape.max_model_len).sum()) for s, t in runs.items()}
+    out = []
+    total = len(quantiles) * len(seeds)
+    for i, (q, policy) in enumerate(zip(quantiles, policies(spec, sizing, quantiles), strict=True)):
+        results = []
+        for j, s in enumerate(seeds):
+            label = f"[{i * len(seeds) + j + 1}/{total}] forecastQuantile {q:.2f}, seed {s}"
+            end = float(runs[s].arrival[-1])
+
+            def tick(now: float, _world: World, label: str = label, end: float = end) -> None:
+                if progress is not None:
+                    progress.update(label, now, end)
+
+            if progress is not None:
+                progress.start(label)
+            r = replay(runs[s], shape, HeadroomPolicy(policy), starts[s], on_tick=tick)
+            if progress is not None:
+                progress.done(
+                    f"{label}: {r.gpu_hours:.2f} GPU-hours, {r.limited_seconds:.0f} KV-limited s"
+                )
+            results.append(r)
+        out.append(
+            Setting(q, policy, tuple(seeds), tuple(results), tuple(refused[s] for s in seeds))
+        )
+    return tuple(out)
+
+
+def cheapest_serving(settings: Sequence[Setting]) -> Setting | None:
+    """The setting that serves at the lowest median GPU-hours (None when none serves)."""
+    ok = [s for s in settings if s.serves]
+    return min(ok, key=lambda s: (s.median("gpu_hours"), s.quantile)) if ok else None

@@ -1,0 +1,317 @@
+"""Request traces: read from the formats real services publish, or made from a rate shape.
+
+Formats read (`read_trace` picks by content, `fmt` forces one):
+- **azure**: the Azure LLM inference trace CSV, header `TIMESTAMP,ContextTokens,GeneratedTokens`,
+  timestamps `YYYY-MM-DD HH:MM:SS.fffffff` (no zone).
+- **mooncake**: Mooncake's JSON lines, `timestamp` (ms after the first request),
+  `input_length`, `output_length`, `hash_ids` (prefix-chained ids of 512-token blocks).
+- **csv**: the generic CSV, header `arrival_s,prompt_tokens,output_tokens` (seconds from any
+  origin; extra columns are ignored).
+- **jsonl**: the generic JSON lines, `{"arrival_s": .., "prompt_tokens": .., "output_tokens":
+  .., "prefix_block_ids": [..] (optional), "prefix_block_tokens": 512 (optional)}`.
+
+A bad file raises `TraceError` naming the file, the line and the reason; the CLI turns it into
+exit 2. A reader reports its progress through `progress(lines read, lines in the file)`.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+TraceFormat = Literal["azure", "mooncake", "csv", "jsonl"]
+FORMATS: tuple[TraceFormat, ...] = ("azure", "mooncake", "csv", "jsonl")
+AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+GENERIC_HEADER = ("arrival_s", "prompt_tokens", "output_tokens")
+MOONCAKE_BLOCK_TOKENS = 512
+PROGRESS_EVERY = 50_000  # lines between two progress reports
+
+LineProgress = Callable[[int, int], None]  # (lines read, lines in the file)
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read, with the line and the reason."""
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Requests sorted by arrival: seconds from the first, prompt and output tokens, and the
+    prefix-chained block ids of each prompt where the trace has them."""
+
+    name: str
+    arrival: np.ndarray  # float seconds, first request at 0, non-decreasing
+    prompt: np.ndarray  # int tokens
+    output: np.ndarray  # int tokens
+    prefix_blocks: tuple[tuple[int, ...], ...] | None = None
+    prefix_block_tokens: int = MOONCAKE_BLOCK_TOKENS
+
+    def __post_init__(self) -> None:
+        n = len(self.arrival)
+        if not (len(self.prompt) == len(self.output) == n):
+            raise ValueError("arrival, prompt and output must have one entry per request")
+        if self.prefix_blocks is not None and len(self.prefix_blocks) != n:
+            raise ValueError("prefix_blocks must have one entry per request")
+
+    def __len__(self) -> int:
+        return len(self.arrival)
+
+    @property
+    def duration(self) -> float:
+        """Seconds from the first arrival to the last."""
+        return float(self.arrival[-1] - self.arrival[0]) if len(self) else 0.0
+
+
+def _trace(
+    name: str,
+    rows: list[tuple[float, int, int]],
+    blocks: list[tuple[int, ...]] | None,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+) -> Trace:
+    if not rows:
+        raise TraceError(f"{name}: no requests")
+    order = sorted(range(len(rows)), key=lambda i: rows[i][0])
+    t0 = rows[order[0]][0]
+    return Trace(
+        name=name,
+        arrival=np.array([rows[i][0] - t0 for i in order], dtype=float),
+        prompt=np.array([rows[i][1] for i in order], dtype=np.int64),
+        output=np.array([rows[i][2] for i in order], dtype=np.int64),
+        prefix_blocks=None if blocks is None else tuple(blocks[i] for i in order),
+        prefix_block_tokens=block_tokens,
+    )
+
+
+def _count(value: object, what: str, where: str, minimum: int = 1) -> int:
+    if isinstance(value, bool):
+        raise TraceError(f"{where}: {what} must be an integer, got {value!r}")
+    try:
+        n = int(str(value).strip()) if not isinstance(value, int) else value
+    except ValueError:
+        raise TraceError(f"{where}: {what} must be an integer, got {value!r}") from None
+    if n < minimum:
+        raise TraceError(f"{where}: {what} must be at least {minimum}, got {n}")
+    return n
+
+
+def _seconds(value: object, where: str) -> float:
+    try:
+        t = float(str(value).strip()) if not isinstance(value, int | float) else float(value)
+    except ValueError:
+        raise TraceError(f"{where}: arrival time must be a number, got {value!r}") from None
+    if not math.isfinite(t):
+        raise TraceError(f"{where}: arrival time must be finite, got {value!r}")
+    return t
+
+
+def _csv_rows(
+    text: str, name: str, header: tuple[str, ...], progress: LineProgress | None
+) -> Iterator[tuple[int, list[str]]]:
+    reader = csv.reader(io.StringIO(text))
+    first = next(reader, None)
+    if first is None or tuple(c.strip() for c in first[: len(header)]) != header:
+        raise TraceError(f"{name}:1: expected the header {','.join(header)}, got {first}")
+    total = text.count("\n") + 1
+    for row in reader:
+        if progress is not None and reader.line_num % PROGRESS_EVERY == 0:
+            progress(reader.line_num, total)
+        if row:
+            yield reader.line_num, row
+
+
+def read_azure(text: str, name: str = "azure", progress: LineProgress | None = None) -> Trace:
+    """The Azure LLM inference trace CSV."""
+    rows: list[tuple[float, int, int]] = []
+    for line, row in _csv_rows(text, name, AZURE_HEADER, progress):
+        where = f"{name}:{line}"
+        if len(row) < 3:
+            raise TraceError(f"{where}: expected 3 columns, got {len(row)}")
+        stamp = row[0].strip()
+        try:
+            # Seven fractional digits: Python's parser takes six. No zone is given: read as UTC,
+            # so that the machine's zone (and its daylight-saving jumps) cannot move arrivals.
+            day, _, frac = stamp.partition(".")
+            t = datetime.fromisoformat(day).replace(tzinfo=UTC).timestamp() + (
+                float("0." + frac) if frac else 0.0
+            )
+        except ValueError:
+            raise TraceError(
+                f"{where}: TIMESTAMP must be YYYY-MM-DD HH:MM:SS.fffffff, got {stamp!r}"
+            ) from None
+        rows.append(
+            (t, _count(row[1], "ContextTokens", where), _count(row[2], "GeneratedTokens", where))
+        )
+    return _trace(name, rows, None)
+
+
+def read_generic_csv(text: str, name: str = "trace", progress: LineProgress | None = None) -> Trace:
+    """The generic CSV: arrival_s,prompt_tokens,output_tokens."""
+    rows: list[tuple[float, int, int]] = []
+    for line, row in _csv_rows(text, name, GENERIC_HEADER, progress):
+        where = f"{name}:{line}"
+        if len(row) < 3:
+            raise TraceError(f"{where}: expected 3 columns, got {len(row)}")
+        rows.append(
+            (
+                _seconds(row[0], where),
+                _count(row[1], "prompt_tokens", where),
+                _count(row[2], "output_tokens", where),
+            )
+        )
+    return _trace(name, rows, None)
+
+
+def _json_lines(
+    text: str, name: str, progress: LineProgress | None
+) -> Iterator[tuple[str, dict[str, object]]]:
+    lines = text.splitlines()
+    for i, raw in enumerate(lines, start=1):
+        if progress is not None and i % PROGRESS_EVERY == 0:
+            progress(i, len(lines))
+        if not raw.strip():
+            continue
+        where = f"{name}:{i}"
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{where}: not JSON: {exc.msg}") from None
+        if not isinstance(obj, dict):
+            raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        yield where, obj
+
+
+def _ids(value: object, where: str, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) for x in value
+    ):
+        raise TraceError(f"{where}: {what} must be a list of integers")
+    return tuple(value)
+
+
+def _need(obj: dict[str, object], key: str, where: str) -> object:
+    if key not in obj:
+        raise TraceError(f"{where}: missing {key!r}")
+    return obj[key]
+
+
+def read_mooncake(text: str, name: str = "mooncake", progress: LineProgress | None = None) -> Trace:
+    """Mooncake's JSON lines (timestamp in ms)."""
+    rows: list[tuple[float, int, int]] = []
+    blocks: list[tuple[int, ...]] = []
+    for where, obj in _json_lines(text, name, progress):
+        prompt = _count(_need(obj, "input_length", where), "input_length", where)
+        rows.append(
+            (
+                _seconds(_need(obj, "timestamp", where), where) / 1000.0,
+                prompt,
+                _count(_need(obj, "output_length", where), "output_length", where),
+            )
+        )
+        ids = _ids(obj.get("hash_ids", []), where, "hash_ids")
+        if ids and len(ids) != math.ceil(prompt / MOONCAKE_BLOCK_TOKENS):
+            raise TraceError(
+                f"{where}: {len(ids)} hash_ids for {prompt} tokens (expected "
+                f"ceil({prompt} / {MOONCAKE_BLOCK_TOKENS}))"
+            )
+        blocks.append(ids)
+    return _trace(name, rows, blocks)
+
+
+def read_generic_jsonl(
+    text: str, name: str = "trace", progress: LineProgress | None = None
+) -> Trace:
+    """The generic JSON lines (see the module docstring)."""
+    rows: list[tuple[float, int, int]] = []
+    blocks: list[tuple[int, ...]] = []
+    block_tokens = MOONCAKE_BLOCK_TOKENS
+    for where, obj in _json_lines(text, name, progress):
+        rows.append(
+            (
+                _seconds(_need(obj, "arrival_s", where), where),
+                _count(_need(obj, "prompt_tokens", where), "prompt_tokens", where),
+                _count(_need(obj, "output_tokens", where), "output_tokens", where),
+            )
+        )
+        blocks.append(_ids(obj.get("prefix_block_ids", []), where, "prefix_block_ids"))
+        if "prefix_block_tokens" in obj:
+            block_tokens = _count(obj["prefix_block_tokens"], "prefix_block_tokens", where)
+    return _trace(name, rows, blocks if any(blocks) else None, block_tokens)
+
+
+_READERS: dict[TraceFormat, Callable[[str, str, LineProgress | None], Trace]] = {
+    "azure": read_azure,
+    "mooncake": read_mooncake,
+    "csv": read_generic_csv,
+    "jsonl": read_generic_jsonl,
+}
+
+
+def detect_format(text: str, path: Path) -> TraceFormat:
+    """The format of a trace from its first line."""
+    first = text.lstrip().split("\n", 1)[0].strip()
+    if first.startswith("{"):
+        try:
+            obj = json.loads(first)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{path.name}:1: not JSON: {exc.msg}") from None
+        return "mooncake" if isinstance(obj, dict) and "input_length" in obj else "jsonl"
+    head = tuple(c.strip() for c in first.split(","))
+    if head[:3] == AZURE_HEADER:
+        return "azure"
+    if head[:3] == GENERIC_HEADER:
+        return "csv"
+    raise TraceError(
+        f"{path.name}:1: not a trace this reads: expected the Azure header "
+        f"{','.join(AZURE_HEADER)}, the CSV header {','.join(GENERIC_HEADER)}, or JSON lines"
+    )
+
+
+def read_trace(
+    path: Path, fmt: TraceFormat | None = None, progress: LineProgress | None = None
+) -> Trace:
+    """Read a trace file, detecting its format unless `fmt` says; the trace is named after the
+    file's stem, and errors name the file."""
+    try:
+        # utf-8-sig: a spreadsheet's export starts with a byte-order mark before the header.
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(f"{path}: cannot read: {exc}") from None
+    if not text.strip():
+        raise TraceError(f"{path.name}: empty file")
+    kind = fmt or detect_format(text, path)
+    return replace(_READERS[kind](text, path.name, progress), name=path.stem)
+
+
+def scaled(trace: Trace, factor: float, seed: int, jitter_seconds: float) -> Trace:
+    """`factor` times the trace's rate, keeping its shape: every request is replayed
+    floor(`factor`) times, plus once more with the fractional part's probability, each copy
+    moved by up to +-`jitter_seconds`. Different seeds give different realizations of the same
+    traffic; at factor 1 the requests are exactly the trace's, only their times move."""
+    if factor <= 0:
+        raise ValueError(f"the rate factor must be positive, got {factor}")
+    rng = np.random.default_rng(seed)
+    whole = math.floor(factor)
+    copies = whole + (rng.uniform(0, 1, len(trace)) < factor - whole)
+    idx = np.repeat(np.arange(len(trace)), copies)
+    t = trace.arrival[idx] + rng.uniform(-jitter_seconds, jitter_seconds, len(idx))
+    order = np.argsort(t, kind="stable")
+    idx, t = idx[order], np.clip(t[order], 0.0, None)
+    blocks = None
+    if trace.prefix_blocks is not None:
+        blocks = tuple(trace.prefix_blocks[i] for i in idx)
+    return Trace(
+        name=trace.name,
+        arrival=t - (t[0] if len(t) else 0.0),
+        prompt=trace.prompt[idx],
+        output=trace.output[idx],
+        prefix_blocks=blocks,
+        prefix_block_tokens=trace.prefix_block_tokens,
+    )

@@ -1,0 +1,333 @@
+"""`headroom kv-check`: its pieces (prompts, needles, metrics, verdicts, scales), its errors
+(exit 2 with the reason), and the whole command on the retrieval model trained here.
+
+The fast tests use a two-step, untrained build of the retrieval model (a real Hugging Face
+directory the engine's loader reads); the slow ones use the trained model, built once and
+cached under $HEADROOM_CACHE/models (about 10-25 minutes on 2 busy cores the first time).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from headroom.contract.cli import main as headroom
+from headroom.engine.attention import TorchBackend
+from headroom.engine.attention.kv_scales import (
+    SCALES_FILE,
+    KVScales,
+    KVScalesError,
+    apply_scales,
+    read_scales,
+    write_scales,
+)
+from headroom.engine.config import EngineConfig
+from headroom.engine.engine import Engine
+from headroom.engine.kv_check import check, metrics, needle
+from headroom.engine.kv_check import retrieval_model as rm
+from headroom.engine.kv_check.calibrate import MARGIN, calibrate
+from headroom.engine.kv_check.cli import parse_contexts
+from headroom.engine.kv_check.prompts import Haystacks, PromptsError, read_documents
+from headroom.engine.kv_check.session import KVSetting, Session
+from headroom.engine.model import load_model
+
+QUICK = rm.TrainConfig(steps=2, batch=2, min_len=48, max_len=48)
+
+
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real model directory of the retrieval architecture after two training steps."""
+    return rm.train(QUICK, tmp_path_factory.mktemp("untrained") / "model")
+
+
+@pytest.fixture(scope="module")
+def trained() -> Path:
+    return rm.ensure_model()
+
+
+# -- pieces --------------------------------------------------------------------------------
+
+
+def test_contexts_parse_k_suffixes_and_reject_garbage() -> None:
+    assert parse_contexts("1k, 4k,16k") == (1024, 4096, 16384)
+    assert parse_contexts("512,1k,512") == (512, 1024)
+    for bad in ("4q", "", "0", "-1k"):
+        with pytest.raises(ValueError):
+            parse_contexts(bad)
+
+
+def test_the_needle_is_spliced_at_its_depth_and_the_question_closes_the_prompt() -> None:
+    hay = list(range(100, 110))
+    out = needle.insert_at_depth(hay, [1, 2], [9], 0.5)
+    assert out == [100, 101, 102, 103, 104, 1, 2, 105, 106, 107, 108, 109, 9]
+    assert needle.insert_at_depth(hay, [1], [9], 0.0)[:2] == [1, 100]
+    assert needle.insert_at_depth(hay, [1], [9], 1.0)[-2:] == [1, 9]
+    with pytest.raises(ValueError, match="depth"):
+        needle.insert_at_depth(hay, [1], [9], 1.5)
+
+
+def test_needles_are_seeded_and_scored_on_the_leading_value() -> None:
+    assert needle.draw_needles(5, seed=3) == needle.draw_needles(5, seed=3)
+    assert len({n.key for n in needle.draw_needles(10, seed=1)}) == 10
+    assert needle.answered(" 472 . the", "472")
+    assert not needle.answered(" 47 2", "472")
+    assert not needle.answered("the 472", "472")
+
+
+def test_metrics_of_identical_and_different_logits() -> None:
+    a = torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 1.0]])
+    assert metrics.top1_agreement(a, a) == 1.0
+    assert metrics.kl_divergence(a, a) == pytest.approx(0.0, abs=1e-12)
+    b = torch.tensor([[3.0, 1.0, 0.0], [0.0, 1.0, 2.0]])
+    assert metrics.top1_agreement(a, b) == 0.5
+    assert metrics.kl_divergence(a, b) > 0.1
+    assert metrics.matched_prefix([1, 2, 3, 4], [1, 2, 5, 4]) == 2
+    assert metrics.matched_prefix([1, 2], [1, 2]) == 2
+
+
+def test_documents_are_read_from_jsonl_json_and_text(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n\n{"prompt": "two"}\n"three"\n')
+    assert read_documents(tmp_path / "a.jsonl") == ["one", "two", "three"]
+    (tmp_path / "b.json").write_text('["x", {"text": "y"}]')
+    assert read_documents(tmp_path / "b.json") == ["x", "y"]
+    (tmp_path / "c.txt").write_text("just text\n")
+    assert read_documents(tmp_path / "c.txt") == ["just text\n"]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("missing.jsonl", None, "does not exist"),
+        ("empty.jsonl", "  \n", "is empty"),
+        ("bad.jsonl", '{"text": "ok"}\n{oops\n', "line 2 is not valid JSON"),
+        ("nofield.jsonl", '{"body": "x"}\n', "line 1: an object needs a string 'text'"),
+        ("blank.jsonl", '{"text": "   "}\n', "line 1: the document is empty"),
+        ("obj.json", '{"text": "x"}', "expected a non-empty JSON array"),
+        ("num.json", "[1]", "item 0: expected a string or an object, got int"),
+    ],
+)
+def test_bad_prompts_files_say_what_is_wrong(
+    tmp_path: Path, name: str, content: str | None, message: str
+) -> None:
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(PromptsError, match=message):
+        read_documents(path)
+
+
+def test_haystack_windows_start_apart_and_wrap_around() -> None:
+    hay = Haystacks([[1, 2, 3], [4, 5]], bos=0)
+    assert hay.window(0, 4, 2) == [1, 2, 3, 4]
+    assert hay.window(1, 4, 2) == [3, 4, 5, 1]  # starts halfway, wraps
+    assert hay.with_bos([7]) == [0, 7]
+    with pytest.raises(PromptsError, match="no tokens"):
+        Haystacks([[], []], bos=None)
+
+
+def _row(name: str, needle_score: float, top1: float = 1.0) -> check.SettingResult:
+    return check.SettingResult(
+        setting=name,
+        kv_dtype="fp8",
+        top1_agreement=top1,
+        kl_divergence=0.0,
+        greedy_match_tokens=1.0,
+        greedy_full_match=1.0,
+        needle_score=needle_score,
+        needle_trials=20,
+    )
+
+
+def test_the_verdict_names_the_last_safe_context_and_what_broke_after_it() -> None:
+    results = [
+        check.ContextResult(context=c, settings=[_row("auto", a), _row("fp8", q, t)])
+        for c, a, q, t in ((1024, 1.0, 1.0, 0.99), (4096, 0.95, 0.95, 0.97),
+                           (16384, 0.95, 0.40, 0.95))
+    ]  # fmt: skip
+    assert check.verdict(results, "fp8") == (
+        "fp8 safe up to 4k; at 16k the needle score drops from 0.95 to 0.40"
+    )
+    first = [check.ContextResult(context=1024, settings=[_row("auto", 1.0), _row("fp8", 1, 0.5)])]
+    assert check.verdict(first, "fp8") == "fp8 not safe at 1k: top-1 agreement is 50% (< 90%)"
+    assert check.verdict(results[:2], "fp8").startswith("fp8 safe at every context checked")
+    weak = [check.ContextResult(context=512, settings=[_row("auto", 0.2), _row("fp8", 0.2)])]
+    assert check.caveats(weak) == [
+        "at 512 the model retrieves poorly even with the auto cache (needle 0.20), so the "
+        "needle score there says little"
+    ]
+
+
+# -- scales --------------------------------------------------------------------------------
+
+
+def test_scales_files_round_trip_and_refuse_what_does_not_fit(tmp_path: Path) -> None:
+    scales = KVScales(k_scale=[[0.5, 0.25]], v_scale=[[1.0, 2.0]], source="test")
+    write_scales(scales, tmp_path / SCALES_FILE)
+    assert read_scales(tmp_path / SCALES_FILE) == scales
+    (tmp_path / "bad.json").write_text('{"k_scale": [[0]], "v_scale": [[1]]}')
+    with pytest.raises(KVScalesError, match="positive finite"):
+        read_scales(tmp_path / "bad.json")
+    from headroom.engine.attention import allocate_layer_cache
+
+    caches = [allocate_layer_cache(2, 16, 2, 64, torch.float32, "fp8")]
+    apply_scales(caches, scales)
+    assert caches[0].k_scale is not None and caches[0].k_scale.tolist() == [0.5, 0.25]
+    with pytest.raises(KVScalesError, match="2 layers, the model has 1"):
+        apply_scales(caches, KVScales(k_scale=[[1.0, 1.0]] * 2, v_scale=[[1.0, 1.0]] * 2))
+    with pytest.raises(KVScalesError, match="has 3 heads, the model has 2"):
+        apply_scales(caches, KVScales(k_scale=[[1.0] * 3], v_scale=[[1.0] * 2]))
+
+
+def test_the_engine_starts_with_the_scales_found_in_the_model_directory(
+    untrained: Path, tmp_path: Path
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(untrained, model)
+    k = [[0.125 * (i + 1)] for i in range(QUICK.layers)]
+    write_scales(KVScales(k_scale=k, v_scale=k), model / SCALES_FILE)
+    engine = Engine.from_config(EngineConfig(model=str(model), kv_cache_dtype="fp8", num_blocks=8))
+    assert [c.k_scale.tolist() for c in engine.runner.caches if c.k_scale is not None] == k
+    plain = Engine.from_config(
+        EngineConfig(model=str(untrained), kv_cache_dtype="fp8", num_blocks=8)
+    )
+    assert all(c.k_scale is not None and c.k_scale.tolist() == [1.0] for c in plain.runner.caches)
+
+
+def test_calibrated_scales_rescue_fp8_when_keys_exceed_its_range(untrained: Path) -> None:
+    """Keys scaled up 1000x (queries down 10x, so attention is sharp enough to matter) put K
+    far past e4m3's 448: scale 1.0 saturates them, the calibrated scales do not."""
+    loaded = load_model(str(untrained))
+    model = loaded.model
+    with torch.no_grad():
+        for layer in model.model.layers:
+            q, kv = layer.self_attn.q_size, layer.self_attn.kv_size
+            w = layer.self_attn.qkv_proj.weight
+            w[:q] *= 0.1
+            w[q : q + kv] *= 1000.0
+    docs = (untrained / "documents.jsonl").read_text().splitlines()
+    tokens = loaded.tokenizer.encode(json.loads(docs[0])["text"])[:160]
+    backend, cpu = TorchBackend(), torch.device("cpu")
+    scales = calibrate(model, backend, cpu, [tokens[:128]], source="test")
+    # absmax = scale * 448 / MARGIN: the keys reach past what scale 1.0 can hold.
+    assert all(s * 448 / MARGIN > 448 for row in scales.k_scale for s in row)
+
+    def logits(setting: KVSetting) -> torch.Tensor:
+        return Session(model, backend, setting, cpu).next_token_logits(tokens, 128)
+
+    ref = logits(KVSetting("auto", "auto"))
+    naive = logits(KVSetting("fp8", "fp8"))
+    calibrated = logits(KVSetting("fp8 calibrated", "fp8", scales))
+    assert metrics.kl_divergence(ref, naive) > 5 * metrics.kl_divergence(ref, calibrated)
+    assert metrics.top1_agreement(ref, calibrated) > metrics.top1_agreement(ref, naive)
+
+
+# -- the command ---------------------------------------------------------------------------
+
+
+def _args(model: Path | str, prompts: Path, *extra: str) -> list[str]:
+    return ["kv-check", "--model", str(model), "--prompts", str(prompts), *extra]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--kv-cache-dtype", "fp8", "--contexts", "4q"), "--contexts: '4q' is not a number"),
+        (("--kv-cache-dtype", "int8", "--calibrate"), "--calibrate derives static fp8 scales"),
+        (("--kv-cache-dtype", "fp8", "--contexts", "64k"), "exceeds the model's max_position"),
+        (("--kv-cache-dtype", "fp8", "--depths", "0.5,2"), "--depths"),
+        (("--kv-cache-dtype", "fp8", "--num-prompts", "0"), "--num-prompts must be at least 1"),
+    ],
+)
+def test_bad_options_exit_2_with_the_reason(
+    untrained: Path,
+    capsys: pytest.CaptureFixture[str],
+    extra: tuple[str, ...],
+    message: str,
+) -> None:
+    rc = headroom(_args(untrained, untrained / "documents.jsonl", *extra, "--quiet"))
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_model_the_engine_cannot_load_exits_2(
+    untrained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    docs = untrained / "documents.jsonl"
+    assert headroom(_args(tmp_path / "nowhere", docs, "--kv-cache-dtype", "fp8")) == 2
+    assert "cannot load model" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    shutil.copytree(untrained, broken)
+    (broken / "tokenizer.json").unlink()
+    assert headroom(_args(broken, docs, "--kv-cache-dtype", "int8", "--quiet")) == 2
+    assert "no tokenizer.json" in capsys.readouterr().err
+    assert headroom(_args(untrained, tmp_path / "none.jsonl", "--kv-cache-dtype", "fp8")) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_kv_check_runs_end_to_end_and_writes_json_and_png(
+    untrained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = headroom(
+        _args(
+            untrained, untrained / "documents.jsonl", "--kv-cache-dtype", "int8",
+            "--contexts", "96,160", "--num-prompts", "1", "--depths", "0.5",
+            "--positions", "4", "--greedy-tokens", "4",
+            "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"),
+        )
+    )  # fmt: skip
+    out, err = capsys.readouterr()
+    assert rc in (0, 1)
+    assert "[" in err and "context 160, int8" in err  # progress
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [c["context"] for c in report["contexts"]] == [96, 160]
+    assert [s["setting"] for s in report["contexts"][0]["settings"]] == ["auto", "int8"]
+    assert report["verdicts"][0].startswith("int8 ")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "verdict: int8" in out
+
+
+# -- the trained model ---------------------------------------------------------------------
+
+
+def test_training_is_deterministic(tmp_path: Path) -> None:
+    cfg = replace(QUICK, steps=3)
+    a = rm.train(cfg, tmp_path / "a")
+    b = rm.train(cfg, tmp_path / "b")
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_kv_check_on_the_trained_model_calibrates_fp8_and_finds_the_needles(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(trained, model)
+    rc = headroom(
+        _args(
+            model, model / "documents.jsonl", "--kv-cache-dtype", "fp8", "--calibrate",
+            "--contexts", "256,1k", "--num-prompts", "2", "--depths", "0.1,0.5,0.9",
+            "--positions", "16", "--greedy-tokens", "16", "--json", str(tmp_path / "r.json"),
+        )
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "r.json").read_text())
+    settings = [s["setting"] for s in report["contexts"][0]["settings"]]
+    assert settings == ["auto", "fp8 (scale 1.0)", "fp8 calibrated"]
+    for ctx in report["contexts"]:
+        auto = ctx["settings"][0]
+        # The model retrieves: the needle score means something.
+        assert auto["needle_score"] >= 0.8, ctx
+        for row in ctx["settings"][1:]:
+            assert row["top1_agreement"] >= 0.9, row
+    scales = read_scales(model / SCALES_FILE)
+    assert scales.num_layers == rm.TrainConfig().layers
+    assert report["scales_path"] == str(model / SCALES_FILE)
+    assert rc == (0 if all("safe at every context" in v for v in report["verdicts"]) else 1)
+    assert "verdict: fp8 calibrated" in out

@@ -1,0 +1,480 @@
+"""`headroom profile` and `headroom simulate` as a user runs them: on the published traces and on
+files written here, with the exit codes, the messages on bad input, the YAML they print, the PNG
+they draw and the progress they show."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+import sys
+import threading
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from headroom.contract.cli import EXTRAS, extra_for, main
+from headroom.operator.crd.models import InferenceDeploymentSpec
+
+REPO = Path(__file__).resolve().parents[1]
+AZURE = REPO / "bench" / "traces" / "azure-llm-2023-conv.csv"
+MOONCAKE = REPO / "bench" / "traces" / "mooncake-synthetic.jsonl"
+EXAMPLE = REPO / "examples" / "llama-3.1-8b-h100.yaml"
+BASE = {"model": {"preset": "llama-3.1-8b"}, "gpu": {"type": "h100-80gb"}}
+
+
+def headroom(
+    *args: str | Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "headroom.contract.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=env,
+    )
+
+
+def pasted(stdout: str) -> dict[str, object]:
+    """The YAML block that ends the profile report."""
+    block = stdout[stdout.index("# spec.traffic and spec.scaling") :]
+    doc = yaml.safe_load(block)
+    assert isinstance(doc, dict) and set(doc) == {"traffic", "scaling"}
+    return doc
+
+
+def in_process(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str]:
+    """(exit code, stderr) of the CLI run in this process: quicker than a subprocess for the
+    many ways an input can be wrong (an uncaught exception fails the test)."""
+    code = main([str(a) for a in args])
+    return code, capsys.readouterr().err
+
+
+def assert_clean_exit_2(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    for n in needles:
+        assert n in proc.stderr, proc.stderr
+
+
+def short_trace(path: Path, minutes: float = 6.0) -> Path:
+    """A few minutes of generic CSV: 2 requests/s rising to 8, prompts of 500-3,000 tokens."""
+    rng = np.random.default_rng(3)
+    seconds = minutes * 60
+    t = np.sort(rng.uniform(0, seconds, int(5 * seconds)))
+    keep = rng.uniform(0, 1, len(t)) < (2 + 6 * t / seconds) / 8
+    t = t[keep]
+    rows = [
+        f"{a:.3f},{p},{o}"
+        for a, p, o in zip(
+            t, rng.integers(500, 3001, len(t)), rng.integers(50, 400, len(t)), strict=True
+        )
+    ]
+    path.write_text("arrival_s,prompt_tokens,output_tokens\n" + "\n".join(rows) + "\n")
+    return path
+
+
+def spec_file(path: Path, **scaling: object) -> Path:
+    doc = {
+        "apiVersion": "headroom.dev/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": "chat"},
+        "spec": {
+            "model": {"preset": "llama-3.1-8b"},
+            "gpu": {"type": "l4-24gb"},
+            "traffic": {"peakConcurrency": 64, "contextTokens": 3400},
+            "engine": {"maxModelLen": 4096},
+            "scaling": {"minReplicas": 1, "maxReplicas": 12, "podStartSeconds": 60, **scaling},
+        },
+    }
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+# ------------------------------------------------------------------------------------- profile
+
+
+def test_profile_of_the_azure_trace_prints_every_figure_and_a_spec_the_models_accept() -> None:
+    r = headroom("profile", AZURE)
+    assert r.returncode == 0, r.stderr
+    for label in (
+        "in flight",
+        "KV tokens",
+        "prompt + output",
+        "per 60 s",
+        "prefix overlap",
+        "paging           always",
+        "prefix caching   unknown",
+        "headroom kv-check",
+    ):
+        assert label in r.stdout, label
+    assert r.stderr == ""  # stderr is not a terminal and --progress was not given
+    doc = pasted(r.stdout)
+    traffic = doc["traffic"]
+    assert isinstance(traffic, dict) and traffic["contextTokens"] == 4136  # p95 of the README
+    assert traffic["prefixHitRatio"] == 0.0  # Azure's trace has no prefix identity
+    assert "minReplicas" not in doc["scaling"]  # type: ignore[operator]
+    InferenceDeploymentSpec.model_validate({**BASE, **doc})
+
+
+def test_profile_for_a_model_and_gpu_sizes_min_and_max_replicas() -> None:
+    r = headroom("profile", AZURE, "--model", "llama-3.1-8b", "--gpu", "l4-24gb")
+    assert r.returncode == 0, r.stderr
+    doc = pasted(r.stdout)
+    scaling = doc["scaling"]
+    assert isinstance(scaling, dict)
+    assert 1 <= scaling["minReplicas"] < scaling["maxReplicas"] <= 16
+    assert "KV quantization  only after validation" in r.stdout
+    spec = InferenceDeploymentSpec.model_validate({**BASE, "gpu": {"type": "l4-24gb"}, **doc})
+    assert spec.scaling.min_replicas == scaling["minReplicas"]
+
+
+def test_profile_of_the_mooncake_trace_as_json_finds_its_prefix_overlap() -> None:
+    r = headroom("profile", MOONCAKE, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["requests"] == 3_993
+    assert 0.64 <= out["ideal_hit_ratio"] <= 0.66
+    advice = {a["topic"]: a["decision"] for a in out["verdict"]}
+    assert advice == {
+        "paging": "always",
+        "prefix caching": "on (engine.prefixCaching: true)",
+        "KV quantization": "not sized",
+    }
+    assert out["spec"]["traffic"]["prefixHitRatio"] == 0.65
+    assert yaml.safe_load(out["spec_yaml"]) == out["spec"]
+    InferenceDeploymentSpec.model_validate({**BASE, **out["spec"]})
+
+
+def test_profile_with_a_spec_keeps_its_scaling_and_names_what_its_max_length_refuses() -> None:
+    r = headroom("profile", MOONCAKE, "--spec", EXAMPLE)
+    assert r.returncode == 0, r.stderr
+    doc = pasted(r.stdout)
+    assert doc["scaling"]["targetOccupancy"] == 0.7  # type: ignore[index]  # the example's
+    assert "engine.maxModelLen 8,192 refuses" in r.stdout
+    assert "(the model's limit)" in r.stdout  # llama-3.1-8b takes 131,072 tokens at most
+
+
+def test_profile_at_twice_the_rate_doubles_the_requests() -> None:
+    one = json.loads(headroom("profile", MOONCAKE, "--json").stdout)
+    two = json.loads(headroom("profile", MOONCAKE, "--json", "--rate", "2").stdout)
+    assert two["requests"] == 2 * one["requests"]
+    assert two["concurrency"]["50"] > 1.6 * one["concurrency"]["50"]
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "needle"),
+    [
+        (
+            "bad.csv",
+            "arrival_s,prompt_tokens,output_tokens\n0,10,10\n1,ten,10\n",
+            "bad.csv:3: prompt_tokens must be an integer",
+        ),
+        (
+            "bad.jsonl",
+            '{"timestamp": 0, "input_length": 10, "output_length": 1}\nnot json\n',
+            "bad.jsonl:2: not JSON",
+        ),
+        ("notes.txt", "dear diary\n", "notes.txt:1: not a trace this reads"),
+        ("empty.csv", "", "empty.csv: empty file"),
+    ],
+)
+def test_profile_of_a_bad_file_exits_2_with_the_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str, text: str, needle: str
+) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    code, err = in_process(capsys, "profile", path)
+    assert code == 2 and err.startswith("headroom profile: ") and needle in err, err
+
+
+def test_a_bad_file_exits_2_with_the_line_and_no_traceback_from_the_installed_command(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text("arrival_s,prompt_tokens,output_tokens\n0,10,10\n1,10,0\n")
+    assert_clean_exit_2(headroom("profile", path), "bad.csv:3: output_tokens must be at least 1")
+    assert_clean_exit_2(
+        headroom("simulate", path, "--spec", EXAMPLE), "bad.csv:3: output_tokens must be at least 1"
+    )
+    assert_clean_exit_2(headroom("profile", tmp_path / "gone.csv"), "gone.csv: cannot read")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--rate", "0"], "--rate must be a positive number"),
+        (["--decode-tps", "-1"], "--decode-tps must be a positive number"),
+        (["--block-size", "0"], "--block-size must be in [1, 1024]"),
+        (["--model", "llama-3.1-8b"], "--model and --gpu go together"),
+        (["--model", "llama-9", "--gpu", "l4-24gb"], "unknown model 'llama-9'"),
+        (["--model", "llama-3.1-70b", "--gpu", "l4-24gb"], "exceed"),  # weights do not fit
+        (["--format", "mooncake"], "not JSON"),
+    ],
+)
+def test_profile_with_a_bad_argument_exits_2_with_the_reason(
+    capsys: pytest.CaptureFixture[str], args: list[str], needle: str
+) -> None:
+    code, err = in_process(capsys, "profile", AZURE, *args)
+    assert code == 2 and needle in err, err
+
+
+# ------------------------------------------------------------------------------------ simulate
+
+
+def test_simulate_on_a_short_trace_prints_the_table_and_writes_the_png(tmp_path: Path) -> None:
+    trace = short_trace(tmp_path / "short.csv")
+    png = tmp_path / "out" / "sweep.png"
+    png.parent.mkdir()
+    r = headroom(
+        "simulate",
+        trace,
+        "--spec",
+        spec_file(tmp_path / "chat.yaml"),
+        "--quantiles",
+        "0.95,0.6",
+        "--seeds",
+        "2",
+        "--png",
+        png,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("quantile"))
+    for label in ("GPU-h", "limited s", "worst s", "full s", "queued s", "peak pods", "refused"):
+        assert label in lines[header]
+    rows = lines[header + 1 : header + 3]
+    assert [row.split()[0] for row in rows] == ["0.60", "0.95"]
+    picked = [row for row in rows if row.endswith("<- pick")]
+    assert len(picked) <= 1
+    assert ("no setting serves" in r.stdout) == (not picked)
+    assert "llama-3.1-8b on 1x l4-24gb" in r.stdout and "2 seeds" in r.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_as_json_reports_every_run_and_the_pick(tmp_path: Path) -> None:
+    trace = short_trace(tmp_path / "short.csv", minutes=4)
+    r = headroom(
+        "simulate",
+        trace,
+        "--spec",
+        spec_file(tmp_path / "chat.yaml"),
+        "--quantiles",
+        "0.7",
+        "--seeds",
+        "2",
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    (setting,) = out["settings"]
+    assert setting["forecast_quantile"] == 0.7 and [run["seed"] for run in setting["runs"]] == [
+        1,
+        2,
+    ]
+    assert setting["median"]["gpu_hours"] > 0
+    assert out["cheapest_serving_quantile"] == (0.7 if setting["serves"] else None)
+
+
+def test_simulate_takes_a_spec_alone_in_json(tmp_path: Path) -> None:
+    trace = short_trace(tmp_path / "short.csv", minutes=3)
+    doc = yaml.safe_load(spec_file(tmp_path / "chat.yaml").read_text())["spec"]
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(doc, indent="\t"))  # tabs: JSON is read as JSON, not as YAML
+    r = headroom("simulate", trace, "--spec", spec, "--quantiles", "0.9", "--seeds", "1")
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "needles"),
+    [
+        (
+            "spec:\n  model: {preset: llama-3.1-8b}\n  gpu: {type: l4-24gb}\n  traffic:\n"
+            "    peakConcurrency: 0\n    contextTokens: 100\n",
+            [":5: spec.traffic.peakConcurrency: Input should be greater than or equal to 1"],
+        ),
+        ("kind: Deployment\nspec: {}\n", ["kind is 'Deployment', not InferenceDeployment"]),
+        ("spec:\n  model: [unclosed\n", ["not YAML or JSON"]),
+        ("- a\n- b\n", ["expected a mapping"]),
+        (
+            "model: {preset: llama-3.1-70b}\ngpu: {type: l4-24gb}\n"
+            "traffic: {peakConcurrency: 1, contextTokens: 100}\n",
+            ["this pod cannot serve: weights"],
+        ),
+        (
+            "model: {preset: llama-3.1-8b}\ngpu: {type: l4-24gb}\n"
+            "traffic: {peakConcurrency: 1, contextTokens: 100}\nscaling: {minReplicaz: 2}\n",
+            [":4: spec.scaling.minReplicaz: Extra inputs are not permitted"],
+        ),
+    ],
+)
+def test_simulate_with_a_bad_spec_exits_2_with_the_field_and_reason(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, text: str, needles: list[str]
+) -> None:
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(text)
+    code, err = in_process(capsys, "simulate", AZURE, "--spec", spec, "--seeds", "1")
+    assert code == 2 and err.startswith(f"headroom simulate: {spec}"), err
+    assert all(n in err for n in needles), err
+
+
+def test_simulate_of_a_bad_trace_exits_2_with_the_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}\n')
+    code, err = in_process(capsys, "simulate", trace, "--spec", spec_file(tmp_path / "chat.yaml"))
+    assert code == 2 and "t.jsonl:1: 1 hash_ids for 600 tokens" in err, err
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--quantiles", "0.3"], "--quantiles: 0.3 is outside [0.5, 0.99]"),
+        (["--quantiles", "high"], "--quantiles must be numbers"),
+        (["--seeds", "0"], "--seeds must be in [1, 100]"),
+        (["--rate", "nan"], "--rate must be a positive number"),
+        (["--rate", "1000"], "--rate must be at most 100"),
+        (["--png", "/nonexistent-dir/x.png"], "--png: no directory /nonexistent-dir"),
+    ],
+)
+def test_simulate_with_a_bad_argument_exits_2_before_replaying(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], needle: str
+) -> None:
+    spec = spec_file(tmp_path / "chat.yaml")
+    code, err = in_process(capsys, "simulate", AZURE, "--spec", spec, "--progress", *args)
+    assert code == 2 and needle in err and "requests from" not in err, err
+
+
+def test_a_target_above_what_the_engine_admits_to_is_simulated_not_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # The CRD takes a target of 0.97; the headroom engine admits only up to 95 % of a pool, so
+    # the scaling loop caps it there (the operator must not fail on a spec the CRD accepted).
+    trace = short_trace(tmp_path / "short.csv", minutes=3)
+    spec = spec_file(tmp_path / "chat.yaml", targetOccupancy=0.97, scaleOutOccupancy=0.99)
+    code, err = in_process(capsys, "simulate", trace, "--spec", spec, "--seeds", "1",
+                           "--quantiles", "0.9")  # fmt: skip
+    assert code == 0, err
+
+
+# ------------------------------------------------------------------------------------ progress
+
+
+def test_progress_shows_on_stderr_with_the_flag_and_per_setting_and_seed(tmp_path: Path) -> None:
+    trace = short_trace(tmp_path / "short.csv", minutes=3)
+    r = headroom(
+        "simulate",
+        trace,
+        "--spec",
+        spec_file(tmp_path / "chat.yaml"),
+        "--quantiles",
+        "0.6,0.9",
+        "--seeds",
+        "2",
+        "--progress",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "read " in r.stderr and "requests from short.csv" in r.stderr
+    for i, (q, seed) in enumerate([(0.6, 1), (0.6, 2), (0.9, 1), (0.9, 2)], start=1):
+        assert f"[{i}/4] forecastQuantile {q:.2f}, seed {seed}: " in r.stderr
+    assert "\r" not in r.stderr  # not a terminal: plain lines
+    p = headroom("profile", trace, "--progress")
+    assert "read " in p.stderr and "profiled " in p.stderr
+
+
+def test_progress_redraws_one_line_on_a_terminal_without_the_flag(tmp_path: Path) -> None:
+    trace = short_trace(tmp_path / "short.csv", minutes=2)
+    controller, terminal = pty.openpty()
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                data = os.read(controller, 4096)
+            except OSError:  # the terminal side closed
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    proc = subprocess.run(
+        [sys.executable, "-m", "headroom.contract.cli", "profile", str(trace)],
+        stdout=subprocess.PIPE,
+        stderr=terminal,
+        cwd=REPO,
+        timeout=300,
+        check=False,
+    )
+    os.close(terminal)
+    reader.join(timeout=10)
+    os.close(controller)
+    shown = b"".join(chunks).decode()
+    assert proc.returncode == 0
+    assert "\r" in shown and "read " in shown and "profiled " in shown
+
+
+# ------------------------------------------------------------------------------ missing extras
+
+
+def test_without_numpy_profile_and_simulate_exit_2_naming_the_sim_extra(tmp_path: Path) -> None:
+    trace = short_trace(tmp_path / "short.csv", minutes=1)
+    for args in (["profile", str(trace)], ["simulate", str(trace), "--spec", str(EXAMPLE)]):
+        code = (
+            "import sys; sys.modules['numpy'] = None; from headroom.contract.cli import main; "
+            f"raise SystemExit(main({args!r}))"
+        )
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+        assert_clean_exit_2(r, "needs numpy", "pip install 'headroom[sim]'")
+
+
+def test_without_matplotlib_simulate_png_exits_2_before_any_replay(tmp_path: Path) -> None:
+    trace = short_trace(tmp_path / "short.csv", minutes=1)
+    args = [
+        "simulate",
+        str(trace),
+        "--spec",
+        str(EXAMPLE),
+        "--png",
+        str(tmp_path / "x.png"),
+        "--progress",
+    ]
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; from headroom.contract.cli import main; "
+        f"raise SystemExit(main({args!r}))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert_clean_exit_2(r, "needs matplotlib", "headroom[sim]")
+    assert "forecastQuantile" not in r.stderr  # no replay ran
+
+
+def test_the_cli_extras_are_pyproject_s_extras() -> None:
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    for name, modules in EXTRAS.items():
+        dists = {d.split(">")[0].split("<")[0].split("=")[0].split("[")[0] for d in extras[name]}
+        assert dists == set(modules), name
+
+
+def test_a_missing_module_names_the_command_s_own_extra_else_the_smallest() -> None:
+    assert extra_for("serve", "numpy") == "engine"
+    assert extra_for("profile", "numpy") == "sim"
+    assert extra_for("simulate", "matplotlib") == "sim"
+    assert extra_for("plan", "matplotlib") == "sim"  # --plot: the smaller extra brings it
+    assert extra_for("profile", "torch") == "engine"
+    assert extra_for(None, "pydantic") is None
+
+
+def test_the_parser_offers_the_formats_the_readers_read() -> None:
+    # The parser keeps its own copy so that --help needs no numpy.
+    from headroom.operator.simulate import cli, trace
+
+    assert cli.FORMATS == trace.FORMATS

@@ -1,0 +1,185 @@
+"""`profile()` and the verdict on traces whose answers are known: requests in flight by Little's
+law, burstiness by construction, and a suggested spec the operator's models accept."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import yaml
+
+from headroom.operator.crd.models import InferenceDeploymentSpec, ScalingSpec
+from headroom.operator.reconcile.sizing import parse
+from headroom.operator.simulate import verdict
+from headroom.operator.simulate.profile import PREFIX_WORTHWHILE, burstiness, in_flight, profile
+from headroom.operator.simulate.trace import Trace
+
+PROMPT, OUTPUT = 1000, 198  # at 10,000 and 20 tokens/s: 0.1 s of prefill + 9.9 s of decode
+LIFETIME = 10.0
+HELD = PROMPT + OUTPUT / 2  # what in_flight() counts a request as holding
+
+
+def steady(rate: float = 2.0, seconds: float = 7200.0, prompt: int = PROMPT) -> Trace:
+    """Exactly `rate` requests a second, off the whole seconds the profile samples at."""
+    n = int(seconds * rate)
+    t = 0.25 + np.arange(n) / rate
+    return Trace("steady", t - t[0], np.full(n, prompt), np.full(n, OUTPUT))
+
+
+def spec(gpu: str = "l4-24gb", **engine: object) -> InferenceDeploymentSpec:
+    parsed = parse(
+        {
+            "model": {"preset": "llama-3.1-8b"},
+            "gpu": {"type": gpu},
+            "traffic": {"peakConcurrency": 64, "contextTokens": 2048},
+            "engine": engine,
+        }
+    )
+    assert parsed.spec is not None, parsed.error
+    return parsed.spec
+
+
+def test_requests_in_flight_at_2_per_second_for_10_seconds_are_littles_20() -> None:
+    p = profile(steady(), decode_tps=20.0, prefill_tps=10_000.0)
+    assert all(p.concurrency[q] == 2.0 * LIFETIME for q in (50, 90, 95, 99))
+    assert p.kv_tokens[50] == pytest.approx(2.0 * LIFETIME * HELD)
+    assert p.rate == pytest.approx(2.0, rel=1e-3)
+
+
+def test_poisson_arrivals_average_littles_law_in_flight() -> None:
+    rng = np.random.default_rng(7)
+    n = 20_000
+    t = np.cumsum(rng.exponential(1 / 3.0, n))
+    out = rng.integers(20, 400, n)
+    trace = Trace("poisson", t - t[0], np.full(n, 500), out)
+    count, _ = in_flight(trace, decode_tps=20.0, prefill_tps=10_000.0)
+    mean_life = float(np.mean(500 / 10_000 + out / 20.0))
+    inside = count[100 : int(trace.duration) - 100]
+    assert inside.mean() == pytest.approx(3.0 * mean_life, rel=0.03)
+
+
+def test_even_arrivals_are_not_bursty_and_a_partial_last_window_is_no_burst() -> None:
+    trace = steady(rate=2.0, seconds=130.0)  # 60 s windows: two whole ones and 10 s over
+    for window in (1.0, 10.0, 60.0):
+        b = burstiness(trace, window)
+        assert b.dispersion == pytest.approx(0.0) and b.peak_to_mean == pytest.approx(1.0)
+
+
+def test_bursts_raise_dispersion_and_peak_to_mean() -> None:
+    quiet = np.arange(0, 600, 1.0)
+    burst = 300 + np.arange(0, 10, 0.1)  # 100 extra requests in 10 s
+    t = np.sort(np.concatenate([quiet, burst]))
+    b = burstiness(Trace("burst", t, np.full(len(t), 10), np.full(len(t), 10)), 10.0)
+    assert b.dispersion > 5 and b.peak_to_mean == pytest.approx(110 / (700 / 60), rel=0.01)
+
+
+def test_paging_is_always_advised_with_the_gap_a_contiguous_cache_would_waste() -> None:
+    ld = verdict.load(steady(), 20.0, 10_000.0)
+    a = verdict.paging(ld, 16, 8192)
+    assert a.decision == "always"
+    assert f"{1 - HELD / 8192:.0%} of it would sit reserved" in a.why
+    assert "at most 15 tokens a sequence" in a.why
+
+
+@pytest.mark.parametrize(
+    ("hit", "decision"),
+    [
+        (None, "unknown"),
+        (PREFIX_WORTHWHILE - 0.01, "buys little"),
+        (PREFIX_WORTHWHILE, "on (engine.prefixCaching: true)"),
+        (0.65, "on (engine.prefixCaching: true)"),
+    ],
+)
+def test_prefix_caching_is_advised_only_when_overlap_is_real(
+    hit: float | None, decision: str
+) -> None:
+    p = replace(profile(steady(seconds=60.0)), ideal_hit_ratio=hit)
+    assert verdict.prefix_caching(p).decision == decision
+
+
+def test_kv_quantization_without_a_pod_says_to_size_it_and_to_validate_with_kv_check() -> None:
+    a = verdict.quantization(None)
+    assert a.decision == "not sized" and "headroom kv-check" in a.why and "--spec" in a.why
+
+
+def test_a_trace_one_pod_holds_needs_no_kv_quantization() -> None:
+    s = spec("h100-80gb")
+    sized = parse(s.model_dump(by_alias=True)).sizing
+    assert sized is not None
+    f = verdict.fit(verdict.load(steady(), 20.0, 10_000.0), s, sized, 0.85)
+    assert f.peak_replicas == 1 and f.min_replicas == 1
+    assert verdict.quantization(f).decision == "not needed"
+
+
+def test_a_memory_bound_trace_gets_kv_quantization_only_after_kv_check() -> None:
+    s = spec("l4-24gb")
+    sized = parse(s.model_dump(by_alias=True)).sizing
+    assert sized is not None
+    ld = verdict.load(steady(rate=8.0, seconds=1800.0), 20.0, 10_000.0)
+    f = verdict.fit(ld, s, sized, 0.85)
+    per_pod = sized.plan.kv_tokens_per_pod
+    assert f.peak_replicas == math.ceil(8.0 * LIFETIME * HELD / (per_pod * 0.85))
+    assert f.peak_replicas_fp8 is not None and f.peak_replicas_fp8 < f.peak_replicas
+    a = verdict.quantization(f)
+    assert a.decision == "only after validation"
+    assert "headroom kv-check" in a.why and f"fp8 KV would need {f.peak_replicas_fp8}" in a.why
+
+
+def test_a_pod_already_on_fp8_kv_is_told_to_keep_it_only_if_kv_check_passed() -> None:
+    s = spec("l4-24gb", kvCacheDtype="fp8")
+    sized = parse(s.model_dump(by_alias=True)).sizing
+    assert sized is not None
+    f = verdict.fit(verdict.load(steady(rate=8.0, seconds=600.0), 20.0, 10_000.0), s, sized, 0.85)
+    a = verdict.quantization(f)
+    assert a.decision == "already fp8" and "headroom kv-check" in a.why
+
+
+def test_the_suggested_spec_parses_as_yaml_and_validates_against_the_operator_models() -> None:
+    trace = steady(rate=8.0, seconds=1800.0)
+    p = replace(profile(trace), ideal_hit_ratio=0.4567)
+    s = spec("l4-24gb")
+    sized = parse(s.model_dump(by_alias=True)).sizing
+    assert sized is not None
+    f = verdict.fit(verdict.load(trace, 20.0, 10_000.0), s, sized, 0.85)
+    text = verdict.to_yaml(verdict.suggest(p, f, ScalingSpec(), False), ["a note"])
+    doc = yaml.safe_load(text)
+    assert doc["traffic"] == {
+        "peakConcurrency": math.ceil(p.concurrency[99]),
+        "contextTokens": PROMPT + OUTPUT,
+        "prefixHitRatio": 0.45,  # rounded down: it is an upper bound already
+    }
+    assert doc["scaling"]["minReplicas"] == f.min_replicas
+    assert doc["scaling"]["maxReplicas"] == f.max_replicas >= f.peak_replicas
+    assert doc["scaling"]["targetOccupancy"] == ScalingSpec().target_occupancy
+    assert doc["scaling"]["forecastQuantile"] == ScalingSpec().forecast_quantile
+    full = InferenceDeploymentSpec.model_validate(
+        {"model": {"preset": "llama-3.1-8b"}, "gpu": {"type": "l4-24gb"}, **doc}
+    )
+    assert full.traffic.prefix_hit_ratio == 0.45
+    assert "upper bound" in text
+
+
+def test_without_a_pod_the_suggestion_leaves_replicas_out_and_still_validates() -> None:
+    p = replace(profile(steady(seconds=600.0)), ideal_hit_ratio=0.9999)
+    doc = yaml.safe_load(verdict.to_yaml(verdict.suggest(p, None, ScalingSpec(), False), []))
+    assert "minReplicas" not in doc["scaling"] and "maxReplicas" not in doc["scaling"]
+    assert doc["traffic"]["prefixHitRatio"] == 0.99  # the CRD takes < 1
+    InferenceDeploymentSpec.model_validate(
+        {"model": {"preset": "llama-3.1-8b"}, "gpu": {"type": "h100-80gb"}, **doc}
+    )
+
+
+def test_the_max_model_length_note_counts_the_requests_it_refuses() -> None:
+    trace = steady(seconds=100.0)
+    long = Trace(
+        "mixed", trace.arrival, np.where(np.arange(len(trace)) % 4 == 0, 9000, PROMPT), trace.output
+    )
+    ld = verdict.load(long, 20.0, 10_000.0)
+    note = verdict.maxlen_note(ld, 4096, explicit=False)
+    assert note is not None and f"refuses {len(trace) // 4:,} of these requests" in note
+    assert f"set engine.maxModelLen: {9000 + OUTPUT}" in note
+    assert verdict.maxlen_note(ld, 9000 + OUTPUT, explicit=True) is None
+    capped = verdict.maxlen_note(ld, 4096, explicit=True, model_limit=8192)
+    assert capped is not None and "the model's limit" in capped

@@ -1,0 +1,154 @@
+"""Replaying traffic through the simulated deployment, and `headroom simulate`'s sweep over it:
+what a run costs, when the KV cache turns work away, and which setting is picked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from headroom.operator.crd.models import InferenceDeploymentSpec
+from headroom.operator.reconcile.sizing import Sizing, parse
+from headroom.operator.simulate.replay import (
+    DT,
+    HeadroomPolicy,
+    Result,
+    opening_replicas,
+    policy_at,
+    replay,
+    shape_for,
+)
+from headroom.operator.simulate.sweep import Setting, cheapest_serving, sweep
+from headroom.operator.simulate.trace import Trace
+from headroom.operator.simulate.world import World
+
+
+class Fixed:
+    """A deployment nobody scales: always `n` pods."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def observe(self, world: World, now: float) -> None:
+        pass
+
+    def __call__(self, world: World, now: float) -> int:
+        return self.n
+
+
+def deployment(
+    gpu: str = "l4-24gb", max_model_len: int = 8192, hi: int = 16
+) -> tuple[InferenceDeploymentSpec, Sizing]:
+    parsed = parse(
+        {
+            "model": {"preset": "llama-3.1-8b"},
+            "gpu": {"type": gpu},
+            "engine": {"maxModelLen": max_model_len},
+            "traffic": {"peakConcurrency": 64, "contextTokens": 2048},
+            "scaling": {"minReplicas": 1, "maxReplicas": hi, "podStartSeconds": 60},
+        }
+    )
+    assert parsed.spec is not None and parsed.sizing is not None, parsed.error
+    return parsed.spec, parsed.sizing
+
+
+def poisson(rates: list[tuple[float, float]], seed: int = 1, prompt: int = 1000) -> Trace:
+    """Poisson arrivals at `rate` for `seconds`, one (rate, seconds) after the other; outputs of
+    100-300 tokens (5-15 s of decode)."""
+    rng = np.random.default_rng(seed)
+    times, t0 = [], 0.0
+    for rate, seconds in rates:
+        n = rng.poisson(rate * seconds)
+        times.append(t0 + np.sort(rng.uniform(0, seconds, n)))
+        t0 += seconds
+    t = np.concatenate(times)
+    return Trace("poisson", t - t[0], np.full(len(t), prompt), rng.integers(100, 301, len(t)))
+
+
+def test_a_light_load_on_fixed_pods_costs_their_gpu_time_and_is_never_kv_limited() -> None:
+    spec, sizing = deployment("h100-80gb")
+    trace = poisson([(2.0, 900.0)])
+    r = replay(trace, shape_for(spec, sizing), Fixed(2), start_replicas=2)
+    assert r.gpu_hours == pytest.approx(2 * trace.arrival[-1] / 3600, abs=2 * DT / 3600)
+    assert r.limited_seconds == 0 and r.preemptions == 0 and r.rejected == 0
+    assert r.peak_replicas == 2 and r.actions == 0
+
+
+def test_one_small_pod_under_a_heavy_load_turns_work_away() -> None:
+    spec, sizing = deployment("l4-24gb")
+    shape = shape_for(spec, sizing)
+    trace = poisson([(6.0, 900.0)])  # about 6 x 10 s x 1,100 tokens: 2.5 L4 pools
+    r = replay(trace, shape, Fixed(1), start_replicas=1)
+    assert r.queued_seconds > 600 and r.limited_seconds >= r.queued_seconds
+
+
+def test_requests_longer_than_the_max_model_length_are_refused_at_the_door() -> None:
+    spec, sizing = deployment("h100-80gb", max_model_len=2048)
+    base = poisson([(1.0, 1200.0)])
+    prompt = np.where(np.arange(len(base)) % 10 == 0, 3000, 1000)
+    trace = Trace("long", base.arrival, prompt, base.output)
+    late = int(((prompt == 3000) & (trace.arrival >= 600)).sum())
+    r = replay(trace, shape_for(spec, sizing), Fixed(1), start_replicas=1)
+    # The warm-up replays the first 600 s before the clock starts: the replay counts those
+    # refusals too, so at least every long request after it is counted.
+    assert r.rejected >= late > 0
+
+
+def test_headroom_scales_out_through_a_fourfold_step_and_back_in_after_it() -> None:
+    spec, sizing = deployment("l4-24gb")
+    shape = shape_for(spec, sizing)
+    trace = poisson([(1.0, 900.0), (4.0, 900.0), (1.0, 1800.0)])
+    start = opening_replicas(trace, shape)
+    sizes: list[int] = []
+    r = replay(
+        trace,
+        shape,
+        HeadroomPolicy(policy_at(spec, 0.9, sizing)),
+        start,
+        on_tick=lambda now, world: sizes.append(world.replicas()),
+    )
+    assert r.peak_replicas > start and max(sizes) > start
+    assert sizes[-1] < max(sizes)  # the quiet half hour after the step gives pods back
+    assert r.actions >= 2
+
+
+def result(limited: float, gpu_hours: float) -> Result:
+    return Result(limited, 0.0, limited, 0, gpu_hours, 1, 2, 0)
+
+
+def setting(q: float, limited: list[float], gpu_hours: float) -> Setting:
+    spec, sizing = deployment()
+    n = len(limited)
+    return Setting(
+        q,
+        policy_at(spec, q, sizing),
+        tuple(range(1, n + 1)),
+        tuple(result(s, gpu_hours) for s in limited),
+        (0,) * n,
+    )
+
+
+def test_a_setting_serves_at_30_median_and_120_worst_seconds_and_not_past_them() -> None:
+    assert setting(0.8, [0, 30, 120], 1.0).serves
+    assert not setting(0.8, [0, 31, 31], 1.0).serves
+    assert not setting(0.8, [0, 0, 121], 1.0).serves
+
+
+def test_the_pick_is_the_cheapest_setting_that_serves_or_none() -> None:
+    cheap_miss = setting(0.6, [40, 50, 60], 1.0)
+    dear = setting(0.95, [0, 0, 0], 3.0)
+    mid = setting(0.8, [10, 20, 100], 2.0)
+    assert cheapest_serving([cheap_miss, mid, dear]) is mid
+    assert cheapest_serving([cheap_miss]) is None
+
+
+def test_the_sweep_replays_every_quantile_on_the_same_seeded_realizations() -> None:
+    spec, sizing = deployment("l4-24gb", max_model_len=2048)
+    base = poisson([(1.0, 300.0), (3.0, 300.0)], prompt=1000)
+    long = np.where(np.arange(len(base)) % 50 == 0, 2500, 1000)
+    trace = Trace("short", base.arrival, long, base.output)
+    settings = sweep(trace, spec, sizing, (0.6, 0.95), (1, 2), rate=1.0)
+    assert [s.quantile for s in settings] == [0.6, 0.95]
+    assert all(s.seeds == (1, 2) and len(s.results) == 2 for s in settings)
+    assert [s.policy.forecast_quantile for s in settings] == [0.6, 0.95]
+    # Every seed is one realization of the same requests: the same ones are refused.
+    assert settings[0].refused == settings[1].refused == ((long == 2500).sum(),) * 2

@@ -1,0 +1,196 @@
+"""The trace readers on small files written here and on the two published traces in
+bench/traces: what they read, and how every kind of bad file is named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from headroom.operator.simulate.profile import ideal_hit_ratio
+from headroom.operator.simulate.trace import TraceError, read_trace, scaled
+
+TRACES = Path(__file__).resolve().parents[1] / "bench" / "traces"
+AZURE = TRACES / "azure-llm-2023-conv.csv"
+MOONCAKE = TRACES / "mooncake-synthetic.jsonl"
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def mooncake_line(ts: int, prompt: int, output: int, ids: list[int]) -> str:
+    return json.dumps(
+        {"timestamp": ts, "input_length": prompt, "output_length": output, "hash_ids": ids}
+    )
+
+
+def test_the_azure_reader_takes_seven_fractional_digits_and_times_from_the_first_request(
+    tmp_path: Path,
+) -> None:
+    path = write(
+        tmp_path,
+        "az.csv",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.9951690,396,109\n"
+        "2023-11-16 18:16:46.6805900,12,1",  # no trailing newline, as Azure's file
+    )
+    t = read_trace(path)
+    assert t.name == "az" and len(t) == 3
+    assert t.arrival.tolist() == pytest.approx([0.0, 4.314579, 60.0], abs=1e-6)
+    assert t.prompt.tolist() == [374, 396, 12] and t.output.tolist() == [44, 109, 1]
+    assert t.prefix_blocks is None
+
+
+def test_the_mooncake_reader_takes_milliseconds_and_keeps_the_block_ids(tmp_path: Path) -> None:
+    lines = [
+        mooncake_line(0, 1000, 5, [0, 1]),
+        mooncake_line(2500, 512, 7, [0]),
+        mooncake_line(1000, 1025, 9, [0, 1, 2]),
+    ]
+    t = read_trace(write(tmp_path, "mc.jsonl", "\n".join(lines) + "\n"))
+    assert t.arrival.tolist() == [0.0, 1.0, 2.5]  # sorted by arrival
+    assert t.prompt.tolist() == [1000, 1025, 512]
+    assert t.prefix_blocks == ((0, 1), (0, 1, 2), (0,))
+    assert t.prefix_block_tokens == 512
+
+
+def test_the_generic_csv_ignores_extra_columns_and_any_time_origin(tmp_path: Path) -> None:
+    text = "arrival_s,prompt_tokens,output_tokens,tenant\n100.5,10,2,a\n100,20,3,b\n\n"
+    t = read_trace(write(tmp_path, "g.csv", text))
+    assert t.arrival.tolist() == [0.0, 0.5] and t.prompt.tolist() == [20, 10]
+
+
+def test_the_generic_jsonl_reads_its_own_prefix_block_size(tmp_path: Path) -> None:
+    rows = [
+        {"arrival_s": 0, "prompt_tokens": 64, "output_tokens": 1, "prefix_block_ids": [7, 8],
+         "prefix_block_tokens": 32},
+        {"arrival_s": 1.5, "prompt_tokens": 40, "output_tokens": 1, "prefix_block_ids": [7, 9]},
+    ]  # fmt: skip
+    t = read_trace(write(tmp_path, "g.jsonl", "\n".join(json.dumps(r) for r in rows)))
+    assert t.prefix_block_tokens == 32 and t.prefix_blocks == ((7, 8), (7, 9))
+    # Block 7 (32 tokens) repeats: 32 of 64 + 40 prompt tokens.
+    assert ideal_hit_ratio(t) == pytest.approx(32 / 104)
+
+
+def test_the_generic_jsonl_without_block_ids_has_no_prefix_identity(tmp_path: Path) -> None:
+    row = {"arrival_s": 0, "prompt_tokens": 64, "output_tokens": 1}
+    t = read_trace(write(tmp_path, "g.jsonl", json.dumps(row)))
+    assert t.prefix_blocks is None and ideal_hit_ratio(t) is None
+
+
+def test_a_spreadsheet_byte_order_mark_before_the_header_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "bom.csv"
+    path.write_bytes(b"\xef\xbb\xbfarrival_s,prompt_tokens,output_tokens\r\n0,5,5\r\n1,6,6\r\n")
+    assert read_trace(path).prompt.tolist() == [5, 6]
+
+
+def test_a_forced_format_reads_the_file_as_that_format(tmp_path: Path) -> None:
+    path = write(tmp_path, "x.txt", "arrival_s,prompt_tokens,output_tokens\n0,5,5\n")
+    assert len(read_trace(path, "csv")) == 1
+    with pytest.raises(TraceError, match=r"^x\.txt:1: expected the header TIMESTAMP"):
+        read_trace(path, "azure")
+
+
+def test_the_published_azure_trace_has_its_documented_requests_and_lengths() -> None:
+    t = read_trace(AZURE)
+    assert len(t) == 19_366
+    assert 3400 < t.duration < 3600  # one hour
+    assert np.percentile(t.prompt, [50, 95, 99]).round().tolist() == [1020, 4083, 4142]
+    assert np.percentile(t.output, [50, 95, 99]).round().tolist() == [129, 451, 601]
+    assert np.all(np.diff(t.arrival) >= 0)
+
+
+def test_the_published_mooncake_trace_has_its_documented_requests_and_prefix_ceiling() -> None:
+    t = read_trace(MOONCAKE)
+    assert len(t) == 3_993
+    assert t.duration == pytest.approx(1022, abs=1)
+    assert np.percentile(t.prompt, 50) == 11_587
+    hit = ideal_hit_ratio(t)
+    assert hit is not None and 0.64 <= hit <= 0.66
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "expected"),
+    [
+        ("wrong-header.csv", "time,prompt,output\n0,1,1\n",
+         r"^wrong-header\.csv:1: not a trace this reads"),
+        ("tokens.csv", "arrival_s,prompt_tokens,output_tokens\n0,5,5\n1,five,5\n",
+         r"^tokens\.csv:3: prompt_tokens must be an integer, got 'five'"),
+        ("zero.csv", "arrival_s,prompt_tokens,output_tokens\n0,5,5\n1,5,0\n",
+         r"^zero\.csv:3: output_tokens must be at least 1, got 0"),
+        ("time.csv", "arrival_s,prompt_tokens,output_tokens\nsoon,5,5\n",
+         r"^time\.csv:2: arrival time must be a number, got 'soon'"),
+        ("short.csv", "arrival_s,prompt_tokens,output_tokens\n0,5\n",
+         r"^short\.csv:2: expected 3 columns, got 2"),
+        ("stamp.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,3,4\n"
+         "16/11/2023 18:15,3,4\n", r"^stamp\.csv:3: TIMESTAMP must be YYYY-MM-DD HH:MM:SS"),
+        ("ids.jsonl", mooncake_line(0, 600, 1, [1, 2]) + "\n" + mooncake_line(5, 600, 1, [1, 2, 3]),
+         r"^ids\.jsonl:2: 3 hash_ids for 600 tokens \(expected ceil\(600 / 512\)\)"),
+        ("broken.jsonl", mooncake_line(0, 600, 1, [1, 2]) + "\n\n{\"timestamp\": 1,",
+         r"^broken\.jsonl:3: not JSON"),
+        ("list.jsonl", mooncake_line(0, 600, 1, [1, 2]) + "\n[1, 2]\n",
+         r"^list\.jsonl:2: expected a JSON object, got list"),
+        ("missing.jsonl", '{"timestamp": 0, "input_length": 5}\n',
+         r"^missing\.jsonl:1: missing 'output_length'"),
+        ("nan.jsonl", '{"arrival_s": NaN, "prompt_tokens": 5, "output_tokens": 5}\n',
+         r"^nan\.jsonl:1: arrival time must be finite"),
+        ("header-only.csv", "arrival_s,prompt_tokens,output_tokens\n",
+         r"^header-only\.csv: no requests"),
+        ("empty.csv", "", r"^empty\.csv: empty file"),
+    ],
+)  # fmt: skip
+def test_a_bad_file_names_the_file_the_line_and_the_reason(
+    tmp_path: Path, name: str, text: str, expected: str
+) -> None:
+    with pytest.raises(TraceError, match=expected):
+        read_trace(write(tmp_path, name, text))
+
+
+def test_a_missing_file_is_a_trace_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match=r"nowhere\.csv: cannot read"):
+        read_trace(tmp_path / "nowhere.csv")
+
+
+def test_a_binary_file_is_a_trace_error_not_a_crash(tmp_path: Path) -> None:
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00\x01")
+    with pytest.raises(TraceError, match=r"weights\.bin: cannot read"):
+        read_trace(path)
+
+
+def test_a_reader_reports_its_progress_in_lines(tmp_path: Path) -> None:
+    rows = "".join(f"{i * 0.01:.2f},10,10\n" for i in range(120_000))
+    path = write(tmp_path, "big.csv", "arrival_s,prompt_tokens,output_tokens\n" + rows)
+    seen: list[tuple[int, int]] = []
+    t = read_trace(path, progress=lambda done, total: seen.append((done, total)))
+    assert len(t) == 120_000
+    assert [d for d, _ in seen] == [50_000, 100_000]
+    assert all(total >= 120_001 for _, total in seen)
+
+
+def test_scaled_keeps_the_count_at_factor_one_and_doubles_it_at_two() -> None:
+    t = read_trace(AZURE)
+    once = scaled(t, 1.0, seed=1, jitter_seconds=5.0)
+    assert len(once) == len(t)
+    assert sorted(once.prompt.tolist()) == sorted(t.prompt.tolist())  # the same requests
+    assert np.all(np.diff(once.arrival) >= 0) and once.arrival[0] == 0.0
+    assert len(scaled(t, 2.0, seed=1, jitter_seconds=5.0)) == 2 * len(t)
+    half = len(scaled(t, 1.5, seed=1, jitter_seconds=5.0))
+    assert 1.45 * len(t) < half < 1.55 * len(t)
+
+
+def test_scaled_seeds_are_different_realizations_of_the_same_traffic() -> None:
+    t = read_trace(MOONCAKE)
+    a, b = scaled(t, 1.0, 1, 5.0), scaled(t, 1.0, 2, 5.0)
+    assert not np.array_equal(a.arrival, b.arrival)
+    assert a.prefix_blocks is not None and ideal_hit_ratio(a) == pytest.approx(
+        ideal_hit_ratio(t), abs=0.02
+    )
+    again = scaled(t, 1.0, 1, 5.0)
+    assert np.array_equal(a.arrival, again.arrival)
