@@ -45,17 +45,11 @@ test: lint unit e2e
 # Every bench runs even after a MISS; the target fails at the end naming those that missed.
 # Exit 77 is a bench that needs a GPU this machine lacks: reported, not a failure.
 bench: venv
-	@failed=""; for b in $(filter-out bench/verdicts.py,$(wildcard bench/*.py)); do \
-		echo "== $$b"; $(PY) $$b; rc=$$?; \
-		if [ $$rc = 77 ]; then echo "(skipped: $$b needs a GPU)"; \
+	@failed=""; for b in $(basename $(notdir $(filter-out bench/__init__.py bench/verdicts.py,$(wildcard bench/*.py)))); do \
+		echo "== bench.$$b"; $(PY) -m bench.$$b; rc=$$?; \
+		if [ $$rc = 77 ]; then echo "(skipped: bench.$$b needs a GPU)"; \
 		elif [ $$rc != 0 ]; then failed="$$failed $$b"; fi; done; \
 	if [ -n "$$failed" ]; then echo "MISS in:$$failed" >&2; exit 1; fi
-
-# Both images, built with no registry (mmdebstrap, buildah and podman from Debian: see
-# scripts/image.sh), run (the engine answers /health) and exported as OCI archives under
-# $(CACHE)/images. `make test` builds and runs the small one (tests/test_image.py).
-image: venv
-	@scripts/image.sh all
 
 # The chart ships its own copy (Helm installs charts/<name>/crds/); a test keeps them identical.
 crd: venv

@@ -13,7 +13,7 @@ abort while a step runs, and the KV-block-seconds integral.
 
 Target: the core at most 2x nano-vllm's lines. Exit 1 on a MISS.
 
-Run: .venv/bin/python bench/core_lines.py
+Run: .venv/bin/python -m bench.core_lines
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ hits both sides of a pair alike and a few disturbed pairs cannot move the median
 process is pinned to one core (no migration between the halves of a pair) and torch runs one
 thread. Neither the target nor the shapes were changed when this replaced a median of medians
 that missed 2 of 4 runs on a loaded 2-core host (1.54-1.55x).
-Usage: .venv/bin/python bench/cpu_attention.py [--threads N] [--reps N]
+Usage: .venv/bin/python -m bench.cpu_attention [--threads N] [--reps N]
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from verdicts import Verdicts
 
+from bench.verdicts import Verdicts
 from headroom.engine.attention import TorchBackend, allocate_layer_cache
 from headroom.engine.config import EngineConfig
 from headroom.engine.engine import Engine

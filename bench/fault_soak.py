@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from verdicts import Verdicts
 
 import headroom.engine.engine as engine_module
+from bench.verdicts import Verdicts
 from headroom.engine.async_engine import AsyncEngine
 from headroom.engine.config import EngineConfig
 from headroom.engine.engine import Engine

@@ -1,8 +1,8 @@
 """GPU kernel benchmark: correctness sweep and decode bandwidth of headroom's CUDA kernels.
 
-    .venv/bin/python bench/gpu_kernels.py                 # everything (under 5 minutes on an H200)
-    .venv/bin/python bench/gpu_kernels.py --quick         # fewer correctness shapes
-    .venv/bin/python bench/gpu_kernels.py --compile-only  # what needs no GPU (NVRTC and ptxas)
+    .venv/bin/python -m bench.gpu_kernels                 # everything (under 5 minutes on an H200)
+    .venv/bin/python -m bench.gpu_kernels --quick         # fewer correctness shapes
+    .venv/bin/python -m bench.gpu_kernels --compile-only  # what needs no GPU (NVRTC and ptxas)
 
 Always prints the NVRTC/ptxas table first, which needs no GPU: compile warnings for
 compute_80/89/90 and each kernel's registers and spill bytes from ptxas for sm_80, sm_89 and
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from verdicts import Verdicts
 
+from bench.verdicts import Verdicts
 from headroom.engine.attention import cuda_backend as cb
 from headroom.engine.attention.base import KVDtype, LayerKVCache, allocate_layer_cache
 from headroom.engine.kernels import compile as kc

@@ -16,7 +16,7 @@ jobs on a shared host disturb it far less than wall time; wall-clock tokens/s ar
 Target: headroom >= 4x the Hugging Face pipeline. An informational row runs headroom with
 prefix caching on and off on requests of which 75 % share a 256-token prefix.
 
-    .venv/bin/python bench/hf_pipeline.py [--requests 256] [--rounds 4] [--no-prefix]
+    .venv/bin/python -m bench.hf_pipeline [--requests 256] [--rounds 4] [--no-prefix]
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from verdicts import Verdicts
 
+from bench.verdicts import Verdicts
 from headroom.engine.config import EngineConfig
 from headroom.engine.engine import Engine
 from headroom.engine.sampling import SamplingParams

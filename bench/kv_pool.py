@@ -4,7 +4,7 @@ Every figure is the best of several repeats (the least disturbed by other proces
 shared machine). The scheduler figure is one `schedule()` plus one `update()` with 256 running
 decodes whose sampled tokens come back at once, i.e. the engine's per-step bookkeeping.
 
-Run: .venv/bin/python bench/kv_pool.py [--repeats R]
+Run: .venv/bin/python -m bench.kv_pool [--repeats R]
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import random
 import time
 from collections.abc import Callable
 
-from verdicts import Verdicts
-
+from bench.verdicts import Verdicts
 from headroom.engine.block_pool import BlockPool
 from headroom.engine.config import EngineConfig
 from headroom.engine.prefix_cache import ROOT_REF, PrefixCache, extend_block_hashes

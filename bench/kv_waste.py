@@ -11,7 +11,7 @@ step; peak concurrency is the most sequences running at once.
 - paged: the real `headroom.engine.scheduler.Scheduler` (blocks of 16 tokens, chunked prefill,
   preemption by recompute), with a stand-in model that returns a token per sampling sequence.
 
-Run: .venv/bin/python bench/kv_waste.py [--requests N] [--seed S]
+Run: .venv/bin/python -m bench.kv_waste [--requests N] [--seed S]
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from verdicts import Verdicts
-
+from bench.verdicts import Verdicts
 from headroom.engine.config import EngineConfig
 from headroom.engine.scheduler import Scheduler
 from headroom.engine.sequence import Sequence

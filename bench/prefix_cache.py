@@ -18,7 +18,7 @@ thread, and are pinned to one core, the load client to the other (same-core inte
 the client and idle OpenMP workers is what made the single runs swing). Neither target was
 loosened.
 
-    .venv/bin/python bench/prefix_cache.py
+    .venv/bin/python -m bench.prefix_cache
 """
 
 from __future__ import annotations
@@ -35,14 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from verdicts import Verdicts
-
+from bench.verdicts import Verdicts
 from headroom.engine.loadgen.client import LoadResult, Target, run_load
 from headroom.engine.loadgen.stats import LoadSummary, summarize
 from headroom.engine.loadgen.workload import LengthDist, WorkloadSpec
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from engine_process import ServerProcess
+from tests.engine_process import ServerProcess
 
 SHARED_REQUESTS = 64
 PREFIX_TOKENS = 1024

@@ -20,7 +20,7 @@ Targets: hit ratio at least 90 % of the ceiling with the large pool; mean TTFT l
 caching on. Fixed here before any result: model tiny, 16-token blocks, 512 -> 16 tokens,
 every request, 16 in flight, pools of 48,000 and 8,000 blocks.
 
-    .venv/bin/python bench/prefix_trace.py [--trace PATH] [--requests N]
+    .venv/bin/python -m bench.prefix_trace [--trace PATH] [--requests N]
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from verdicts import Verdicts
 
+from bench.verdicts import Verdicts
 from headroom.engine.config import EngineConfig
 from headroom.engine.engine import Engine
 from headroom.engine.sampling import SamplingParams

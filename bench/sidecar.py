@@ -1,6 +1,6 @@
 """Sidecar benchmark: /metrics render time, CPU use at 1 s polling, forecast accuracy.
 
-    .venv/bin/python bench/sidecar.py [--cpu-seconds 20] [--seeds 20]
+    .venv/bin/python -m bench.sidecar [--cpu-seconds 20] [--seeds 20]
 
 1. Render: `generate_latest` on the sidecar's registry with a full window of samples and both
    latency histograms, for a headroom and a vLLM source (target: p99 <= 5 ms).
@@ -34,8 +34,8 @@ from pathlib import Path
 
 from aiohttp import ClientSession, web
 from prometheus_client import generate_latest
-from verdicts import Verdicts
 
+from bench.verdicts import Verdicts
 from headroom.contract.forecast import forecast_saturation
 from headroom.sidecar.collector import SidecarCollector, make_registry
 from headroom.sidecar.config import SidecarConfig

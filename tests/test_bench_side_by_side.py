@@ -9,18 +9,20 @@ from types import ModuleType
 
 import pytest
 import torch
-from bench_loader import load_bench
 
 from headroom.engine.attention import TorchBackend, allocate_layer_cache
 
 
 @pytest.fixture(scope="module")
 def trace_bench() -> ModuleType:
-    return load_bench("prefix_trace")
+    from bench import prefix_trace
+
+    return prefix_trace
 
 
 def test_paged_attention_row_is_a_median_of_paired_ratios() -> None:
-    bench = load_bench("cpu_attention")
+    from bench import cpu_attention as bench
+
     ratio, paged_ms, dense_ms, diff = bench.attention_row(
         [64, 48, 33], 3, torch.Generator().manual_seed(0)
     )
@@ -74,7 +76,8 @@ def test_a_short_replay_one_at_a_time_finds_every_shared_prefix(
 def test_the_hf_pipeline_counts_only_useful_tokens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    bench = load_bench("hf_pipeline")
+    from bench import hf_pipeline as bench
+
     monkeypatch.setattr(bench, "MAX_PROMPT", 80)
     monkeypatch.setattr(bench, "MAX_OUTPUT", 40)
     bench.write_model(tmp_path)
@@ -93,7 +96,8 @@ def test_the_hf_pipeline_counts_only_useful_tokens(
 
 
 def test_kernel_precision_emulation_is_close_and_bf16_accumulation_is_not() -> None:
-    bench = load_bench("kv_quant_quality")
+    from bench import kv_quant_quality as bench
+
     gen = torch.Generator().manual_seed(0)
     cache = allocate_layer_cache(64, 16, 2, 64, torch.float32)
     cache.key.normal_(generator=gen)

@@ -15,7 +15,6 @@ import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
-from bench_loader import load_bench
 
 import headroom.engine.engine as engine_module
 from headroom.engine.async_engine import AsyncEngine, EngineClosed
@@ -304,7 +303,8 @@ async def test_server_maps_failures_and_an_unhealthy_engine_fails_its_probes(
 
 def test_the_soak_bench_leaks_nothing_and_grades_a_leak() -> None:
     """bench/fault_soak.py, short: faults injected, 0 leaked blocks, exit 0; a leak is a MISS."""
-    soak = load_bench("fault_soak")
+    from bench import fault_soak as soak
+
     result = asyncio.run(soak.soak_one(seed=3, requests=30, concurrency=6, p=0.03))
     assert sum(result.injected.values()) > 0 and result.errors
     assert result.leaked_blocks == 0 and result.after_ok

@@ -9,7 +9,6 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from bench_loader import load_bench
 
 from headroom.engine.attention import cuda_backend as cb
 from headroom.engine.kernels import compile as kc
@@ -146,7 +145,9 @@ def test_spill_bytes_are_what_the_readme_states(
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    return load_bench("gpu_kernels")
+    from bench import gpu_kernels
+
+    return gpu_kernels
 
 
 def _fake_toolchain(monkeypatch: pytest.MonkeyPatch, spills: dict[tuple[str, str], int]) -> None:

@@ -34,7 +34,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from bench_loader import load_bench
 
 from headroom.engine.attention import cuda_backend as cb
 from headroom.engine.attention.base import LayerKVCache, allocate_layer_cache
@@ -822,7 +821,8 @@ def test_bench_correctness_sweep_runs_on_the_emulator(
 ) -> None:
     """bench/gpu_kernels.py's sweep end to end (write_kv-filled caches, three partitionings,
     prefill), shrunk to CPU size, so a GPU session does not find its bugs first."""
-    bench = load_bench("gpu_kernels")
+    from bench import gpu_kernels as bench
+
     backend = cb.CudaBackend(runtime=EmulatedRuntime(emulator))
     verdicts = bench.Verdicts()
     ok = bench.correctness(

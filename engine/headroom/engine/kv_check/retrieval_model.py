@@ -2,19 +2,26 @@
 `bench/kv_quant_quality.py` run, because a random model retrieves nothing.
 
 The task is associative recall in the needle's own words (`needle.NEEDLE`, `needle.QUESTION`):
-facts "the pass key for KEY is VALUE ." scattered through filler, then questions about some
-of them, answered by the value. The filler is a Markov chain over pseudo-words (each word has
-four likely successors), so next-token predictions on the filler are confident and top-1
-agreement between two KV dtypes means something. Vocabulary: one word per token
-(a `tokenizers` WordLevel model, lower-cased), written as `tokenizer.json` for the engine.
+facts "the pass key for KEY is VALUE ." scattered through filler, then questions about each,
+answered by the value. The filler is a Markov chain over pseudo-words (each word has four
+likely successors), so next-token predictions on the filler are confident and top-1 agreement
+between two KV dtypes means something. Vocabulary: one word per token (a `tokenizers`
+WordLevel model, lower-cased) except that "KEY is" is one token, as a BPE merge would make
+it, so the answer is the token after the one the question ends with; written as
+`tokenizer.json` for the engine.
+
+Architecture: Llama, 2 layers, hidden 128, 2 heads of 64 (the CUDA kernels' head size),
+RoPE theta 1e6, so the rotary pairs a content match uses turn less than 0.03 rad over 16k
+tokens. The mechanics of the lookup are built in before training (`warm_start`): what to
+look up is learnt (600 steps of 16 sequences growing from 96 to 768 tokens, about 5 minutes
+on a busy 2-core machine). It then answers 100 % of needles up to 4k tokens, 95 % at 8k and
+about half at 16k, longer than anything it was trained on.
 
 Training is deterministic (fixed seeds, one thread, `torch.use_deterministic_algorithms`):
 the same code and config give the same weights, cached under
-`$HEADROOM_CACHE/models/retrieval-<digest>` (digest of this file and the needle module).
-It needs `transformers` (the dev extra): `LlamaForCausalLM` trains it and writes the
-Hugging Face checkpoint the engine's loader reads. RoPE theta is large (1e8) so most rotary
-dimensions barely turn over 16k tokens: the content match that finds a fact does not depend
-on its distance, and retrieval trained at <= 768 tokens carries to longer contexts.
+`$HEADROOM_CACHE/models/retrieval-<digest>` (digest of this file, the needle module and the
+config). It needs `transformers` (the dev extra): `LlamaForCausalLM` trains it and writes
+the Hugging Face checkpoint the engine's loader reads.
 """
 
 from __future__ import annotations
@@ -133,7 +140,7 @@ class Language:
     def sample(self, length: int, rng: random.Random) -> tuple[list[int], list[int]]:
         """One training sequence of `length` tokens and the positions of its answer tokens
         (the value after each question)."""
-        # A fact and its question take 24 tokens: up to 60 % of the sequence, at most 12.
+        # A fact, its question and answer take 22 tokens: up to 60 % of the sequence, 12 at most.
         n_facts = rng.randint(1, max(1, min(12, (length * 6 // 10) // 24)))
         keys = rng.sample(self.keys, n_facts)
         facts = [(k, rng.choice(self.values)) for k in keys]
