@@ -41,7 +41,8 @@ from headroom.engine.config import EngineConfig
 from headroom.engine.engine import Engine
 from headroom.engine.sampling import SamplingParams
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake-synthetic.jsonl"
+# The committed copy of ../shared/traces/mooncake-synthetic.jsonl (bench/traces/README.md).
+TRACE = Path(__file__).resolve().parent / "traces" / "mooncake-synthetic.jsonl"
 TRACE_BLOCK = 512
 SCALE_TOKENS = 16
 BLOCK = 16
@@ -165,7 +166,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=REQUESTS)
     args = ap.parse_args()
     if not args.trace.is_file():
-        print(f"trace {args.trace} not found (see ../shared/traces/README.md)", file=sys.stderr)
+        print(f"trace {args.trace} not found (see bench/traces/README.md)", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     rows = read_trace(args.trace)
