@@ -51,6 +51,12 @@ bench: venv
 		elif [ $$rc != 0 ]; then failed="$$failed $$b"; fi; done; \
 	if [ -n "$$failed" ]; then echo "MISS in:$$failed" >&2; exit 1; fi
 
+# Both images, built with no registry (mmdebstrap, buildah and podman from Debian: see
+# scripts/image.sh), run (the engine answers /health) and exported as OCI archives under
+# $(CACHE)/images. `make test` builds and runs the small one (tests/test_image.py).
+image: venv
+	@scripts/image.sh all
+
 # The chart ships its own copy (Helm installs charts/<name>/crds/); a test keeps them identical.
 crd: venv
 	$(VENV)/bin/headroom crd > crds/inferencedeployment.yaml
