@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from headroom.operator.reconcile.apply_errors import permanent_apply_error
+from headroom.operator.reconcile.apply_errors import namespace_terminating, permanent_apply_error
 
 # (status, message) pairs as kube-apiserver 1.36 answers a server-side apply (recorded from the
 # test control plane; test_operator_cluster_apply_errors.py checks them against the real one).
@@ -47,3 +47,17 @@ def test_it_takes_the_operators_error_fields() -> None:
     status, message = PERMANENT[0]
     exc = KubeError(status, "InternalError", message)
     assert permanent_apply_error(exc.status, exc.message)
+
+
+# kube-apiserver's NamespaceLifecycle answer to an apply into a namespace being deleted.
+TERMINATING = (
+    'deployments.apps "r0" is forbidden: unable to create new content in namespace t-1 '
+    "because it is being terminated"
+)
+
+
+def test_a_namespace_being_deleted_is_neither_a_denial_nor_an_invalid_object() -> None:
+    assert namespace_terminating(403, TERMINATING)
+    assert not permanent_apply_error(403, TERMINATING)
+    for status, message in TRANSIENT + PERMANENT:
+        assert not namespace_terminating(status, message)

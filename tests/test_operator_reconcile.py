@@ -472,3 +472,31 @@ async def test_a_scaling_tick_that_hits_the_api_logs_one_line(
     assert memory == Memory()  # nothing decided, nothing forgotten
     (record,) = [r for r in caplog.records if "scaling ns/chat" in r.getMessage()]
     assert "503" in record.getMessage() and record.exc_info is None
+
+
+async def test_a_reconcile_in_a_namespace_being_deleted_is_quiet_and_final(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The drift watch sees the namespace's deletion remove the Deployment; re-applying it gets
+    NamespaceLifecycle's 403. That is no RBAC denial: one info line, no retry, no status."""
+    import kopf
+
+    from headroom.operator.handlers import Context, Options, _reconcile
+
+    kube, b = await created(SPEC)
+    kube.fail_kinds["Deployment"] = KubeError(
+        403, "Forbidden", 'deployments.apps "chat" is forbidden: unable to create new content '
+        "in namespace ns because it is being terminated"
+    )  # fmt: skip
+    ctx = Context(Options(), kube)  # type: ignore[arg-type]
+    with caplog.at_level("INFO", logger="headroom.operator"):
+        await _reconcile(ctx, b)  # no kopf.TemporaryError: nothing to retry
+    assert kube.statuses == []
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("namespace is being deleted" in m for m in lines), lines
+    assert not any("forbidden" in m.lower() or "403" in m for m in lines), lines
+    assert all(r.levelname == "INFO" for r in caplog.records)
+    # Any other 403 is still a denial, retried and reported.
+    kube.fail_kinds["Deployment"] = KubeError(403, "Forbidden", "cannot patch deployments")
+    with pytest.raises(kopf.TemporaryError, match="403"):
+        await _reconcile(ctx, b)

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, IPvAnyAddress
 from headroom.contract.ports import SIDECAR_PORT
 from headroom.operator.crd.models import GROUP, KIND, PLURAL, VERSION
 from headroom.operator.kube import Kube, KubeError, owner_of, with_retries
-from headroom.operator.reconcile.apply_errors import permanent_apply_error
+from headroom.operator.reconcile.apply_errors import namespace_terminating, permanent_apply_error
 from headroom.operator.reconcile.children import SELECTOR_LABEL, render
 from headroom.operator.reconcile.loop import apply_failed, reconcile
 from headroom.operator.reconcile.sizing import Parsed, parse
@@ -134,6 +134,12 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> None:
     try:
         outcome = await asyncio.to_thread(reconcile, ctx.kube, body, ctx.clock())
     except KubeError as exc:
+        meta = body["metadata"]
+        if namespace_terminating(exc.status, exc.message):
+            # Not a denial: the namespace (and the children with it) is going away.
+            log.info("%s/%s: the namespace is being deleted, nothing to apply",
+                     meta.get("namespace"), meta.get("name"))  # fmt: skip
+            return
         ctx.metrics.reconciles.labels("error").inc()
         if not permanent_apply_error(exc.status, exc.message):
             raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=5) from None

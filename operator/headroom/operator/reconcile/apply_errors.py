@@ -7,6 +7,9 @@ few seconds forever. kube-apiserver answers most invalid objects with 422 (a Ser
 "lots") comes back as 500 "failed to convert new object ... unable to convert unstructured
 object", which is no outage. Conflicts, throttling, outages, RBAC (403) and a missing namespace
 (404) are fixed elsewhere and stay retryable.
+
+One 403 is neither: the namespace is being deleted, and its lifecycle admission refuses every
+new object in it. The children go with the namespace; there is nothing to apply or retry.
 """
 
 from __future__ import annotations
@@ -21,3 +24,12 @@ def permanent_apply_error(status: int, message: str) -> bool:
     if status in INVALID_STATUSES:
         return True
     return status == 500 and any(m in message for m in _CONVERSION_FAILURES)
+
+
+# NamespaceLifecycle's answer to a create in a namespace being deleted (a 403 with this text).
+_TERMINATING = "because it is being terminated"
+
+
+def namespace_terminating(status: int, message: str) -> bool:
+    """True when the apply was refused because its namespace is being deleted."""
+    return status == 403 and _TERMINATING in message
