@@ -10,14 +10,8 @@ command -v podman >/dev/null || need+=(podman)
 command -v runc >/dev/null || need+=(runc)
 command -v newuidmap >/dev/null || need+=(uidmap)
 if [ ${#need[@]} -gt 0 ]; then
-  echo "headroom: installing ${need[*]} from Debian" >&2
-  export DEBIAN_FRONTEND=noninteractive
-  sudo_cmd=""
-  [ "$(id -u)" = 0 ] || sudo_cmd=sudo
-  $sudo_cmd apt-get update -qq >/dev/null
-  $sudo_cmd apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  # shellcheck source=scripts/debian.sh
+  . "$(dirname "$0")/debian.sh"
   # The podman package enables a socket and restart units; the scripts run podman directly.
-  for unit in podman.socket podman.service podman-restart.service; do
-    $sudo_cmd systemctl disable --now "$unit" >/dev/null 2>&1 || true
-  done
+  debian_install "${need[*]}" "podman.socket podman.service podman-restart.service"
 fi

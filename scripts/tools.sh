@@ -9,15 +9,8 @@ command -v openssl >/dev/null || need+=(openssl)
 command -v curl >/dev/null || need+=(curl)
 command -v g++ >/dev/null || need+=(g++)
 if [ ${#need[@]} -gt 0 ]; then
-  echo "headroom: installing ${need[*]} from Debian" >&2
-  export DEBIAN_FRONTEND=noninteractive
-  sudo_cmd=""
-  [ "$(id -u)" = 0 ] || sudo_cmd=sudo
-  $sudo_cmd apt-get update -qq >/dev/null
+  # shellcheck source=scripts/debian.sh
+  . "$(dirname "$0")/debian.sh"
   # The prometheus package starts a system service by default; the tests start their own.
-  $sudo_cmd apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-  for svc in prometheus; do
-    $sudo_cmd systemctl disable --now "$svc" >/dev/null 2>&1 || true
-    $sudo_cmd pkill -x "$svc" >/dev/null 2>&1 || true
-  done
+  debian_install "${need[*]}" prometheus
 fi
