@@ -116,8 +116,12 @@ class Claim:
     text: str
 
 
-def cost_claim(head: list[Point], hpa: list[Point], hpa_name: str) -> Claim:
-    """headroom's cheapest serving setting costs <= VS_HPA x the HPA's."""
+def cost_claim(
+    head: list[Point], hpa: list[Point], hpa_name: str, oracle: list[Point] | None = None
+) -> Claim:
+    """headroom's cheapest serving setting costs <= VS_HPA x the HPA's. With the oracle's
+    points, the text also says how far perfect foresight gets against the same HPA: a bound
+    below that is one no policy in this world can meet (the verdict stands either way)."""
     h, b = cheapest_serving(head), cheapest_serving(hpa)
     if h is None:
         what = "none" if b is None else f"{b.cost:.2f} GPU-h @{b.target:.2f}"
@@ -125,11 +129,17 @@ def cost_claim(head: list[Point], hpa: list[Point], hpa_name: str) -> Claim:
     if b is None:
         return Claim(True, f"headroom {h.cost:.2f} GPU-h @{h.target:.2f}; {hpa_name} has none")
     ratio = h.cost / b.cost
-    return Claim(
-        ratio <= VS_HPA,
+    text = (
         f"headroom {h.cost:.2f} GPU-h @{h.target:.2f} vs {hpa_name} {b.cost:.2f} @{b.target:.2f}"
-        f" = {ratio:.2f}x (<= {VS_HPA:.2f}x)",
+        f" = {ratio:.2f}x (<= {VS_HPA:.2f}x)"
     )
+    o = cheapest_serving(oracle) if oracle else None
+    if o is not None:
+        reach = o.cost / b.cost
+        text += f"; the oracle's cheapest serving setting is {reach:.2f}x" + (
+            ": even its foresight does not reach the bound here" if reach > VS_HPA else ""
+        )
+    return Claim(ratio <= VS_HPA, text)
 
 
 def oracle_claim(head: list[Point], oracle: list[Point]) -> Claim:

@@ -87,8 +87,8 @@ def verdicts(runs: list[Run], traces: Sequence[BenchTrace]) -> tuple[list[str], 
         head = by["headroom"]
         cells = []
         for label in ("headroom", *BASELINES):
-            c = cheapest_serving(by[label])
-            cells.append(f"{c.cost:.2f} @{c.target:.2f}" if c else "none")
+            cs = cheapest_serving(by[label])
+            cells.append(f"{cs.cost:.2f} @{cs.target:.2f}" if cs else "none")
         o = cheapest_zero(by["oracle"])
         cells.append(f"{o.cost:.2f} @{o.target:.2f}" if o else "none")
         h = cheapest_serving(head)
@@ -103,7 +103,7 @@ def verdicts(runs: list[Run], traces: Sequence[BenchTrace]) -> tuple[list[str], 
         graded = bt.name in COST_GRADED
         for base in BASELINES:
             if graded:
-                c = cost_claim(head, by[base], base)
+                c = cost_claim(head, by[base], base, by["oracle"])
                 out.append(
                     f"{bt.name}: cost vs {base}: {v(c.ok, f'{bt.name} cost vs {base}')}: {c.text}"
                 )

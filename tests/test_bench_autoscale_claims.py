@@ -1,0 +1,89 @@
+"""The autoscaling bench's grading: frontiers, serving settings and the claims' verdicts."""
+
+from __future__ import annotations
+
+import math
+
+from bench.autoscale.frontier import (
+    Point,
+    Run,
+    at,
+    cheapest_serving,
+    cost_claim,
+    frontier,
+    frontier_claim,
+)
+
+
+def _point(policy: str, target: float, cost: float, seconds: list[float]) -> Point:
+    runs = tuple(
+        Run(
+            limited_seconds=s,
+            saturated_seconds=0.0,
+            queued_seconds=s,
+            preemptions=0,
+            gpu_hours=cost,
+            actions=1,
+            peak_replicas=2,
+            rejected=0,
+            trace="t",
+            policy=policy,
+            target=target,
+            seed=i,
+        )
+        for i, s in enumerate(seconds)
+    )
+    return Point(policy, target, runs)
+
+
+def test_serving_needs_the_median_and_the_worst_seed_under_their_bounds() -> None:
+    assert _point("h", 0.5, 1.0, [0, 10, 30]).serves
+    assert not _point("h", 0.5, 1.0, [0, 31, 31]).serves  # median 31 s
+    assert not _point("h", 0.5, 1.0, [0, 0, 121]).serves  # one seed at 121 s
+    pts = [_point("h", 0.9, 1.0, [40]), _point("h", 0.7, 2.0, [5]), _point("h", 0.5, 3.0, [0])]
+    best = cheapest_serving(pts)
+    assert best is not None and best.target == 0.7
+
+
+def test_the_frontier_keeps_only_settings_that_beat_every_cheaper_one() -> None:
+    pts = [
+        _point("h", 0.9, 1.0, [100]),
+        _point("h", 0.8, 2.0, [150]),  # dearer and worse: off the frontier
+        _point("h", 0.7, 3.0, [10]),
+    ]
+    assert [p.target for p in frontier(pts)] == [0.9, 0.7]
+    assert at(frontier(pts), 0.5) == math.inf
+    assert at(frontier(pts), 2.5) == 100
+
+
+def test_cost_claim_compares_cheapest_serving_settings_and_names_the_oracles_reach() -> None:
+    head = [_point("headroom", 0.8, 8.0, [0]), _point("headroom", 0.5, 6.0, [50])]
+    hpa = [_point("hpa", 0.7, 10.0, [0])]
+    ok = cost_claim(head, hpa, "hpa")
+    assert ok.ok and "0.80x" in ok.text
+    dear = cost_claim([_point("headroom", 0.8, 9.0, [0])], hpa, "hpa")
+    assert not dear.ok and "0.90x" in dear.text
+    oracle = [_point("oracle", 0.9, 8.8, [0]), _point("oracle", 0.99, 7.0, [200])]
+    with_oracle = cost_claim([_point("headroom", 0.8, 9.0, [0])], hpa, "hpa", oracle)
+    assert not with_oracle.ok  # context never changes a verdict
+    assert "oracle's cheapest serving setting is 0.88x" in with_oracle.text
+    assert "even its foresight does not reach" in with_oracle.text
+    reachable = cost_claim(head, hpa, "hpa", [_point("oracle", 0.9, 7.0, [0])])
+    assert "0.70x" in reachable.text and "does not reach" not in reachable.text
+
+
+def test_cost_claim_without_a_serving_headroom_setting_is_a_miss() -> None:
+    c = cost_claim([_point("headroom", 0.5, 1.0, [40])], [], "hpa")
+    assert not c.ok and "no serving setting" in c.text
+    c = cost_claim([_point("headroom", 0.5, 1.0, [0])], [_point("hpa", 0.5, 1.0, [900])], "hpa")
+    assert c.ok and "has none" in c.text
+
+
+def test_frontier_claim_misses_where_the_hpa_is_cheaper_and_under_the_ceiling() -> None:
+    head = [_point("headroom", 0.5, 5.0, [0])]
+    cheap_hpa = [_point("hpa", 0.9, 4.0, [300]), _point("hpa", 0.5, 6.0, [100])]
+    c = frontier_claim(head, cheap_hpa, "hpa")
+    assert not c.ok and "above at 4.00 GPU-h" in c.text
+    over_ceiling = [_point("hpa", 0.9, 4.0, [900]), _point("hpa", 0.5, 6.0, [100])]
+    c = frontier_claim(head, over_ceiling, "hpa")
+    assert c.ok and "100% below" in c.text
