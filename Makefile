@@ -30,7 +30,7 @@ demo: venv
 lint: venv
 	$(VENV)/bin/ruff check contract engine sidecar operator tests bench e2e scripts
 	$(VENV)/bin/ruff format --check contract engine sidecar operator tests bench e2e scripts
-	$(VENV)/bin/mypy contract/headroom engine/headroom sidecar/headroom operator/headroom scripts/demo.py
+	$(VENV)/bin/mypy contract/headroom engine/headroom sidecar/headroom operator/headroom bench scripts/demo.py
 
 # Debian packages the tests use (Prometheus and promtool, etcd); idempotent and quiet when present.
 tools:

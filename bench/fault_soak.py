@@ -69,15 +69,16 @@ class Faults:
 def injected(engine: Engine, faults: Faults) -> Iterator[None]:
     """Install the fault hooks on `engine` (and the detokenizer class) for the block's length."""
     runner, real_execute = engine.runner, engine.runner.execute
-    real_sample, real_add = engine_module.sample_rows, IncrementalDetokenizer.add
+    # The engine calls sample_rows through its own module's name, so that is where it is hooked.
+    real_sample, real_add = engine_module.sample_rows, IncrementalDetokenizer.add  # type: ignore[attr-defined]
     runner.execute = faults.wrap("forward", faults.p_forward, real_execute)  # type: ignore[method-assign]
-    engine_module.sample_rows = faults.wrap("sample", faults.p_sample, real_sample)
+    engine_module.sample_rows = faults.wrap("sample", faults.p_sample, real_sample)  # type: ignore[attr-defined]
     IncrementalDetokenizer.add = faults.wrap("decode", faults.p_decode, real_add)  # type: ignore[method-assign]
     try:
         yield
     finally:
         runner.execute = real_execute  # type: ignore[method-assign]
-        engine_module.sample_rows = real_sample
+        engine_module.sample_rows = real_sample  # type: ignore[attr-defined]
         IncrementalDetokenizer.add = real_add  # type: ignore[method-assign]
 
 

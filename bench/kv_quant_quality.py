@@ -41,11 +41,12 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from bench.verdicts import Verdicts
-from headroom.engine.attention import TorchBackend, allocate_layer_cache
+from headroom.engine.attention import AttentionBackend, TorchBackend, allocate_layer_cache
 from headroom.engine.attention.base import LayerKVCache
 from headroom.engine.model import ModelConfig, build_forward_batch, build_tiny, tiny_config
 from headroom.engine.model.config import RopeConfig
@@ -122,15 +123,25 @@ class ShadowBackend:
     def prefill(self, query, cache, qsl, seq_lens, tables, scale, **kw):  # type: ignore[no-untyped-def]
         return self.inner.prefill(query, cache, qsl, seq_lens, tables, scale, **kw)
 
-    def decode(self, query, cache, seq_lens, tables, scale, **kw):  # type: ignore[no-untyped-def]
-        ref = self.inner.decode(query, cache, seq_lens, tables, scale, **kw)
+    def decode(
+        self,
+        query: torch.Tensor,
+        cache: LayerKVCache,
+        seq_lens: torch.Tensor,
+        tables: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        ref = self.inner.decode(query, cache, seq_lens, tables, scale, sliding_window)
         if self.record:
             layer = self.layer_of[id(cache)]
             for row, caches in self.shadows.items():
                 if row == "fp8-bf16acc":
                     out = _naive_bf16_decode(query, caches[layer], seq_lens, tables, scale)
                 else:
-                    out = self.inner.decode(query, caches[layer], seq_lens, tables, scale, **kw)
+                    out = self.inner.decode(
+                        query, caches[layer], seq_lens, tables, scale, sliding_window
+                    )
                 self.sq_err[row] = self.sq_err.get(row, 0.0) + float((out - ref).pow(2).sum())
                 self.sq_ref[row] = self.sq_ref.get(row, 0.0) + float(ref.pow(2).sum())
         return ref
@@ -142,7 +153,7 @@ class ShadowBackend:
 def _run(
     model: LlamaForCausalLM,
     caches: list[LayerKVCache],
-    backend,
+    backend: AttentionBackend | ShadowBackend,
     tokens: list[int],
     prefill: int,
     shadow: ShadowBackend | None = None,
@@ -242,8 +253,17 @@ class PrecisionBackend(TorchBackend):
         self.mode = mode
         self.name = f"torch-{mode}"
 
-    def prefill(self, query, cache, qsl, seq_lens, tables, scale, **kw):  # type: ignore[no-untyped-def]
-        out = super().prefill(query, cache, qsl, seq_lens, tables, scale, **kw)
+    def prefill(
+        self,
+        query: torch.Tensor,
+        cache: LayerKVCache,
+        qsl: torch.Tensor,
+        seq_lens: torch.Tensor,
+        tables: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        out = super().prefill(query, cache, qsl, seq_lens, tables, scale, sliding_window)
         starts, lens = qsl.tolist(), seq_lens.tolist()
         for i, ctx in enumerate(lens):
             if starts[i + 1] > starts[i]:
@@ -251,7 +271,15 @@ class PrecisionBackend(TorchBackend):
                 out[last] = self._row(query[last], cache, tables[i], ctx, scale).to(out.dtype)
         return out
 
-    def decode(self, query, cache, seq_lens, tables, scale, **kw):  # type: ignore[no-untyped-def]
+    def decode(
+        self,
+        query: torch.Tensor,
+        cache: LayerKVCache,
+        seq_lens: torch.Tensor,
+        tables: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
         rows = [
             self._row(query[i], cache, tables[i], n, scale) for i, n in enumerate(seq_lens.tolist())
         ]
@@ -299,7 +327,7 @@ def scaled_keys(model: LlamaForCausalLM, factor: float) -> LlamaForCausalLM:
 
     out = copy.deepcopy(model)
     with torch.no_grad():
-        attn = out.model.layers[-1].self_attn
+        attn: Any = out.model.layers[-1].self_attn  # torch types submodules as Tensor | Module
         q, kv = attn.q_size, attn.kv_size
         attn.qkv_proj.weight[:q] /= factor
         attn.qkv_proj.weight[q : q + kv] *= factor
@@ -372,12 +400,12 @@ def retrieval(contexts: tuple[int, ...], verdict: Verdicts) -> list[str]:
         got = scores[row.label]
         if row.label.startswith("auto"):
             short = [x for c, x in zip(contexts, got, strict=True) if c <= 1024]
-            ok = bool(short) and min(short) >= RETRIEVES
+            holds = bool(short) and min(short) >= RETRIEVES
             target = f">= {RETRIEVES:.1f} at <= 1k"
         else:
-            ok = all(x >= a - NEEDLE_DROP for x, a in zip(got, auto, strict=True))
+            holds = all(x >= a - NEEDLE_DROP for x, a in zip(got, auto, strict=True))
             target = f"within {NEEDLE_DROP} of auto"
-        result = verdict(ok, f"retrieval: {row.label}", informational=not row.graded)
+        result = verdict(holds, f"retrieval: {row.label}", informational=not row.graded)
         lines.append(
             f"{row.label:<28}" + "".join(f"{x:7.2f}" for x in got) + f"   {target}  {result}"
         )

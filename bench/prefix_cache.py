@@ -252,8 +252,8 @@ def main() -> int:
         "prefix caching on vs off, tiny model over HTTP (headroom serve + headroom load), "
         f"1 torch thread per server, servers on CPU {server_cpu}, client on CPU {client_cpu}"
     )
-    for r in (header, *rows):
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    for line in (header, *rows):
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"({errors} request errors; {tpw:.2f} tokens/word; load average {load:.1f}; "
           f"{time.monotonic() - t0:.0f}s)")  # fmt: skip
