@@ -42,7 +42,7 @@ def setup_lines(
         )
     lines += [
         f"pods serve {shape_for(traces[0].spec).pod_start:.0f} s after being asked for; "
-        f"decisions every {TICK:.0f} s, simulated in {DT:.0f} s steps; every policy observes a "
+        f"decisions every {TICK:.0f} s, simulated in {DT:g} s steps; every policy observes a "
         "600 s warm-up (the trace's opening) and acts on nothing during it",
         f"every (trace, policy, target) on the same {len(seeds)} seeds ({seeds[0]}..{seeds[-1]}); "
         f"targets {grid[0]:.2f}..{grid[-1]:.2f} for every policy (the oracle also 0.96-0.99)",
