@@ -224,6 +224,24 @@ def test_a_mix_of_pods_with_and_without_counters_falls_back_to_the_kv_in_use() -
     assert d.figures.demand_blocks == pytest.approx(800) and d.figures.arrival_rate is None
 
 
+def test_a_new_pod_without_counters_holds_the_measured_demand_not_the_backlog() -> None:
+    # Demand measured at 1,200 blocks until the last decision; now a new pod reports no
+    # counters yet while 16 requests (800 blocks) wait at the door for the pods on the way.
+    # The series holds 1,200 rather than take in the backlog; past the hold, KV in use it is.
+    pods = [pod("a", 0.5, arrivals=1.0, waiting=8), pod("b", 0.5, arrivals=1.0, waiting=8),
+            pod("c", 0.05, running=1)]  # fmt: skip
+    measured = replace(history(1200), lifetimes=((NOW - 15, 1200.0, 1.0),))
+    held = run(3, pods, memory=measured)
+    assert held.figures.demand_blocks == pytest.approx(1200)
+    assert held.figures.present_blocks == pytest.approx(1850)
+    assert held.replicas == 3 and held.reason == "WithinTarget"
+    assert "measured 15 s ago, held while a pod that has just started" in held.message
+    stale = NOW - decide_module.DEMAND_GAP_HOLD_SECONDS - 15
+    late = run(3, pods, memory=replace(measured, lifetimes=((stale, 1200.0, 1.0),)))
+    assert late.figures.demand_blocks == pytest.approx(1850)
+    assert "no demand counters" in late.message and "held" not in late.message
+
+
 def test_policy_rejects_inconsistent_bounds() -> None:
     with pytest.raises(ValueError, match="min"):
         replace(POLICY, min_replicas=5, max_replicas=3)

@@ -13,8 +13,10 @@ start serving, not for the occupancy of the moment. The rules, in order:
    sidecar's window rate for a pod seen for the first time); block-seconds per request is
    averaged over `PER_REQUEST_WINDOW_SECONDS`. Demand equals present usage when traffic is
    steady and leads it when traffic changes. Pods without demand counters (an older engine,
-   a server that exports none) fall back to present usage. Silent ready pods are assumed to
-   carry the reporting pods' average.
+   a server that exports none) fall back to present usage. A pod that has just started has
+   none for a decision or two: over such a gap the series holds its last measured point (up
+   to `DEMAND_GAP_HOLD_SECONDS`), since present usage then carries the backlog at the door.
+   Silent ready pods are assumed to carry the reporting pods' average.
 4. Forecast over the provisioning horizon: the pod start time learned from this deployment's
    own pods (creation to ready, their 90th percentile; the spec's `podStartSeconds` until one
    has been seen), plus the decision period, plus half the span the rates are averaged over.
@@ -62,6 +64,11 @@ POD_STARTS_KEPT = 20
 # Block-seconds per request is a property of the request mix, not of the load: averaged this
 # long it is steady, so the demand's noise is the arrival rate's alone.
 PER_REQUEST_WINDOW_SECONDS = 600.0
+# A pod that has just started has no demand counters for a decision or two. Present KV could
+# stand in, but it carries the door's backlog, which is largest exactly while pods are short:
+# the series would jump, the jump be fitted as a trend, and each scale-out feed the next. The
+# series holds its last measured point instead, for at most this long.
+DEMAND_GAP_HOLD_SECONDS = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,6 +391,7 @@ class _Demand:
     present: float  # used (incl. draining) + waiting requests' blocks
     demand: float  # Little's law, or present when the pods report no demand counters
     rates: DemandRates | None
+    held_for: float | None  # seconds the last measured demand has been held over a gap
     per_departure: float | None  # block-seconds per departed request, over the long window
     per_request: float  # blocks a running request holds (for the Poisson band, waiting ones)
     forecast: DemandForecast
@@ -415,12 +423,16 @@ def _measure(inp: Inputs, pods: _Pods, mem: Memory) -> _Demand:
         lifetimes += ((now, rates.block_seconds, rates.departures),)
     departed = sum(x[2] for x in lifetimes)
     per_departure = sum(x[1] for x in lifetimes) / departed if departed > 0 else None
-    demand = present
+    demand, held_for = present, None
     if rates is not None and per_departure is not None:
         arrivals = sum(r.arrivals for r in parts[: len(samples)] if r is not None) * scale
         arrivals += sum(r.arrivals for r in parts[len(samples) :] if r is not None)
         demand = arrivals * per_departure
         rates = replace(rates, arrivals=arrivals)
+    elif rates is None and mem.demand and mem.lifetimes:
+        gap = now - mem.lifetimes[-1][0]
+        if gap <= DEMAND_GAP_HOLD_SECONDS:
+            demand, held_for = mem.demand[-1][1], gap
     window = rates.window_seconds if rates is not None else 0.0
 
     history = tuple(h for h in mem.demand if now - p.growth_window_seconds <= h[0] < now)
@@ -448,6 +460,7 @@ def _measure(inp: Inputs, pods: _Pods, mem: Memory) -> _Demand:
         present=present,
         demand=demand,
         rates=rates,
+        held_for=held_for,
         per_request=per_request,
         forecast=fc,
         mean_occupancy=sum(s.occupancy for s in samples) / len(samples),
@@ -533,6 +546,11 @@ def _demand_words(d: _Demand) -> str:
             f"demand {d.demand:,.0f} blocks ({d.rates.arrivals:.2f} req/s x "
             f"{d.per_departure:,.0f} block-s per request)"
         )
+    elif d.held_for is not None:
+        now = (
+            f"demand {d.demand:,.0f} blocks (measured {d.held_for:.0f} s ago, held while a pod "
+            "that has just started reports no demand counters yet)"
+        )
     else:
         now = f"KV in use {d.present:,.0f} blocks (no demand counters)"
     return (
@@ -566,7 +584,8 @@ def _need(p: Policy, d: _Demand, current: int) -> tuple[int, str]:
         return max(need, by_present if hot else 0), "Preempting"
     if hot and by_present >= need:
         return by_present, "HighOccupancy"
-    return need, "DemandForecast" if d.rates is not None else "KVForecast"
+    measured = d.rates is not None or d.held_for is not None
+    return need, "DemandForecast" if measured else "KVForecast"
 
 
 def _rule_scale_out(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Decision | None:
