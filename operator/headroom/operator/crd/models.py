@@ -749,7 +749,8 @@ class KVStatus(CRDModel):
     demand_blocks: float | None = Field(
         default=None,
         description="KV the arriving traffic holds at steady state (arrival rate x block-seconds "
-        "per request, Little's law); the KV in use when the pods report no demand counters",
+        "per request, Little's law); the KV in use when the pods report no demand counters, "
+        "the last measured value, held while a pod that has just started has none yet",
     )
     arrival_rate_per_second: float | None = Field(default=None, description="requests/s")
     forecast_blocks: float | None = Field(
