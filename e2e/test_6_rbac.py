@@ -84,15 +84,19 @@ def test_reading_secrets_is_denied_by_the_api_server(
     assert "Forbidden" in out.stderr and _sa_user(release) in out.stderr, out.stderr
 
 
-# A status code, not any digits: a port such as 40311 in an unrelated warning once matched " 403".
-_DENIAL = re.compile(r"forbidden|(?<![\w.:])403(?!\w)", re.IGNORECASE)
+# A denial names its reason (the API server's 403s all say Forbidden) or its status as a status:
+# a bare 403 has also been a port's digits (40311) and a figure ("demand 403 blocks").
+_DENIAL = re.compile(r"forbidden|\(403\)|\b(?:http|status|code)[\s:=]*403\b", re.IGNORECASE)
 
 
-def test_denial_pattern_matches_status_codes_not_ports() -> None:
+def test_denial_pattern_matches_status_codes_not_ports_or_figures() -> None:
     assert _DENIAL.search("(403) Reason: Forbidden")
+    assert _DENIAL.search("403 Forbidden: deployments.apps is forbidden")
     assert _DENIAL.search("HTTP 403 on PATCH")
+    assert _DENIAL.search("status=403")
     assert not _DENIAL.search("Connect call failed ('127.0.0.1', 40311)")
     assert not _DENIAL.search("Cannot connect to host 127.0.0.1:4031")
+    assert not _DENIAL.search("ScaledOut: 2 -> 3: demand 403 blocks (6.00 req/s x 67 block-s)")
 
 
 def test_the_operator_was_never_forbidden(operator: Operator) -> None:
