@@ -1,5 +1,5 @@
 """KV demand from what has arrived at the door (Little's law), and its forecast over the time a
-new pod takes to start, with a band measured from the deployment's own forecast errors.
+new pod takes to start, with a band measured from the deployment's own scatter.
 
 Why not occupancy. A request's KV grows for its whole life, so when arrivals step up, occupancy
 reaches its new level one request lifetime later (a 1,000-token decode at 20 tokens/s is 50 s),

@@ -628,8 +628,9 @@ class ScalingSpec(CRDModel):
         ge=0.5,
         lt=1.0,
         description=(
-            "the demand forecast's band: this quantile of the deployment's own past forecast "
-            "errors (never below Poisson noise) is added before sizing"
+            "the demand forecast's band: its prediction interval at this quantile, from the "
+            "scatter of the deployment's own demand and KV in use (never below the Poisson "
+            "noise of the requests in flight), is added before sizing"
         ),
     )
     scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)

@@ -404,7 +404,7 @@ class _Demand:
 
 def _measure(inp: Inputs, pods: _Pods, mem: Memory) -> _Demand:
     """Rules 3 and 4: present KV, demand and its forecast at the horizon, and the memory the
-    next decision needs (the demand series, the forecast to check, the errors measured)."""
+    next decision needs (demand and KV-in-use series, block-seconds per request, counters)."""
     p, now = inp.policy, inp.now
     samples, draining = pods.samples, pods.draining
     scale = pods.ready / len(samples)  # silent ready pods carry the reporting pods' average
