@@ -277,6 +277,22 @@ def test_scale_in_waits_for_the_window_after_any_change() -> None:
     assert d.replicas == 4 and "scale-in in 60 s" in d.message  # warmupSeconds apart
 
 
+def test_an_unset_scale_in_window_is_one_provisioning_horizon() -> None:
+    # Unset, the window is the time it takes to get a released pod back (pod start + period +
+    # half the rates' window: 120 + 15 + 30 s); a window the spec sets is kept as it is.
+    pods = [pod(f"p{i}", 0.1, arrivals=1.0) for i in range(6)]
+    window = ScaleInWindow(since=NOW - 1000, history=((NOW - 1000, 1),))
+    mem = replace(history(600), scale_in=window)
+    horizon = replace(POLICY, scale_down_stabilization_seconds=None)
+    d = run(6, pods, memory=replace(mem, last_up=NOW - 100), policy=horizon)
+    assert d.figures.forecast is not None and d.figures.forecast.horizon == pytest.approx(165)
+    assert d.reason == "Stabilizing" and "scale-in in 65 s" in d.message
+    d = run(6, pods, memory=replace(mem, last_up=NOW - 200), policy=horizon)
+    assert (d.replicas, d.reason) == (4, "LowDemand") and "enough for 165 s" in d.message
+    d = run(6, pods, memory=replace(mem, last_up=NOW - 200))
+    assert d.replicas == 6 and "scale-in in 100 s" in d.message  # the spec's 300 s
+
+
 def test_scale_in_blocked_while_pods_start() -> None:
     pods = [pod("a", 0.05), pod("b", 0.05), pod("c", None, ready=False)]
     window = ScaleInWindow(since=NOW - 1000, history=((NOW - 1000, 1),))

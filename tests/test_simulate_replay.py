@@ -3,6 +3,8 @@ what a run costs, when the KV cache turns work away, and which setting is picked
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -176,3 +178,20 @@ def test_a_flash_crowd_buys_no_pods_for_the_backlog_its_own_scale_out_leaves() -
     assert held.limited_seconds <= switched.limited_seconds
     assert held.gpu_hours < 0.95 * switched.gpu_hours
     assert held.peak_replicas < switched.peak_replicas
+
+
+def test_a_launch_spike_releases_its_pods_after_one_horizon_not_hpas_300_s() -> None:
+    # The defaults scale in once fewer pods have been enough for one provisioning horizon, with
+    # a 0.15 level margin; HPA's 300 s with a 0.05 margin is the reference. On the 4x launch
+    # the surge's pods go sooner, for no more KV-limited seconds.
+    spec, sizing = deployment("h100-80gb", pod_start=120)
+    shape = shape_for(spec, sizing)
+    trace = synthetic("spike", 1)
+    start = opening_replicas(trace, shape)
+    policy = policy_at(spec, 0.95, sizing)
+    assert policy.scale_down_stabilization_seconds is None
+    hpa_like = replace(policy, scale_in_hysteresis=0.05, scale_down_stabilization_seconds=300.0)
+    new = replay(trace, shape, HeadroomPolicy(policy), start)
+    old = replay(trace, shape, HeadroomPolicy(hpa_like), start)
+    assert new.limited_seconds <= old.limited_seconds
+    assert new.gpu_hours < 0.98 * old.gpu_hours

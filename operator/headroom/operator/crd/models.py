@@ -600,10 +600,14 @@ class ScalingSpec(CRDModel):
         ),
     )
     scale_in_hysteresis: float = Field(
-        default=0.05,
+        default=0.15,
         ge=0.0,
         lt=1.0,
-        description="scale in only if occupancy after removal stays below target minus this",
+        description=(
+            "scale in only if the forecast on fewer pods stays below targetOccupancy minus "
+            "this (and its band within the usable pools minus this): the margin that keeps a "
+            "deployment from releasing a pod on a dip it will need back"
+        ),
     )
     saturation_lookahead_seconds: int = Field(
         default=180,
@@ -634,7 +638,16 @@ class ScalingSpec(CRDModel):
         ),
     )
     scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
-    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=86400)
+    scale_down_stabilization_seconds: int | None = Field(
+        default=None,
+        ge=0,
+        le=86400,
+        description=(
+            "scale in only after fewer pods have been enough for this long; unset: one "
+            "provisioning horizon (status.podStartSeconds plus intervalSeconds), the time it "
+            "takes to get a released pod back"
+        ),
+    )
     max_scale_up_pods: int = Field(default=8, ge=1, le=10_000, description="pods added per step")
     max_scale_down_pods: int = Field(
         default=2, ge=1, le=10_000, description="pods removed per step"

@@ -38,7 +38,10 @@ start serving, not for the occupancy of the moment. The rules, in order:
    stays there until it has measured what to do instead), and the forecast and the KV in use
    fit fewer pods with `scale_in_hysteresis` to spare for the whole down-stabilization window;
    then go to the highest count recommended during it (HPA's sliding window), at most
-   `max_scale_down_pods` per step and `warmup_seconds` apart.
+   `max_scale_down_pods` per step and `warmup_seconds` apart. The window is one horizon
+   unless the spec sets it: a released pod can be back within it, so the margin that keeps a
+   deployment from releasing pods on a dip it will need back is the level one (hysteresis),
+   not time.
 """
 
 from __future__ import annotations
@@ -116,7 +119,8 @@ class Policy:
     scale_out_occupancy: float
     scale_in_hysteresis: float
     scale_up_stabilization_seconds: float
-    scale_down_stabilization_seconds: float
+    # None: one provisioning horizon, the time it takes to get a released pod back
+    scale_down_stabilization_seconds: float | None
     max_scale_up_pods: int
     max_scale_down_pods: int
     metrics_max_age_seconds: float
@@ -672,6 +676,10 @@ def _rule_scale_in(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Deci
             memory=quiet,
         )
     span = p.scale_down_stabilization_seconds
+    if span is None:
+        # Holding a pod longer than it takes to get it back buys nothing the level margin
+        # (`scale_in_hysteresis`) does not: the pods that stay already hold the horizon's band.
+        span = d.forecast.horizon
     prior = base.memory.scale_in
     history = (prior.history if prior else ()) + ((now, recommend),)
     window = ScaleInWindow(

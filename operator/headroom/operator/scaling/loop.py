@@ -70,7 +70,11 @@ def policy_for(spec: InferenceDeploymentSpec, sizing: Sizing) -> Policy:
         scale_out_occupancy=s.scale_out_occupancy,
         scale_in_hysteresis=s.scale_in_hysteresis,
         scale_up_stabilization_seconds=float(s.scale_up_stabilization_seconds),
-        scale_down_stabilization_seconds=float(s.scale_down_stabilization_seconds),
+        scale_down_stabilization_seconds=(
+            None
+            if s.scale_down_stabilization_seconds is None
+            else float(s.scale_down_stabilization_seconds)
+        ),
         max_scale_up_pods=s.max_scale_up_pods,
         max_scale_down_pods=s.max_scale_down_pods,
         metrics_max_age_seconds=float(s.metrics_max_age_seconds),
