@@ -643,9 +643,9 @@ class ScalingSpec(CRDModel):
         ge=0,
         le=86400,
         description=(
-            "scale in only after fewer pods have been enough for this long; unset: one "
-            "provisioning horizon (status.podStartSeconds plus intervalSeconds), the time it "
-            "takes to get a released pod back"
+            "scale in only after fewer pods have been enough for this long; unset: the "
+            "forecast's horizon (status.podStartSeconds plus intervalSeconds plus half the "
+            "demand rates' window), the time it takes to get a released pod back"
         ),
     )
     max_scale_up_pods: int = Field(default=8, ge=1, le=10_000, description="pods added per step")
