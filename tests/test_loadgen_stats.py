@@ -169,3 +169,24 @@ def test_progress_line_and_non_tty_throttling() -> None:
     bar.close(state, 2.0)
     assert len(buf.getvalue().splitlines()) == 2  # one throttled line, one final line
     assert "\r" not in buf.getvalue()
+
+
+def test_a_burst_between_polls_still_shows_in_peak_and_mean_occupancy() -> None:
+    # Every poll sees an idle cache; the engine's blocks integral says 40 block-seconds were
+    # held over the 4 s between the first poll and the last, so the peak was at least 10 blocks.
+    def idle(t: float, block_seconds: float) -> StatsSample:
+        return _sample(t, 0, 0, 0, 0).model_copy(
+            update={"block_seconds": block_seconds, "snapshot_time": 100.0 + t}
+        )
+
+    run = [idle(0, 500.0), idle(2, 540.0), idle(4, 540.0)]
+    e = summarize_engine(run)
+    assert e is not None
+    assert (e.peak_used_blocks, e.peak_occupancy, e.mean_occupancy) == (10, 0.1, 0.1)
+    # A restart in between (the integral went back) proves nothing; an engine without the
+    # fields falls back to the polls themselves.
+    restarted = [run[0], run[1].model_copy(update={"block_seconds": 3.0}), run[2]]
+    old = [s.model_copy(update={"block_seconds": None}) for s in run]
+    for samples in (restarted, old):
+        e = summarize_engine(samples)
+        assert e is not None and (e.peak_used_blocks, e.peak_occupancy) == (0, 0.0)

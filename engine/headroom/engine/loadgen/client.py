@@ -75,6 +75,10 @@ class StatsSample(BaseModel):
     preemptions: int
     running: int
     waiting: int
+    # The engine's exact integral of used blocks and the snapshot's own clock: a burst shorter
+    # than the poll interval still shows in their difference (None from an older engine).
+    block_seconds: float | None = None
+    snapshot_time: float | None = None
 
     @property
     def occupancy(self) -> float:
@@ -94,7 +98,13 @@ def parse_stats(body: dict[str, Any], t: float, concurrency: int) -> StatsSample
         preemptions=int(body["preemptions_total"]),
         running=int(rq["running"]),
         waiting=int(rq["waiting"]),
+        block_seconds=_optional_float(body.get("kv_block_seconds_total")),
+        snapshot_time=_optional_float(body.get("time")),
     )
+
+
+def _optional_float(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def request_body(target: Target, model: str, req: RequestSpec) -> tuple[str, dict[str, Any]]:

@@ -108,14 +108,20 @@ def summarize_engine(samples: Sequence[StatsSample]) -> EngineSummary | None:
         queries += cur.queries_tokens - base_q
         hits += cur.hits_tokens - base_h
         preempt += cur.preemptions - base_p
-    occ = [s.occupancy for s in samples]
-    peak = max(samples, key=lambda s: s.used)
+    capacity = samples[-1].capacity
+    peak_used = max(s.used for s in samples)
+    mean_used = _run_mean_used(samples)
+    if mean_used is None:
+        mean_used = sum(s.used for s in samples) / len(samples)
+    else:
+        # Polls can all fall between short requests; the run's mean is a floor on its peak.
+        peak_used = max(peak_used, min(math.ceil(mean_used - 1e-6), capacity))
     return EngineSummary(
         samples=len(samples),
-        capacity_blocks=samples[-1].capacity,
-        peak_used_blocks=peak.used,
-        peak_occupancy=max(occ),
-        mean_occupancy=sum(occ) / len(occ),
+        capacity_blocks=capacity,
+        peak_used_blocks=peak_used,
+        peak_occupancy=min(1.0, peak_used / capacity) if capacity else 0.0,
+        mean_occupancy=min(1.0, mean_used / capacity) if capacity else 0.0,
         hit_ratio=hits / queries if queries else None,
         prefix_queries_tokens=queries,
         prefix_hits_tokens=hits,
@@ -123,6 +129,20 @@ def summarize_engine(samples: Sequence[StatsSample]) -> EngineSummary | None:
         peak_running=max(s.running for s in samples),
         peak_waiting=max(s.waiting for s in samples),
     )
+
+
+def _run_mean_used(samples: Sequence[StatsSample]) -> float | None:
+    """Mean used blocks from the first poll to the last, from the engine's block-seconds integral
+    and its own clock; None without the fields or across a restart. Only the whole run is exact:
+    a snapshot is published after each step, so one interval can carry a long step's share."""
+    bs = [s.block_seconds for s in samples if s.block_seconds is not None]
+    clock = [s.snapshot_time for s in samples if s.snapshot_time is not None]
+    if len(bs) < len(samples) or len(clock) < len(samples):
+        return None  # an engine without the fields
+    if any(b < a for a, b in itertools.pairwise(bs)):
+        return None  # the engine restarted during the run
+    span = clock[-1] - clock[0]
+    return (bs[-1] - bs[0]) / span if span > 0 else None
 
 
 def summarize_levels(
