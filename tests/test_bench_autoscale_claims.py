@@ -87,3 +87,17 @@ def test_frontier_claim_misses_where_the_hpa_is_cheaper_and_under_the_ceiling() 
     over_ceiling = [_point("hpa", 0.9, 4.0, [900]), _point("hpa", 0.5, 6.0, [100])]
     c = frontier_claim(head, over_ceiling, "hpa")
     assert c.ok and "100% below" in c.text
+
+
+def test_a_frontier_with_nothing_to_beat_is_printed_not_graded() -> None:
+    # A trace that never fills its pods: every HPA setting has 0 s, so no frontier can be 30 %
+    # below it; matching it is reported, not scored as a miss (nor as a pass).
+    idle_hpa = [_point("hpa", 0.9, 1.0, [0]), _point("hpa", 0.5, 2.0, [0])]
+    c = frontier_claim([_point("headroom", 0.5, 1.0, [0])], idle_hpa, "hpa")
+    assert c.ok and not c.graded and "nothing to be below" in c.text
+    # headroom losing seconds where the idle HPA loses none is still a graded miss.
+    c = frontier_claim([_point("headroom", 0.5, 1.0, [50])], idle_hpa, "hpa")
+    assert not c.ok and c.graded and "above at 1.00 GPU-h" in c.text
+    # An HPA with seconds to beat keeps the claim graded.
+    c = frontier_claim([_point("headroom", 0.5, 1.0, [0])], [_point("hpa", 0.9, 1.0, [9])], "hpa")
+    assert c.ok and c.graded

@@ -108,7 +108,7 @@ def verdicts(runs: list[Run], traces: Sequence[BenchTrace]) -> tuple[list[str], 
                     f"{bt.name}: cost vs {base}: {v(c.ok, f'{bt.name} cost vs {base}')}: {c.text}"
                 )
             f = frontier_claim(head, by[base], base)
-            word = v(f.ok, f"{bt.name} frontier vs {base}")
+            word = v(f.ok, f"{bt.name} frontier vs {base}", informational=not f.graded)
             out.append(f"{bt.name}: frontier vs {base}: {word}: {f.text}")
         c = oracle_claim(head, by["oracle"])
         word = v(c.ok, f"{bt.name} cost vs oracle", informational=not graded)
