@@ -17,6 +17,7 @@ from headroom.contract.demand import (
     pooled,
     rates,
 )
+from headroom.contract.forecast import least_squares
 
 
 def test_little_s_law_from_the_counters() -> None:
@@ -80,6 +81,18 @@ def test_a_ramp_is_projected_over_the_horizon() -> None:
     assert fc is not None
     assert 9.0 < fc.slope < 10.0  # the slope less one standard error
     assert fc.mean == pytest.approx(1000 + 10 * (180 + 165), rel=0.03)
+
+
+def test_a_ramp_that_starts_inside_the_window_is_read_by_one_line_over_all_of_it() -> None:
+    # Flat for 90 s, then +20 blocks/s: the sidecar's segmented fit would read 20 from the
+    # recent segment; the demand forecast fits one line over the window (growthWindowSeconds'
+    # description says so), less one standard error.
+    hist = [(float(t), 1000.0 + 20.0 * max(0, t - 90)) for t in range(0, 181, 15)]
+    fc = forecast_demand(hist, horizon=165, quantile=0.95, blocks_per_request=10)
+    whole = least_squares(hist)
+    assert fc is not None and whole is not None
+    assert fc.slope == pytest.approx(whole.slope - whole.slope_stderr)
+    assert 5.0 < fc.slope < 15.0
 
 
 def test_noise_is_not_a_trend() -> None:

@@ -16,7 +16,10 @@ The forecast (used by the operator's `decide()`, and by the simulator that repla
 - the level and trend are the least-squares line through the deployment's demand series over a
   window of decisions; a slope within `significance` standard errors of zero is noise and is
   not projected (the level is then the window's mean): arrivals are bursty, and a burst
-  extrapolated over minutes buys pods for traffic that never comes;
+  extrapolated over minutes buys pods for traffic that never comes. One line over the whole
+  window, not the sidecar's segmented fit: a recent segment of a few 15 s demand points reads
+  bursts at peak as new ramps (replayed on the autoscaling bench's traces, the segmented fit
+  bought 5-20 % more GPU-hours at each setting and lost more KV-limited seconds at equal cost);
 - the mean at the horizon is level + slope x horizon; the horizon is the pod start time the
   operator learned, plus the decision period, plus the half-window the demand is averaged over;
 - the band is the `quantile` of the line's prediction interval at the horizon: the

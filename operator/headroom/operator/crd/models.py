@@ -683,8 +683,9 @@ class ScalingSpec(CRDModel):
         ge=0,
         le=3600,
         description=(
-            "the demand trend is fitted over this window of decisions (segmented: a ramp that "
-            "started inside it is read at its new slope); 0 fits none and projects no trend"
+            "the demand trend is one least-squares line over this window of decisions (a slope "
+            "within two standard errors of zero is not projected, nor any before half the "
+            "window is measured); 0 fits none and projects no trend"
         ),
     )
 
