@@ -7,9 +7,9 @@ published traces, each with its pod fixed before any result) through the operato
 deployment (`headroom.operator.simulate`) under four policies, each swept over the same target
 grid on the same 20 seeds: headroom's own `decide()` on what its sidecars report, a Kubernetes
 HPA on KV occupancy (the peers' recipe), an HPA on CPU, and an oracle that knows the future.
-Prints every setting, each trace's cheapest serving settings, and the graded claims
-(bench/autoscale/frontier.py); exits 1 on any MISS. The full sweep writes
-docs/autoscale_frontier.{md,png}.
+Prints every setting, each trace's cheapest serving settings beside the clairvoyant floor (the
+fewest GPU-hours any policy could spend), and the graded claims (bench/autoscale/frontier.py);
+exits 1 on any MISS. The full sweep writes docs/autoscale_frontier.{md,png}.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.autoscale.frontier import Run
+from bench.autoscale.frontier import FLOOR, Run
 from bench.autoscale.plot import plot
 from bench.autoscale.report import markdown, setup_lines, table, verdicts
 from bench.autoscale.run import run_all
@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         f"loaded from {args.load_runs.name}" if args.load_runs
         else f"on {args.workers} workers, {time.monotonic() - t0:.0f} s"
     )  # fmt: skip
-    footer = f"({len(runs)} simulations {how})"
+    floors = sum(r.policy == FLOOR for r in runs)
+    footer = f"({len(runs) - floors} simulations and {floors} floors {how})"
     print("\n".join(setup), "", text, "", "\n".join(lines), footer, sep="\n")
     out = args.out or (None if args.quick or args.trace or args.only else DOCS)
     if out is not None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 
 from bench.autoscale.frontier import (
+    FLOOR,
     Point,
     Run,
     at,
     cheapest_serving,
     cost_claim,
+    floor_cost,
     frontier,
     frontier_claim,
 )
@@ -101,3 +103,20 @@ def test_a_frontier_with_nothing_to_beat_is_printed_not_graded() -> None:
     # An HPA with seconds to beat keeps the claim graded.
     c = frontier_claim([_point("headroom", 0.5, 1.0, [0])], [_point("hpa", 0.9, 1.0, [9])], "hpa")
     assert c.ok and c.graded
+
+
+def test_cost_claim_names_the_clairvoyant_floor_and_says_when_the_bound_is_below_it() -> None:
+    head = [_point("headroom", 0.8, 9.0, [0])]
+    hpa = [_point("hpa", 0.7, 10.0, [0])]
+    reachable = cost_claim(head, hpa, "hpa", floor=6.0)
+    assert "clairvoyant floor is 0.60x" in reachable.text
+    assert "below even that" not in reachable.text
+    beyond = cost_claim(head, hpa, "hpa", floor=8.6)
+    assert "clairvoyant floor is 0.86x: the bound is below even that" in beyond.text
+    assert not beyond.ok  # context never changes a verdict
+    assert "floor" not in cost_claim(head, hpa, "hpa").text
+    assert floor_cost([_point(FLOOR, 0.0, 5.0, [30, 30, 30])]) == 5.0 and floor_cost([]) is None
+    # A seed whose traffic needs more than max replicas has no floor, so the trace has none.
+    unbounded = Point(FLOOR, 0.0, (*_point(FLOOR, 0.0, 5.0, [30]).runs,
+                                   *_point(FLOOR, 0.0, math.inf, [30]).runs))  # fmt: skip
+    assert floor_cost([unbounded]) is None

@@ -254,6 +254,9 @@ def test_simulate_on_a_short_trace_prints_the_table_and_writes_the_png(tmp_path:
     assert len(picked) <= 1
     assert ("no setting serves" in r.stdout) == (not picked)
     assert "llama-3.1-8b on 1x l4-24gb" in r.stdout and "2 seeds" in r.stdout
+    text = " ".join(r.stdout.split())  # the advice wraps
+    assert "floor " in text and "the fewest any autoscaler could spend" in text
+    assert ("the pick costs" in text) == bool(picked)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -279,6 +282,12 @@ def test_simulate_as_json_reports_every_run_and_the_pick(tmp_path: Path) -> None
     ]
     assert setting["median"]["gpu_hours"] > 0
     assert out["cheapest_serving_quantile"] == (0.7 if setting["serves"] else None)
+    floor = out["clairvoyant_floor"]
+    assert floor["allowed_seconds"] == 30 and len(floor["gpu_hours"]) == 2
+    # A lower bound: no run of the setting costs less than its seed's floor for 30 s short.
+    for run, f in zip(setting["runs"], floor["gpu_hours"], strict=True):
+        assert 0 < f <= run["gpu_hours"] or run["limited_seconds"] > 30
+    assert floor["gpu_hours_median"] == pytest.approx(sum(floor["gpu_hours"]) / 2)
 
 
 def test_simulate_takes_a_spec_alone_in_json(tmp_path: Path) -> None:

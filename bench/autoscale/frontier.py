@@ -11,6 +11,10 @@ Graded, per trace:
   <= 1.25x the oracle's cheapest setting with 0 s on every seed.
 - **Frontier** (all traces): headroom's median frontier is at or below each HPA's at every cost
   where that HPA's median KV-limited seconds are under 600, and at least 30 % below it at one.
+
+Beside them, ungraded, each seed's clairvoyant floor (`headroom.operator.simulate.floor`): the
+fewest GPU-hours any policy could spend leaving at most 30 s short, knowing every request and
+packing KV perfectly. A bound below it asks for the impossible.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import statistics
 from dataclasses import dataclass
 
 from headroom.operator.simulate.replay import Result
+from headroom.operator.simulate.sweep import floor_median
 
 SERVE_MEDIAN_SECONDS = 30.0
 SERVE_WORST_SECONDS = 120.0
@@ -27,6 +32,7 @@ VS_HPA = 0.85
 VS_ORACLE = 1.25
 FRONTIER_CEILING_SECONDS = 600.0
 FRONTIER_MARGIN = 0.30
+FLOOR = "floor"  # the policy name of the clairvoyant floor's rows
 
 
 @dataclass(frozen=True)
@@ -118,12 +124,22 @@ class Claim:
     graded: bool = True
 
 
+def floor_cost(pts: list[Point]) -> float | None:
+    """The clairvoyant floor's median over the seeds, from its rows (None without them, or
+    where a seed needs more than max replicas)."""
+    return floor_median([r.gpu_hours for r in pts[0].runs]) if pts else None
+
+
 def cost_claim(
-    head: list[Point], hpa: list[Point], hpa_name: str, oracle: list[Point] | None = None
+    head: list[Point],
+    hpa: list[Point],
+    hpa_name: str,
+    oracle: list[Point] | None = None,
+    floor: float | None = None,
 ) -> Claim:
     """headroom's cheapest serving setting costs <= VS_HPA x the HPA's. With the oracle's
-    points, the text also says how far perfect foresight gets against the same HPA: a bound
-    below that is one no policy in this world can meet (the verdict stands either way)."""
+    points, the text also says how far perfect foresight gets against the same HPA, and with
+    the floor, how far the clairvoyant floor lies below it (the verdict stands either way)."""
     h, b = cheapest_serving(head), cheapest_serving(hpa)
     if h is None:
         what = "none" if b is None else f"{b.cost:.2f} GPU-h @{b.target:.2f}"
@@ -140,6 +156,10 @@ def cost_claim(
         reach = o.cost / b.cost
         text += f"; the oracle's cheapest serving setting is {reach:.2f}x" + (
             ": even its foresight does not reach the bound here" if reach > VS_HPA else ""
+        )
+    if floor is not None:
+        text += f"; the clairvoyant floor is {floor / b.cost:.2f}x" + (
+            ": the bound is below even that" if floor > VS_HPA * b.cost else ""
         )
     return Claim(ratio <= VS_HPA, text)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.autoscale.frontier import Run, cheapest_zero, frontier, points
+from bench.autoscale.frontier import FLOOR, Run, cheapest_zero, floor_cost, frontier, points
 from bench.autoscale.run import POLICIES
 from bench.autoscale.traces import BenchTrace
 
@@ -13,7 +13,8 @@ COLORS = {"headroom": "C0", "kv-threshold-hpa": "C1", "cpu-hpa": "C2", "oracle":
 
 
 def plot(runs: list[Run], traces: Sequence[BenchTrace], path: Path, seeds: int) -> None:
-    """Draw the medians of each setting, each policy's frontier and the oracle's cheapest 0 s."""
+    """Draw the medians of each setting, each policy's frontier, the oracle's cheapest 0 s and
+    the clairvoyant floor."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -41,6 +42,9 @@ def plot(runs: list[Run], traces: Sequence[BenchTrace], path: Path, seeds: int) 
         if oracle:
             ax.scatter([oracle.cost], [0], marker="*", s=120, color="k", zorder=5,
                        label="oracle, cheapest 0 s")  # fmt: skip
+        floor = floor_cost(points(runs, bt.name, FLOOR))
+        if floor is not None:
+            ax.axvline(floor, color="k", ls=":", lw=1, label="clairvoyant floor (30 s)")
         ax.set_yscale("symlog", linthresh=10)
         ax.set_title(f"{bt.name} (median of {seeds} seeds)", fontsize=9)
         ax.set_xlabel("GPU-hours")

@@ -7,9 +7,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from statistics import NormalDist
 
-from bench.autoscale.frontier import Run
+from bench.autoscale.frontier import FLOOR, SERVE_MEDIAN_SECONDS, Run
 from bench.autoscale.policies import HPA, Oracle, cpu_metric, kv_metric
 from bench.autoscale.traces import BenchTrace
+from headroom.operator.simulate.floor import clairvoyant_floor
 from headroom.operator.simulate.replay import (
     DT,
     HeadroomPolicy,
@@ -20,6 +21,8 @@ from headroom.operator.simulate.replay import (
     replay,
     shape_for,
 )
+from headroom.operator.simulate.trace import Trace
+from headroom.operator.simulate.world import PodShape
 
 POLICIES = ("headroom", "kv-threshold-hpa", "cpu-hpa", "oracle")
 BASELINES = ("kv-threshold-hpa", "cpu-hpa")
@@ -61,7 +64,20 @@ def run_unit(unit: tuple[BenchTrace, int, tuple[float, ...]]) -> list[Run]:
                 policy = Oracle(demand, target, shape.capacity_blocks, shape.pod_start, lo, hi)
             r = replay(trace, shape, policy, start)
             out.append(Run(**asdict(r), trace=bt.name, policy=label, target=target, seed=seed))
+    out.append(floor_run(bt, seed, trace, shape, start))
     return out
+
+
+def floor_run(bt: BenchTrace, seed: int, trace: Trace, shape: PodShape, start: int) -> Run:
+    """The seed's clairvoyant floor as a row beside the runs: its GPU-hours, and the seconds
+    it was allowed short (the serving bound's median) in place of measured ones."""
+    lo, hi = bt.spec.scaling.min_replicas, bt.spec.scaling.max_replicas
+    cost = clairvoyant_floor(trace, shape, start, lo, hi, SERVE_MEDIAN_SECONDS)
+    return Run(
+        limited_seconds=SERVE_MEDIAN_SECONDS, saturated_seconds=0.0, queued_seconds=0.0,
+        preemptions=0, gpu_hours=cost, actions=0, peak_replicas=0, rejected=0,
+        trace=bt.name, policy=FLOOR, target=0.0, seed=seed,
+    )  # fmt: skip
 
 
 def run_all(

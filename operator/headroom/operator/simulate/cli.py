@@ -286,25 +286,26 @@ def _simulate(args: argparse.Namespace) -> int:
     seeds = tuple(range(1, args.seeds + 1))
     settings = sweep.sweep(trace, sf.spec, sf.sizing, qs, seeds, args.rate, progress)
     best = sweep.cheapest_serving(settings)
+    floors = sweep.floors(trace, sf.spec, sf.sizing, seeds, args.rate)
     shape = shape_for(sf.spec, sf.sizing)
     pod = describe(sf.sizing.plan)
     out: dict[str, Any] | None = None
     if args.json:
-        out = render.simulate_json(trace, args.rate, pod, shape, settings, best)
+        out = render.simulate_json(trace, args.rate, pod, shape, settings, best, floors)
     else:
         lines = render.simulate_header(trace, args.rate, seeds, pod, shape, settings[0])
         lines += [
             "",
             *render.simulate_table(settings, best),
             "",
-            *render.simulate_advice(settings, best),
+            *render.simulate_advice(settings, best, floors),
         ]
         _emit("\n".join(lines))
     if args.png is not None:
         from headroom.operator.simulate.plot import plot
 
         title = f"{trace.name} x{args.rate:g} on {pod}, {len(seeds)} seeds"
-        plot(settings, best, title, args.png)
+        plot(settings, best, title, args.png, sweep.floor_median(floors))
         if out is not None:
             out["png"] = str(args.png)
         else:

@@ -9,8 +9,14 @@ from pathlib import Path
 from headroom.operator.simulate.sweep import SERVE_MEDIAN_SECONDS, SERVE_WORST_SECONDS, Setting
 
 
-def plot(settings: Sequence[Setting], best: Setting | None, title: str, path: Path) -> None:
-    """Draw the sweep into `path` (PNG)."""
+def plot(
+    settings: Sequence[Setting],
+    best: Setting | None,
+    title: str,
+    path: Path,
+    floor: float | None = None,
+) -> None:
+    """Draw the sweep into `path` (PNG), with the clairvoyant floor when given."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -62,6 +68,8 @@ def plot(settings: Sequence[Setting], best: Setting | None, title: str, path: Pa
         lw=0.8,
         label=f"and worst seed <= {SERVE_WORST_SECONDS:g} s",
     )
+    if floor is not None:
+        ax.axvline(floor, color="k", ls=":", lw=1, label="clairvoyant floor (30 s short)")
     ax.set_yscale("symlog", linthresh=10)
     ax.set_xlabel("GPU-hours")
     ax.set_ylabel("KV-limited seconds")

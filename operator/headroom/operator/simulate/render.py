@@ -3,13 +3,19 @@ bottom, and the same figures as JSON."""
 
 from __future__ import annotations
 
+import math
 import textwrap
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
 from headroom.operator.simulate.profile import PERCENTILES, Profile
-from headroom.operator.simulate.sweep import SERVE_MEDIAN_SECONDS, SERVE_WORST_SECONDS, Setting
+from headroom.operator.simulate.sweep import (
+    SERVE_MEDIAN_SECONDS,
+    SERVE_WORST_SECONDS,
+    Setting,
+    floor_median,
+)
 from headroom.operator.simulate.trace import Trace
 from headroom.operator.simulate.verdict import LOW_PERCENTILE, Advice, Fit, Load
 from headroom.operator.simulate.world import PodShape
@@ -201,8 +207,10 @@ def simulate_table(settings: Sequence[Setting], best: Setting | None) -> list[st
     return lines
 
 
-def simulate_advice(settings: Sequence[Setting], best: Setting | None) -> list[str]:
-    """What to deploy, or why nothing serves."""
+def simulate_advice(
+    settings: Sequence[Setting], best: Setting | None, floors: Sequence[float] = ()
+) -> list[str]:
+    """What to deploy, or why nothing serves, and how far it is from the clairvoyant floor."""
     lines: list[str] = []
     if best is not None:
         p = best.policy
@@ -226,6 +234,16 @@ def simulate_advice(settings: Sequence[Setting], best: Setting | None) -> list[s
             "that starts faster (scaling.podStartSeconds is what the forecast looks ahead)"
         )
         lines += _wrapped("deploy", f"no setting serves: {why}", 8)
+    floor = floor_median(floors)
+    if floor is not None:
+        than = f"; the pick costs {best.median('gpu_hours') / floor:.2f}x that" if best else ""
+        lines += _wrapped(
+            "floor",
+            f"{floor:.2f} GPU-hours (median): the fewest any autoscaler could spend on these "
+            f"seeds with at most {SERVE_MEDIAN_SECONDS:g} s short, knowing every request and "
+            f"packing KV perfectly across pods{than}",
+            8,
+        )
     rejected = round(max(s.worst("refused") for s in settings))
     if rejected:
         were = "request was" if rejected == 1 else "requests were"
@@ -245,8 +263,10 @@ def simulate_json(
     shape: PodShape,
     settings: Sequence[Setting],
     best: Setting | None,
+    floors: Sequence[float] = (),
 ) -> dict[str, Any]:
-    """Every run of the sweep, each setting's medians and worsts, and the pick."""
+    """Every run of the sweep, each setting's medians and worsts, the pick and the clairvoyant
+    floor."""
     return {
         "trace": {"name": trace.name, "requests": len(trace), "duration_s": trace.duration},
         "rate": rate,
@@ -268,4 +288,9 @@ def simulate_json(
             for s in settings
         ],
         "cheapest_serving_quantile": None if best is None else best.quantile,
+        "clairvoyant_floor": {
+            "allowed_seconds": SERVE_MEDIAN_SECONDS,
+            "gpu_hours_median": floor_median(floors),
+            "gpu_hours": [f if math.isfinite(f) else None for f in floors],
+        },
     }

@@ -84,7 +84,15 @@ class Result:
 def demand_curve(trace: Trace, shape: PodShape, steps: int, t0: float = 0.0) -> np.ndarray:
     """KV blocks held per step if every request were admitted on arrival (the oracle's view);
     step k covers t0 + k * DT."""
-    out = np.zeros(steps + 1)
+    return in_flight(trace, shape, steps, t0)[0]
+
+
+def in_flight(
+    trace: Trace, shape: PodShape, steps: int, t0: float = 0.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """KV blocks and sequences in flight per step if every request were admitted on arrival;
+    step k covers t0 + k * DT."""
+    blocks, seqs = np.zeros(steps + 1), np.zeros(steps + 1)
     ok = trace.prompt + trace.output <= shape.max_model_len
     for a, p, o in zip(trace.arrival[ok], trace.prompt[ok], trace.output[ok], strict=True):
         start = int((a - t0) // DT)
@@ -94,8 +102,9 @@ def demand_curve(trace: Trace, shape: PodShape, steps: int, t0: float = 0.0) -> 
         tokens = p + np.minimum(o, np.maximum(k - prefill, 0) * DT * shape.decode_tps)
         lo, hi = max(start, 0), min(steps, start + dur)
         if hi > lo:
-            out[lo:hi] += np.ceil(tokens[lo - start : hi - start] / shape.block_size)
-    return out[:steps]
+            blocks[lo:hi] += np.ceil(tokens[lo - start : hi - start] / shape.block_size)
+            seqs[lo:hi] += 1
+    return blocks[:steps], seqs[:steps]
 
 
 def with_warmup(trace: Trace, warmup: float = WARMUP) -> Trace:

@@ -9,6 +9,7 @@ worst seed's <= 120, the bench's service level.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from headroom.operator.crd.models import InferenceDeploymentSpec
 from headroom.operator.reconcile.sizing import Sizing
 from headroom.operator.scaling.decide import Policy
+from headroom.operator.simulate.floor import clairvoyant_floor
 from headroom.operator.simulate.progress import Progress
 from headroom.operator.simulate.replay import (
     HeadroomPolicy,
@@ -119,3 +121,30 @@ def cheapest_serving(settings: Sequence[Setting]) -> Setting | None:
     """The setting that serves at the lowest median GPU-hours (None when none serves)."""
     ok = [s for s in settings if s.serves]
     return min(ok, key=lambda s: (s.median("gpu_hours"), s.quantile)) if ok else None
+
+
+def floors(
+    trace: Trace,
+    spec: InferenceDeploymentSpec,
+    sizing: Sizing,
+    seeds: Sequence[int],
+    rate: float,
+) -> tuple[float, ...]:
+    """Each seed's clairvoyant floor: the fewest GPU-hours any autoscaler could spend on it,
+    at most the serving median's seconds short (`headroom.operator.simulate.floor`)."""
+    shape = shape_for(spec, sizing)
+    lo, hi = spec.scaling.min_replicas, spec.scaling.max_replicas
+    out = []
+    for s in seeds:
+        run = scaled(trace, rate, s, JITTER_SECONDS)
+        start = opening_replicas(run, shape)
+        out.append(clairvoyant_floor(run, shape, start, lo, hi, SERVE_MEDIAN_SECONDS))
+    return tuple(out)
+
+
+def floor_median(floors: Sequence[float]) -> float | None:
+    """The floors' median; None when there are none or a seed has none (it needs more than
+    maxReplicas pods)."""
+    if not floors or not all(math.isfinite(f) for f in floors):
+        return None
+    return float(statistics.median(floors))
