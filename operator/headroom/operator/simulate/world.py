@@ -122,7 +122,12 @@ class World:
 
     def scale_to(self, n: int, now: float) -> None:
         """Ask for `n` pods: new ones serve after `pod_start`; removal drains the least loaded
-        (a pod still starting first), as a Deployment's scale-in picks."""
+        (a pod still starting first)."""
+        # A ReplicaSet without pod-deletion-cost removes a starting pod first, then the most
+        # recently ready one, not the least loaded. Replayed that way, headroom's cheapest
+        # serving settings on the bench's five traces (6 seeds) cost within 0.2 % and lose
+        # within 1 s of the same median seconds: a pod drains within its requests' tens of
+        # seconds, whichever it is.
         live = [p for p in self.pods if not p.draining]
         if n == len(live):
             return
