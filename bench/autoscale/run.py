@@ -7,7 +7,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from statistics import NormalDist
 
-from bench.autoscale.frontier import FLOOR, SERVE_MEDIAN_SECONDS, Run
+from bench.autoscale.frontier import FLOOR, Run
 from bench.autoscale.policies import HPA, Oracle, cpu_metric, kv_metric
 from bench.autoscale.traces import BenchTrace
 from headroom.operator.simulate.floor import clairvoyant_floor
@@ -21,6 +21,7 @@ from headroom.operator.simulate.replay import (
     replay,
     shape_for,
 )
+from headroom.operator.simulate.sweep import SERVE_MEDIAN_SECONDS
 from headroom.operator.simulate.trace import Trace
 from headroom.operator.simulate.world import PodShape
 
