@@ -8,7 +8,7 @@ from pathlib import Path
 from bench.autoscale.frontier import FLOOR, Run, cheapest_zero, floor_cost, frontier, points
 from bench.autoscale.run import POLICIES
 from bench.autoscale.traces import BenchTrace
-from headroom.operator.simulate.sweep import SERVE_MEDIAN_SECONDS
+from headroom.operator.simulate.plot import draw_floor
 
 COLORS = {"headroom": "C0", "kv-threshold-hpa": "C1", "cpu-hpa": "C2", "oracle": "0.4"}
 
@@ -45,13 +45,7 @@ def plot(runs: list[Run], traces: Sequence[BenchTrace], path: Path, seeds: int) 
                        label="oracle, cheapest 0 s")  # fmt: skip
         floor = floor_cost(points(runs, bt.name, FLOOR))
         if floor is not None:
-            ax.axvline(
-                floor,
-                color="k",
-                ls=":",
-                lw=1,
-                label=f"clairvoyant floor ({SERVE_MEDIAN_SECONDS:g} s)",
-            )
+            draw_floor(ax, floor)
         ax.set_yscale("symlog", linthresh=10)
         ax.set_title(f"{bt.name} (median of {seeds} seeds)", fontsize=9)
         ax.set_xlabel("GPU-hours")

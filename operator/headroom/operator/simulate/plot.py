@@ -5,8 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from headroom.operator.simulate.sweep import SERVE_MEDIAN_SECONDS, SERVE_WORST_SECONDS, Setting
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+
+def draw_floor(ax: Axes, floor: float) -> None:
+    """The clairvoyant floor as a dotted vertical line (this plot's and the autoscaling bench's)."""
+    label = f"clairvoyant floor ({SERVE_MEDIAN_SECONDS:g} s short)"
+    ax.axvline(floor, color="k", ls=":", lw=1, label=label)
 
 
 def plot(
@@ -69,13 +79,7 @@ def plot(
         label=f"and worst seed <= {SERVE_WORST_SECONDS:g} s",
     )
     if floor is not None:
-        ax.axvline(
-            floor,
-            color="k",
-            ls=":",
-            lw=1,
-            label=f"clairvoyant floor ({SERVE_MEDIAN_SECONDS:g} s short)",
-        )
+        draw_floor(ax, floor)
     ax.set_yscale("symlog", linthresh=10)
     ax.set_xlabel("GPU-hours")
     ax.set_ylabel("KV-limited seconds")
