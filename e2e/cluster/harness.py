@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import ipaddress
+import math
 import os
 import re
 import shlex
@@ -49,6 +50,8 @@ CORE_BINARIES = (
     "kwok",
 )
 ALL_BINARIES = (*CORE_BINARIES, "helm")
+#: What kubectl wait prints for an object whose ``.status.conditions`` is still null.
+_NO_CONDITIONS = ".status.conditions accessor error: <nil>"
 
 
 def cache_dir() -> Path:
@@ -419,10 +422,20 @@ class Cluster:
         return result
 
     def wait(self, *args: str, timeout: float = 120) -> str:
-        """``kubectl wait ... --timeout=<timeout>s``; returns its output."""
-        return self.kubectl(
-            "wait", *args, f"--timeout={int(timeout)}s", timeout=timeout + 30
-        ).stdout
+        """``kubectl wait ... --timeout=<timeout>s``; returns its output. An object whose
+        ``.status.conditions`` is still null is waited on too, not an error."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(1, math.ceil(deadline - time.monotonic()))
+            proc = self.kubectl("wait", *args, f"--timeout={left}s", timeout=left + 30, check=False)
+            if proc.returncode == 0:
+                return proc.stdout
+            # kubectl fails at once, rather than waiting, on an object whose status has no
+            # conditions yet: a CRD in the moment after it is created, before the API server
+            # writes Established.
+            if _NO_CONDITIONS not in proc.stderr or time.monotonic() >= deadline:
+                raise CommandError(proc)
+            time.sleep(0.2)
 
     # ---- identities -----------------------------------------------------------------------
     def token(self, namespace: str, name: str, *, duration: str = "1h") -> str:
