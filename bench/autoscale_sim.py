@@ -9,7 +9,8 @@ grid on the same 20 seeds: headroom's own `decide()` on what its sidecars report
 HPA on KV occupancy (the peers' recipe), an HPA on CPU, and an oracle that knows the future.
 Prints every setting, each trace's cheapest serving settings beside the clairvoyant floor (the
 fewest GPU-hours any policy could spend), and the graded claims (bench/autoscale/frontier.py);
-exits 1 on any MISS. The full sweep writes docs/autoscale_frontier.{md,png}.
+exits 1 on any MISS. The full sweep writes docs/autoscale_frontier.{md,png}; a report on
+saved runs (--load-runs) writes them only where --out says.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(YAML or JSON, the spec or the whole resource)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="write the .md and .png here")
     parser.add_argument("--save-runs", type=Path, help="also write every run as JSON")
-    parser.add_argument("--load-runs", type=Path, help="report on saved runs, simulating none")
+    parser.add_argument("--load-runs", type=Path, help="report on saved runs, simulating none "
+                        "(writes the .md and .png only with --out)")  # fmt: skip
     args = parser.parse_args(argv)
     grid, seeds = (QUICK_GRID, QUICK_SEEDS) if args.quick else (GRID, SEEDS)
     traces = TRACES
@@ -84,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     floors = sum(r.policy == FLOOR for r in runs)
     footer = f"({len(runs) - floors} simulations and {floors} floors {how})"
     print("\n".join(setup), "", text, "", "\n".join(lines), footer, sep="\n")
-    out = args.out or (None if args.quick or args.trace or args.only else DOCS)
+    # Only a full simulation rewrites the committed docs by default: saved runs may be a
+    # scratch variant's.
+    full = not (args.quick or args.trace or args.only or args.load_runs)
+    out = args.out or (DOCS if full else None)
     if out is not None:
         png = out / "autoscale_frontier.png"
         plot(runs, traces, png, len(seeds))
