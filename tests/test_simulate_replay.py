@@ -20,7 +20,7 @@ from headroom.operator.simulate.replay import (
     replay,
     shape_for,
 )
-from headroom.operator.simulate.sweep import Setting, cheapest_serving, sweep
+from headroom.operator.simulate.sweep import Setting, cheapest_serving, realize, sweep
 from headroom.operator.simulate.synthetic import synthetic
 from headroom.operator.simulate.trace import Trace
 from headroom.operator.simulate.world import World
@@ -150,7 +150,8 @@ def test_the_sweep_replays_every_quantile_on_the_same_seeded_realizations() -> N
     base = poisson([(1.0, 300.0), (3.0, 300.0)], prompt=1000)
     long = np.where(np.arange(len(base)) % 50 == 0, 2500, 1000)
     trace = Trace("short", base.arrival, long, base.output)
-    settings = sweep(trace, spec, sizing, (0.6, 0.95), (1, 2), rate=1.0)
+    runs = realize(trace, shape_for(spec, sizing), (1, 2), rate=1.0)
+    settings = sweep(runs, spec, sizing, (0.6, 0.95))
     assert [s.quantile for s in settings] == [0.6, 0.95]
     assert all(s.seeds == (1, 2) and len(s.results) == 2 for s in settings)
     assert [s.policy.forecast_quantile for s in settings] == [0.6, 0.95]

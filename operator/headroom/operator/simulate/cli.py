@@ -284,10 +284,11 @@ def _simulate(args: argparse.Namespace) -> int:
     progress = _progress(args)
     trace = _read(args, progress)
     seeds = tuple(range(1, args.seeds + 1))
-    settings = sweep.sweep(trace, sf.spec, sf.sizing, qs, seeds, args.rate, progress)
-    best = sweep.cheapest_serving(settings)
-    floors = sweep.floors(trace, sf.spec, sf.sizing, seeds, args.rate)
     shape = shape_for(sf.spec, sf.sizing)
+    runs = sweep.realize(trace, shape, seeds, args.rate)
+    settings = sweep.sweep(runs, sf.spec, sf.sizing, qs, progress)
+    best = sweep.cheapest_serving(settings)
+    floors = sweep.floors(runs, sf.spec, sf.sizing)
     pod = describe(sf.sizing.plan)
     out: dict[str, Any] | None = None
     if args.json:

@@ -28,7 +28,7 @@ from headroom.operator.simulate.replay import (
     shape_for,
 )
 from headroom.operator.simulate.trace import Trace, scaled
-from headroom.operator.simulate.world import World
+from headroom.operator.simulate.world import PodShape, World
 
 JITTER_SECONDS = 5.0
 SERVE_MEDIAN_SECONDS = 30.0
@@ -75,29 +75,50 @@ def policies(
     return tuple(policy_at(spec, q, sizing) for q in quantiles)
 
 
+@dataclass(frozen=True)
+class Realization:
+    """One seed's realization of the trace and the pods every replay of it opens with."""
+
+    seed: int
+    trace: Trace
+    start: int
+
+
+def realize(
+    trace: Trace, shape: PodShape, seeds: Sequence[int], rate: float
+) -> tuple[Realization, ...]:
+    """Each seed's realization (`scaled`, as the autoscaling bench's), made once for the sweep
+    and the floors alike."""
+    out = []
+    for s in seeds:
+        run = scaled(trace, rate, s, JITTER_SECONDS)
+        out.append(Realization(s, run, opening_replicas(run, shape)))
+    return tuple(out)
+
+
 def sweep(
-    trace: Trace,
+    runs: Sequence[Realization],
     spec: InferenceDeploymentSpec,
     sizing: Sizing,
     quantiles: Sequence[float],
-    seeds: Sequence[int],
-    rate: float,
     progress: Progress | None = None,
 ) -> tuple[Setting, ...]:
-    """Replay every (quantile, seed) through the operator's `decide()` on the spec's pods."""
+    """Replay every (quantile, realization) through the operator's `decide()` on the spec's
+    pods."""
     shape = shape_for(spec, sizing)
-    runs = {s: scaled(trace, rate, s, JITTER_SECONDS) for s in seeds}
-    starts = {s: opening_replicas(t, shape) for s, t in runs.items()}
+    seeds = tuple(r.seed for r in runs)
     # Counted here, not from Result.rejected: the replay's warm-up refuses its copy of the
     # opening's long requests too.
-    refused = {s: int(((t.prompt + t.output) > shape.max_model_len).sum()) for s, t in runs.items()}
+    refused = tuple(
+        int(((r.trace.prompt + r.trace.output) > shape.max_model_len).sum()) for r in runs
+    )
     out = []
-    total = len(quantiles) * len(seeds)
+    total = len(quantiles) * len(runs)
     for i, (q, policy) in enumerate(zip(quantiles, policies(spec, sizing, quantiles), strict=True)):
         results = []
-        for j, s in enumerate(seeds):
-            label = f"[{i * len(seeds) + j + 1}/{total}] forecastQuantile {q:.2f}, seed {s}"
-            end = float(runs[s].arrival[-1])
+        for j, run in enumerate(runs):
+            label = f"[{i * len(runs) + j + 1}/{total}] forecastQuantile {q:.2f}, seed {run.seed}"
+            end = float(run.trace.arrival[-1])
 
             def tick(now: float, _world: World, label: str = label, end: float = end) -> None:
                 if progress is not None:
@@ -105,15 +126,13 @@ def sweep(
 
             if progress is not None:
                 progress.start(label)
-            r = replay(runs[s], shape, HeadroomPolicy(policy), starts[s], on_tick=tick)
+            r = replay(run.trace, shape, HeadroomPolicy(policy), run.start, on_tick=tick)
             if progress is not None:
                 progress.done(
                     f"{label}: {r.gpu_hours:.2f} GPU-hours, {r.limited_seconds:.0f} KV-limited s"
                 )
             results.append(r)
-        out.append(
-            Setting(q, policy, tuple(seeds), tuple(results), tuple(refused[s] for s in seeds))
-        )
+        out.append(Setting(q, policy, seeds, tuple(results), refused))
     return tuple(out)
 
 
@@ -124,22 +143,15 @@ def cheapest_serving(settings: Sequence[Setting]) -> Setting | None:
 
 
 def floors(
-    trace: Trace,
-    spec: InferenceDeploymentSpec,
-    sizing: Sizing,
-    seeds: Sequence[int],
-    rate: float,
+    runs: Sequence[Realization], spec: InferenceDeploymentSpec, sizing: Sizing
 ) -> tuple[float, ...]:
-    """Each seed's clairvoyant floor: the fewest GPU-hours any autoscaler could spend on it,
-    at most the serving median's seconds short (`headroom.operator.simulate.floor`)."""
+    """Each realization's clairvoyant floor: the fewest GPU-hours any autoscaler could spend on
+    it, at most the serving median's seconds short (`headroom.operator.simulate.floor`)."""
     shape = shape_for(spec, sizing)
     lo, hi = spec.scaling.min_replicas, spec.scaling.max_replicas
-    out = []
-    for s in seeds:
-        run = scaled(trace, rate, s, JITTER_SECONDS)
-        start = opening_replicas(run, shape)
-        out.append(clairvoyant_floor(run, shape, start, lo, hi, SERVE_MEDIAN_SECONDS))
-    return tuple(out)
+    return tuple(
+        clairvoyant_floor(r.trace, shape, r.start, lo, hi, SERVE_MEDIAN_SECONDS) for r in runs
+    )
 
 
 def floor_median(floors: Sequence[float]) -> float | None:
