@@ -38,7 +38,8 @@ from headroom.operator.simulate.replay import (
 )
 from headroom.operator.simulate.sweep import SERVE_MEDIAN_SECONDS, SERVE_WORST_SECONDS
 from headroom.operator.simulate.synthetic import BURSTINESS, STEP, rate
-from headroom.operator.simulate.world import World
+from headroom.operator.simulate.trace import Trace
+from headroom.operator.simulate.world import PodShape, World
 
 DECISIONS = 6  # rows: ordering at each of the first decisions after the onset
 
@@ -60,11 +61,11 @@ def excess_z(rates: np.ndarray, onset: float, delay: float, burst: float) -> tup
     return excess, excess / sd if sd > 0 else 0.0
 
 
-def first_order(bt: BenchTrace, seed: int, target: float, onset: float) -> float | None:
-    """Seconds after `onset` at which headroom's decide() first asks for more pods."""
-    trace = bt.requests(seed)
-    shape = shape_for(bt.spec)
-    start = opening_replicas(trace, shape)
+def first_order(
+    bt: BenchTrace, trace: Trace, shape: PodShape, start: int, target: float, onset: float
+) -> float | None:
+    """Seconds after `onset` at which headroom's decide() first asks for more than `start`
+    pods on this realization."""
     seen: list[float] = []
 
     def tick(now: float, world: World) -> None:
@@ -88,13 +89,13 @@ def main() -> int:
         f"usable KV blocks per pod, pod start {shape.pod_start:.0f} s, decisions every "
         f"{TICK:.0f} s; the ramp begins at {onset:.0f} s ({r[0]:.1f} -> {r.max():.1f} req/s)"
     )
-    curves, walls, starts = {}, [], []
+    runs, walls, starts = [], [], []
     for seed in SEEDS:
         trace = bt.requests(seed)
         d = demand_curve(trace, shape, int(trace.arrival[-1] / DT) + 2)
         start = opening_replicas(trace, shape)
         over = np.nonzero(d[int(onset / DT) :] > start * usable)[0]
-        curves[seed] = (d, start)
+        runs.append((trace, d, start))
         starts.append(start)
         walls.append(float(over[0] * DT) if len(over) else math.inf)
     print(
@@ -109,7 +110,7 @@ def main() -> int:
         order = first + k * TICK
         short = [
             shortfall_seconds(d, start * usable, onset, order + shape.pod_start)
-            for d, start in curves.values()
+            for _, d, start in runs
         ]
         med, worst = statistics.median(short), max(short)
         serves = med <= SERVE_MEDIAN_SECONDS and worst <= SERVE_WORST_SECONDS
@@ -120,7 +121,7 @@ def main() -> int:
         )
     print()
     for target in (GRID[0], GRID[-1]):
-        seen = [first_order(bt, s, target, onset) for s in SEEDS]
+        seen = [first_order(bt, trace, shape, start, target, onset) for trace, _, start in runs]
         got = [x for x in seen if x is not None]
         print(
             f"headroom at {target:.2f} (forecast p{service_level(target) * 100:.1f}): first "
