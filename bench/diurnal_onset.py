@@ -37,7 +37,7 @@ from headroom.operator.simulate.replay import (
     shape_for,
 )
 from headroom.operator.simulate.sweep import SERVE_MEDIAN_SECONDS, SERVE_WORST_SECONDS
-from headroom.operator.simulate.synthetic import BURSTINESS, STEP, rate
+from headroom.operator.simulate.synthetic import BURSTINESS, SECONDS, STEP, rate
 from headroom.operator.simulate.trace import Trace
 from headroom.operator.simulate.world import PodShape, World
 
@@ -80,7 +80,7 @@ def first_order(
 def main() -> int:
     bt = next(b for b in TRACES if b.name == "diurnal")
     shape = shape_for(bt.spec)
-    r = rate(bt.source, 7200.0)
+    r = rate(bt.source, SECONDS)
     # The shape is piecewise linear: its ramp starts at the last sample before the first rise.
     onset = float((np.argmax(r > r[0] * 1.0001) - 1) * STEP)
     usable = shape.capacity_blocks - shape.watermark_blocks

@@ -14,6 +14,7 @@ from headroom.operator.simulate.trace import Trace
 SHAPES = ("spike", "diurnal", "flash-crowd")
 STEP = 2.0  # seconds per rate sample
 BURSTINESS = 0.08
+SECONDS = 7200.0  # two hours: the compressed day, and room before and after each event
 
 
 def rate(name: str, seconds: float, base: float = 2.0) -> np.ndarray:
@@ -42,7 +43,7 @@ def rate(name: str, seconds: float, base: float = 2.0) -> np.ndarray:
     raise ValueError(f"unknown traffic shape {name!r}; known: {', '.join(SHAPES)}")
 
 
-def synthetic(name: str, seed: int, seconds: float = 7200.0, burst: float = BURSTINESS) -> Trace:
+def synthetic(name: str, seed: int, seconds: float = SECONDS, burst: float = BURSTINESS) -> Trace:
     """One realization of a shape's traffic."""
     r = rate(name, seconds)
     rng = np.random.default_rng(seed)
