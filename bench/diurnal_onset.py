@@ -89,15 +89,15 @@ def main() -> int:
         f"usable KV blocks per pod, pod start {shape.pod_start:.0f} s, decisions every "
         f"{TICK:.0f} s; the ramp begins at {onset:.0f} s ({r[0]:.1f} -> {r.max():.1f} req/s)"
     )
-    runs, walls, starts = [], [], []
+    runs, walls = [], []
     for seed in SEEDS:
         trace = bt.requests(seed)
         d = demand_curve(trace, shape, int(trace.arrival[-1] / DT) + 2)
         start = opening_replicas(trace, shape)
         over = np.nonzero(d[int(onset / DT) :] > start * usable)[0]
         runs.append((trace, d, start))
-        starts.append(start)
         walls.append(float(over[0] * DT) if len(over) else math.inf)
+    starts = [start for _, _, start in runs]
     print(
         f"opening pods {min(starts)}-{max(starts)}; their pools fill "
         f"{min(walls):.0f}-{max(walls):.0f} s after the onset (median "

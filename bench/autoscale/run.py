@@ -10,7 +10,6 @@ from statistics import NormalDist
 from bench.autoscale.frontier import FLOOR, Run
 from bench.autoscale.policies import HPA, Oracle, cpu_metric, kv_metric
 from bench.autoscale.traces import BenchTrace
-from headroom.operator.simulate.floor import clairvoyant_floor
 from headroom.operator.simulate.replay import (
     DT,
     HeadroomPolicy,
@@ -21,7 +20,7 @@ from headroom.operator.simulate.replay import (
     replay,
     shape_for,
 )
-from headroom.operator.simulate.sweep import SERVE_MEDIAN_SECONDS
+from headroom.operator.simulate.sweep import SERVE_MEDIAN_SECONDS, Realization, realization_floor
 from headroom.operator.simulate.trace import Trace
 from headroom.operator.simulate.world import PodShape
 
@@ -72,8 +71,7 @@ def run_unit(unit: tuple[BenchTrace, int, tuple[float, ...]]) -> list[Run]:
 def floor_run(bt: BenchTrace, seed: int, trace: Trace, shape: PodShape, start: int) -> Run:
     """The seed's clairvoyant floor as a row beside the runs: its GPU-hours, and the seconds
     it was allowed short (the serving bound's median) in place of measured ones."""
-    lo, hi = bt.spec.scaling.min_replicas, bt.spec.scaling.max_replicas
-    cost = clairvoyant_floor(trace, shape, start, lo, hi, SERVE_MEDIAN_SECONDS)
+    cost = realization_floor(Realization(seed, trace, start), bt.spec, shape)
     return Run(
         limited_seconds=SERVE_MEDIAN_SECONDS, saturated_seconds=0.0, queued_seconds=0.0,
         preemptions=0, gpu_hours=cost, actions=0, peak_replicas=0, rejected=0,

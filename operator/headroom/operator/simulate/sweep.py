@@ -148,10 +148,14 @@ def floors(
     """Each realization's clairvoyant floor: the fewest GPU-hours any autoscaler could spend on
     it, at most the serving median's seconds short (`headroom.operator.simulate.floor`)."""
     shape = shape_for(spec, sizing)
+    return tuple(realization_floor(r, spec, shape) for r in runs)
+
+
+def realization_floor(run: Realization, spec: InferenceDeploymentSpec, shape: PodShape) -> float:
+    """One realization's clairvoyant floor on `shape` pods within the spec's replica bounds,
+    at most the serving median's seconds short (this CLI's and the autoscaling bench's)."""
     lo, hi = spec.scaling.min_replicas, spec.scaling.max_replicas
-    return tuple(
-        clairvoyant_floor(r.trace, shape, r.start, lo, hi, SERVE_MEDIAN_SECONDS) for r in runs
-    )
+    return clairvoyant_floor(run.trace, shape, run.start, lo, hi, SERVE_MEDIAN_SECONDS)
 
 
 def floor_median(floors: Sequence[float]) -> float | None:
