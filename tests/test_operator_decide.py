@@ -293,11 +293,29 @@ def test_an_unset_scale_in_window_is_one_provisioning_horizon() -> None:
     assert d.replicas == 6 and "scale-in in 100 s" in d.message  # the spec's 300 s
 
 
-def test_scale_in_blocked_while_pods_start() -> None:
-    pods = [pod("a", 0.05), pod("b", 0.05), pod("c", None, ready=False)]
+def test_pods_still_starting_that_are_not_needed_are_cancelled_ready_ones_kept() -> None:
+    # 100 blocks would fit one pod, but ready pods go only after the window with nothing
+    # starting: the starting pods, which have served nothing, are what goes now.
+    ready = [pod("a", 0.05), pod("b", 0.05)]
+    starting = [pod(f"s{i}", None, ready=False, age=30) for i in range(2)]
     window = ScaleInWindow(since=NOW - 1000, history=((NOW - 1000, 1),))
-    d = run(3, pods, memory=replace(history(100), scale_in=window))
-    assert d.replicas == 3 and d.action == "hold"
+    d = run(4, ready + starting, memory=replace(history(100), scale_in=window))
+    assert (d.replicas, d.action, d.reason) == (2, "scale-in", "StartingNotNeeded"), d.message
+    assert "cancelling 2 of the 2 pod(s) still starting" in d.message and "4 -> 2" in d.message
+    assert d.memory.last_down == NOW and d.memory.scale_in is None
+    # Only those the forecast does not need: 1,500 blocks need a third pod under 60 %.
+    hot = [pod("a", 0.75, arrivals=1.0), pod("b", 0.75, arrivals=1.0)]
+    d = run(4, hot + starting, memory=history(1500))
+    assert (d.replicas, d.reason) == (3, "StartingNotNeeded"), d.message
+
+
+def test_starting_pods_stay_on_partial_metrics_and_while_learning() -> None:
+    starting = [pod("s", None, ready=False, age=30)]
+    partial = run(3, [pod("a", 0.05), pod("b", None), *starting], memory=history(100))
+    assert (partial.replicas, partial.action) == (3, "hold"), partial.message
+    # A new deployment's plan: its pods come up one by one while nothing is measured yet.
+    new = run(3, [pod("a", 0.05), pod("b", 0.05), *starting], memory=Memory())
+    assert (new.replicas, new.reason) == (3, "Learning"), new.message
 
 
 def test_long_requests_leave_room_on_every_pod() -> None:
@@ -429,6 +447,26 @@ def test_trap_flapping_on_noisy_traffic() -> None:
     hist, _ = simulate([1.2] * 80, current=2, noise=0.2, seed=3)
     changes = sum(1 for a, b in itertools.pairwise(hist[20:]) if a != b)
     assert changes <= 1
+
+
+def test_trap_an_order_on_a_passing_burst_is_cancelled_before_it_serves() -> None:
+    # Thirty seconds of twice the arrivals on pods that take 2 minutes to load: most of what it
+    # ordered goes before it serves (the growth window's mean still holds the burst for a while,
+    # so one pod stays).
+    burst = [1.0] * 20 + [2.0] * 2 + [1.0] * 30
+    hist, decisions = simulate(burst, current=5, loading_ticks=8)
+    ordered = next(i for i, d in enumerate(decisions) if d.action == "scale-out")
+    cancelled = next(i for i, d in enumerate(decisions) if d.reason == "StartingNotNeeded")
+    assert hist[ordered] >= 8 and cancelled - ordered < 8, hist
+    assert max(hist[ordered + 8 :]) <= 6, hist
+
+
+def test_trap_ordering_and_cancelling_on_noise() -> None:
+    # Arrivals wobble +-20 % around a level while pods take 2 minutes to load: orders that
+    # could be cancelled must not come and go every tick.
+    hist, _ = simulate([1.2] * 80, current=2, noise=0.2, seed=3, loading_ticks=8)
+    changes = sum(1 for a, b in itertools.pairwise(hist[20:]) if a != b)
+    assert changes <= 2, hist
 
 
 def test_trap_a_closed_loop_is_not_a_ramp() -> None:

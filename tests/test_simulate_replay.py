@@ -97,6 +97,22 @@ def test_requests_longer_than_the_max_model_length_are_refused_at_the_door() -> 
     assert r.rejected >= late > 0
 
 
+def test_scaling_in_cancels_the_newest_starting_pod_first_and_it_costs_only_its_seconds() -> None:
+    spec, sizing = deployment("h100-80gb", pod_start=120)
+    world = World.start(shape_for(spec, sizing), 1, 0.0)
+    world.scale_to(2, 0.0)
+    world.scale_to(3, 60.0)
+    world.scale_to(2, 75.0)  # as a ReplicaSet does: the pod furthest from serving goes
+    assert [(p.name, p.draining) for p in world.pods] == [
+        ("pod-0", False), ("pod-2", False), ("pod-3", True)
+    ]  # fmt: skip
+    world.account(False, DT)
+    world.step(77.5, DT)  # a pod that never served holds nothing: it is gone at once
+    world.account(False, DT)
+    assert [p.name for p in world.pods] == ["pod-0", "pod-2"] and world.replicas() == 2
+    assert world.counters.gpu_seconds == (3 + 2) * DT
+
+
 def test_headroom_scales_out_through_a_fourfold_step_and_back_in_after_it() -> None:
     spec, sizing = deployment("l4-24gb")
     shape = shape_for(spec, sizing)
@@ -163,7 +179,9 @@ def test_a_flash_crowd_buys_no_pods_for_the_backlog_its_own_scale_out_leaves() -
     # 6x within a minute: requests wait at the door while pods start, and each new pod has no
     # demand counters for its first decision. Holding the last measured demand over those
     # gaps (instead of the KV in use, which carries that backlog) serves exactly as well for
-    # fewer GPU-hours; the same replay with the hold off is the reference.
+    # fewer GPU-hours; the same replay with the hold off is the reference. (Since pods still
+    # starting are cancelled once not needed, the backlog's extra pods cost less: 3.6 % more
+    # GPU-hours and 3 more pods at the peak on seed 1, down from over 5 %.)
     spec, sizing = deployment("h100-80gb", pod_start=120)
     shape = shape_for(spec, sizing)
     trace = synthetic("flash-crowd", 1)
@@ -177,14 +195,15 @@ def test_a_flash_crowd_buys_no_pods_for_the_backlog_its_own_scale_out_leaves() -
         mp.setattr(decide_module, "DEMAND_GAP_HOLD_SECONDS", -1.0)
         switched = run()
     assert held.limited_seconds <= switched.limited_seconds
-    assert held.gpu_hours < 0.95 * switched.gpu_hours
+    assert held.gpu_hours < 0.98 * switched.gpu_hours
     assert held.peak_replicas < switched.peak_replicas
 
 
 def test_a_launch_spike_releases_its_pods_after_one_horizon_not_hpas_300_s() -> None:
     # The defaults scale in once fewer pods have been enough for one provisioning horizon, with
     # a 0.15 level margin; HPA's 300 s with a 0.05 margin is the reference. On the 4x launch
-    # the surge's pods go sooner, for no more KV-limited seconds.
+    # the surge's pods go sooner, for no more KV-limited seconds (1.3 % fewer GPU-hours on
+    # seed 1 since pods still starting are cancelled once not needed, in both).
     spec, sizing = deployment("h100-80gb", pod_start=120)
     shape = shape_for(spec, sizing)
     trace = synthetic("spike", 1)
@@ -195,4 +214,4 @@ def test_a_launch_spike_releases_its_pods_after_one_horizon_not_hpas_300_s() -> 
     new = replay(trace, shape, HeadroomPolicy(policy), start)
     old = replay(trace, shape, HeadroomPolicy(hpa_like), start)
     assert new.limited_seconds <= old.limited_seconds
-    assert new.gpu_hours < 0.98 * old.gpu_hours
+    assert new.gpu_hours < 0.995 * old.gpu_hours

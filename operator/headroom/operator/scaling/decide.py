@@ -33,10 +33,14 @@ start serving, not for the occupancy of the moment. The rules, in order:
    for but not ready count as capacity on the way (they are in the Deployment's replicas), so
    a scale-out in flight is not repeated. Steps are capped (`max_scale_up_pods`); a scale-up
    within the up-stabilization window of the previous one is deferred.
-6. Scale in with the same forecast: only when every ready pod reports, nothing is starting,
-   the demand history already spans the horizon (a new deployment starts from the plan, and
-   stays there until it has measured what to do instead), and the forecast and the KV in use
-   fit fewer pods with `scale_in_hysteresis` to spare for the whole down-stabilization window;
+6. Scale in with the same forecast: only when every ready pod reports, the demand history
+   already spans the horizon (a new deployment starts from the plan, and stays there until it
+   has measured what to do instead), and the forecast and the KV in use fit fewer pods with
+   `scale_in_hysteresis` to spare. Pods asked for but not ready that this leaves unneeded are
+   cancelled at once: they cost a GPU each and have served nothing, so an order placed on a
+   burst that has since passed costs the seconds until the next decisions show it, not a pod
+   start plus a window (the ReplicaSet removes pods that are not ready first). Ready pods go
+   only when nothing is starting and the fit has held for the whole down-stabilization window;
    then go to the highest count recommended during it (HPA's sliding window), at most
    `max_scale_down_pods` per step and `warmup_seconds` apart. The window is one horizon
    unless the spec sets it: a released pod can be back within it, so the margin that keeps a
@@ -642,6 +646,27 @@ def _rule_scale_out(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Dec
     )
 
 
+def _cancel_starting(
+    inp: Inputs, pods: _Pods, d: _Demand, base: Decision, recommend: int, floor: float
+) -> Decision:
+    """Rule 6, for pods asked for but not ready: the ones the forecast no longer needs go at
+    once, with the level margin and without the window. They have served nothing, so removing
+    them drops no request, and a ReplicaSet removes pods that are not ready first (the newest
+    first), so the ready pods stay."""
+    current = inp.current_replicas
+    target = max(recommend, pods.ready)
+    return replace(
+        base,
+        replicas=target,
+        action="scale-in",
+        reason="StartingNotNeeded",
+        message=f"{_demand_words(d)}: {recommend} pods would stay under {floor:.0%}; "
+        f"cancelling {current - target} of the {pods.on_the_way} pod(s) still starting, which "
+        f"have served nothing; {current} -> {target}",
+        memory=_moved(replace(base.memory, scale_in=None), inp.now, target - current),
+    )
+
+
 def _rule_scale_in(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Decision:
     """Rule 6: scale in on the same forecast, after the down-stabilization window."""
     p, now, current = inp.policy, inp.now, inp.current_replicas
@@ -662,16 +687,18 @@ def _rule_scale_in(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Deci
             memory=quiet,
         )
     history_span = now - d.memory.demand[0][0] if d.memory.demand else 0.0
-    if pods.metrics != "ok" or pods.on_the_way > 0 or history_span < d.forecast.horizon:
+    learned = history_span >= d.forecast.horizon
+    if pods.metrics == "ok" and pods.on_the_way > 0 and learned:
+        return _cancel_starting(inp, pods, d, base, recommend, floor)
+    if pods.metrics != "ok" or not learned:
         why = (
             "some ready pods do not report" if pods.metrics != "ok"
-            else "pods are still starting" if pods.on_the_way > 0
             else f"the demand history ({history_span:.0f} s) does not span the horizon yet "
             f"({d.forecast.horizon:.0f} s): the plan's count holds until it does"
         )  # fmt: skip
         return replace(
             base,
-            reason="Hold" if pods.metrics != "ok" or pods.on_the_way > 0 else "Learning",
+            reason="Hold" if pods.metrics != "ok" else "Learning",
             message=f"scale-in to {recommend} possible but {why}; holding {current}",
             memory=quiet,
         )
