@@ -651,8 +651,8 @@ def _cancel_starting(
 ) -> Decision:
     """Rule 6, for pods asked for but not ready: the ones the forecast no longer needs go at
     once, with the level margin and without the window. They have served nothing, so removing
-    them drops no request, and a ReplicaSet removes pods that are not ready first (the newest
-    first), so the ready pods stay."""
+    them drops no request, and a ReplicaSet removes pods that are not ready before ready ones
+    (unscheduled, then pending, then loading), so the ready pods stay."""
     current = inp.current_replicas
     target = max(recommend, pods.ready)
     return replace(

@@ -123,12 +123,13 @@ class World:
     def scale_to(self, n: int, now: float) -> None:
         """Ask for `n` pods: new ones serve after `pod_start`; removal drains the least loaded
         (pods still starting first, the newest of them first)."""
-        # A ReplicaSet without pod-deletion-cost removes a starting pod first (the newest of
-        # them: the furthest from serving), then the most recently ready one, not the least
-        # loaded. Replayed that way (the ready ones), headroom's cheapest
-        # serving settings on the bench's five traces (6 seeds) cost within 0.2 % and lose
-        # within 1 s of the same median seconds: a pod drains within its requests' tens of
-        # seconds, whichever it is.
+        # A ReplicaSet without pod-deletion-cost removes a starting pod first: unscheduled,
+        # then pending, then loading (then the one on the most crowded node, the newest on a
+        # log scale, at random), so mostly the newest, the furthest from serving, which is
+        # what this replays. Of ready pods it removes the most recently ready one, not the
+        # least loaded; replayed that way, headroom's cheapest serving settings on the bench's
+        # five traces (6 seeds) cost within 0.2 % and lose within 1 s of the same median
+        # seconds: a pod drains within its requests' tens of seconds, whichever it is.
         live = [p for p in self.pods if not p.draining]
         if n == len(live):
             return
