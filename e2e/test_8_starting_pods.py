@@ -22,7 +22,7 @@ from typing import Any
 
 from e2e.cluster.harness import Cluster
 from e2e.helpers import wait_until
-from e2e.kube import get_obj
+from e2e.kube import condition, get_obj
 
 NAME = "cancel"
 LABELS = {"app": NAME}
@@ -64,8 +64,8 @@ def _pods(cluster: Cluster, ns: str) -> dict[str, dict[str, Any]]:
 
 
 def _ready(pod: dict[str, Any]) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+    ready = condition(pod, "Ready")
+    return ready is not None and ready["status"] == "True"
 
 
 def _scale(cluster: Cluster, ns: str, replicas: int) -> None:
