@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         traces = tuple(t for t in TRACES if t.name in args.only)
     t0 = time.monotonic()
     if args.load_runs:
-        runs = [Run(**r) for r in json.loads(args.load_runs.read_text())]
+        # Runs saved before pod starts were counted read as none.
+        fresh = {"pod_starts": 0, "cancelled_starts": 0}
+        runs = [Run(**{**fresh, **r}) for r in json.loads(args.load_runs.read_text())]
         names = {r.trace for r in runs}
         traces = tuple(t for t in traces if t.name in names)
         seeds = tuple(sorted({r.seed for r in runs}))

@@ -28,6 +28,8 @@ def _point(policy: str, target: float, cost: float, seconds: list[float]) -> Poi
             actions=1,
             peak_replicas=2,
             rejected=0,
+            pod_starts=1,
+            cancelled_starts=0,
             trace="t",
             policy=policy,
             target=target,

@@ -21,6 +21,8 @@ SAME: dict[str, Any] = {
     "preemptions": 0,
     "actions": 2,
     "peak_replicas": 3,
+    "pod_starts": 2,
+    "cancelled_starts": 1,
 }
 
 
@@ -69,3 +71,14 @@ def test_a_report_on_saved_runs_writes_where_out_says(saved: Path, tmp_path: Pat
     assert (out / "autoscale_frontier.md").read_text().count("mooncake") > 0
     assert (out / "autoscale_frontier.png").stat().st_size > 0
     assert list(sim.DOCS.iterdir()) == []
+
+
+def test_runs_saved_before_pod_starts_were_counted_still_load(
+    saved: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = json.loads(saved.read_text())
+    for row in rows:
+        del row["pod_starts"], row["cancelled_starts"]
+    saved.write_text(json.dumps(rows))
+    sim.main(["--load-runs", str(saved)])
+    assert "mooncake: cost vs kv-threshold-hpa" in capsys.readouterr().out

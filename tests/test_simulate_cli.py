@@ -246,7 +246,8 @@ def test_simulate_on_a_short_trace_prints_the_table_and_writes_the_png(tmp_path:
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("quantile"))
-    for label in ("GPU-h", "limited s", "worst s", "full s", "queued s", "peak pods", "refused"):
+    labels = ("GPU-h", "limited s", "worst s", "full s", "queued s", "peak pods", "starts")
+    for label in (*labels, "cancelled", "refused"):
         assert label in lines[header]
     rows = lines[header + 1 : header + 3]
     assert [row.split()[0] for row in rows] == ["0.60", "0.95"]

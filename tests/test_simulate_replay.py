@@ -111,6 +111,9 @@ def test_scaling_in_cancels_the_newest_starting_pod_first_and_it_costs_only_its_
     world.account(False, DT)
     assert [p.name for p in world.pods] == ["pod-0", "pod-2"] and world.replicas() == 2
     assert world.counters.gpu_seconds == (3 + 2) * DT
+    assert (world.counters.started, world.counters.cancelled) == (2, 1)
+    world.scale_to(1, 200.0)  # a pod that has served drains: not a cancelled start
+    assert (world.counters.started, world.counters.cancelled) == (2, 1)
 
 
 def test_headroom_scales_out_through_a_fourfold_step_and_back_in_after_it() -> None:
@@ -132,7 +135,7 @@ def test_headroom_scales_out_through_a_fourfold_step_and_back_in_after_it() -> N
 
 
 def result(limited: float, gpu_hours: float) -> Result:
-    return Result(limited, 0.0, limited, 0, gpu_hours, 1, 2, 0)
+    return Result(limited, 0.0, limited, 0, gpu_hours, 1, 2, 0, 2, 0)
 
 
 def setting(q: float, limited: list[float], gpu_hours: float) -> Setting:

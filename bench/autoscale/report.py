@@ -24,9 +24,9 @@ from headroom.operator.simulate.replay import DT, TICK, shape_for
 HEADER = (
     f"{'trace':<12} {'policy':<17} {'target':>6} {'limited s':>9} {'limited':>7} "
     f"{'sat s':>6} {'queued s':>8} {'GPU-h':>6} {'GPU-h':>6} {'preempt':>7} {'peak':>4} "
-    f"{'serves':>6} {'front':>5}\n"
+    f"{'starts':>6} {'cancel':>6} {'serves':>6} {'front':>5}\n"
     f"{'':<12} {'':<17} {'':>6} {'med':>9} {'s max':>7} {'med':>6} {'med':>8} {'med':>6} "
-    f"{'max':>6} {'med':>7} {'pods':>4} {'':>6} {'':>5}"
+    f"{'max':>6} {'med':>7} {'pods':>4} {'med':>6} {'med':>6} {'':>6} {'':>5}"
 )
 
 
@@ -50,6 +50,7 @@ def setup_lines(
         f"targets {grid[0]:.2f}..{grid[-1]:.2f} for every policy (the oracle also 0.96-0.99)",
         "limited s = KV-limited seconds: a pod's cache full or preempting (sat s), or requests "
         "waiting at the door for blocks (queued s); med = median seed, max = worst seed",
+        "starts = pods asked for; cancel = of those, removed before they served (median seed)",
         "serves = median limited s <= 30 and worst seed <= 120; front = on the median frontier",
         "floor = the clairvoyant floor, median over the seeds: the fewest GPU-h any policy could "
         "spend leaving at most 30 s short, knowing every request, packing KV perfectly across "
@@ -72,6 +73,7 @@ def table(runs: list[Run], traces: Sequence[BenchTrace]) -> str:
                     f"{p.figure('saturated_seconds'):>6.0f} {p.figure('queued_seconds'):>8.0f} "
                     f"{p.cost:>6.2f} {p.figure('gpu_hours', 'worst'):>6.2f} "
                     f"{p.figure('preemptions'):>7.0f} {p.figure('peak_replicas', 'worst'):>4.0f} "
+                    f"{p.figure('pod_starts'):>6.0f} {p.figure('cancelled_starts'):>6.0f} "
                     f"{'yes' if p.serves else '-':>6} "
                     f"{'*' if any(p is q for q in front) else '':>5}"
                 )

@@ -75,7 +75,7 @@ def floor_run(bt: BenchTrace, seed: int, trace: Trace, shape: PodShape, start: i
     return Run(
         limited_seconds=SERVE_MEDIAN_SECONDS, saturated_seconds=0.0, queued_seconds=0.0,
         preemptions=0, gpu_hours=cost, actions=0, peak_replicas=0, rejected=0,
-        trace=bt.name, policy=FLOOR, target=0.0, seed=seed,
+        pod_starts=0, cancelled_starts=0, trace=bt.name, policy=FLOOR, target=0.0, seed=seed,
     )  # fmt: skip
 
 

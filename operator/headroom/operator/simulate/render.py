@@ -144,6 +144,8 @@ FIGURES = (
     ("full s", "saturated_seconds", "median", "{:.0f}"),
     ("queued s", "queued_seconds", "median", "{:.0f}"),
     ("peak pods", "peak_replicas", "worst", "{:.0f}"),
+    ("starts", "pod_starts", "median", "{:.0f}"),
+    ("cancelled", "cancelled_starts", "median", "{:.0f}"),
     ("refused", "refused", "median", "{:.0f}"),
 )
 
@@ -191,17 +193,18 @@ def simulate_header(
 
 def simulate_table(settings: Sequence[Setting], best: Setting | None) -> list[str]:
     """One row per setting: cost against KV-limited time, the cheapest that serves marked."""
-    lines = [_row("quantile", [name for name, *_ in FIGURES], first=10, width=11)]
+    lines = [_row("quantile", [name for name, *_ in FIGURES], first=10)]
     for s in settings:
         values = [fmt.format(_figure(s, attr, case)) for _, attr, case, fmt in FIGURES]
         mark = "  <- pick" if s is best else ("" if s.serves else "  (misses)")
-        lines.append(_row(f"{s.quantile:.2f}", values, first=10, width=11) + mark)
+        lines.append(_row(f"{s.quantile:.2f}", values, first=10) + mark)
     lines += _wrapped(
         "",
         "medians of the seeds. limited s: KV-limited seconds, either full s (a pod's cache full "
         "or preempting) or queued s (requests waiting at the door for blocks); worst s: the worst "
-        "seed's; peak pods: the most asked for on any seed; refused: longer than the max model "
-        "length; pick: the cheapest setting that serves",
+        "seed's; peak pods: the most asked for on any seed; starts: pods asked for; cancelled: of "
+        "those, removed before they served (the forecast no longer needed them); refused: longer "
+        "than the max model length; pick: the cheapest setting that serves",
         0,
     )
     return lines

@@ -79,6 +79,8 @@ class Result:
     actions: int
     peak_replicas: int
     rejected: int
+    pod_starts: int  # pods asked for
+    cancelled_starts: int  # of those, removed before they served
 
 
 def demand_curve(trace: Trace, shape: PodShape, steps: int, t0: float = 0.0) -> np.ndarray:
@@ -170,6 +172,8 @@ def replay(
         actions=c.actions,
         peak_replicas=c.peak,
         rejected=c.rejected,
+        pod_starts=c.started,
+        cancelled_starts=c.cancelled,
     )
 
 

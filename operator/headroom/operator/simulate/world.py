@@ -91,6 +91,8 @@ class Counters:
     actions: int = 0
     peak: int = 0
     rejected: int = 0
+    started: int = 0  # pods asked for
+    cancelled: int = 0  # of those, removed before they served
 
 
 @dataclass
@@ -135,6 +137,7 @@ class World:
             return
         self.counters.actions += 1
         if n > len(live):
+            self.counters.started += n - len(live)
             for _ in range(n - len(live)):
                 self.next_id += 1
                 self.pods.append(
@@ -147,6 +150,7 @@ class World:
             p.draining = True
             if now < p.ready_at:
                 p.ready_at = now  # a pod that never served is simply gone
+                self.counters.cancelled += 1
 
     def arrive(self, prompt: int, output: int, now: float) -> None:
         """A request at the door: refused if the engine would refuse it, else queued (and
