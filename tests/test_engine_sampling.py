@@ -57,6 +57,27 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
     assert sample_token(logits, SamplingParams(temperature=0), None) == 0
 
 
+def test_values_that_underflow_fp32_sample_the_top_token_not_nan() -> None:
+    # logits / 1e-300 overflow to inf and a top_p of 5e-324 rounds to 0 in fp32: either used
+    # to make torch.multinomial raise, which failed every request in the batch's step.
+    logits = torch.log(torch.tensor([0.2, 0.5, 0.3]))
+    gen = torch.Generator().manual_seed(0)
+    for params in (
+        SamplingParams(temperature=1e-300),
+        SamplingParams(temperature=5e-6),
+        SamplingParams(top_p=5e-324),
+        SamplingParams(top_p=1e-9, temperature=2.0),
+    ):
+        assert {sample_token(logits, params, gen) for _ in range(50)} == {1}, params
+    assert SamplingParams(temperature=5e-6).greedy and not SamplingParams(temperature=1e-4).greedy
+
+
+def test_stop_token_ids_are_capped() -> None:
+    SamplingParams(stop_token_ids=list(range(256)))
+    with pytest.raises(ValidationError, match="at most 256"):
+        SamplingParams(stop_token_ids=list(range(257)))
+
+
 def test_seeded_sampling_is_reproducible_regardless_of_batch(engine: Engine) -> None:
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24)
     alone = engine.generate([PROMPTS[0]], params)

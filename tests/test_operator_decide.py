@@ -318,6 +318,20 @@ def test_starting_pods_stay_on_partial_metrics_and_while_learning() -> None:
     assert (new.replicas, new.reason) == (3, "Learning"), new.message
 
 
+@pytest.mark.parametrize("hysteresis", [0.95, 0.96])
+def test_a_hysteresis_leaving_nothing_under_the_engines_watermark_turns_scale_in_off(
+    hysteresis: float,
+) -> None:
+    # The CRD accepts scaleInHysteresis < targetOccupancy; with the headroom engine's usable
+    # 95 %, these left 0 (a division by zero) or less (scale-in below the load, then back).
+    p = replace(POLICY, target_occupancy=0.97, scale_out_occupancy=0.99,
+                scale_in_hysteresis=hysteresis, usable_occupancy=0.95)  # fmt: skip
+    pods = [pod(f"p{i}", 0.3, arrivals=1.0) for i in range(6)]
+    d = run(6, pods, memory=history(1800, 600), policy=p)
+    assert (d.replicas, d.action) == (6, "hold"), d.message
+    assert f"scale-in is off: scaleInHysteresis {hysteresis:.0%}" in d.message
+
+
 def test_long_requests_leave_room_on_every_pod() -> None:
     # 1,700 blocks fit 2 pools of 1,000 on the total, but then no pod has a free 400-block
     # request's worth: the band must also leave one long request's room on each pod.
@@ -372,6 +386,7 @@ def simulate(
     noise: float = 0.0,
     seed: int = 0,
     closed_loop: int | None = None,
+    policy: Policy = POLICY,
 ) -> tuple[list[int], list[Decision]]:
     """Feed decide() traffic: requests arrive at `arrivals_at[i]` per second in tick i, hold
     `per_request` blocks for `lifetime` seconds, spread over the ready pods, which report the
@@ -413,7 +428,7 @@ def simulate(
                 counters=CounterSample(t, *counters[f"p{k}"])))
             for k in ready
         ] + [PodView(f"s{k}", False, t - 10) for k in range(starting)]  # fmt: skip
-        d = decide(Inputs(t, len(ready_at), tuple(pods), POLICY, mem))
+        d = decide(Inputs(t, len(ready_at), tuple(pods), policy, mem))
         mem = d.memory
         if d.replicas > len(ready_at):
             ready_at += [t + loading_ticks * tick] * (d.replicas - len(ready_at))
@@ -431,6 +446,15 @@ def test_trap_never_scaling_down() -> None:
     hist, _ = simulate([1.2] * 20 + [8 / 30] * 80, current=6)
     assert hist[19] == 6
     assert hist[-1] in (2, 3) and hist[-1] == min(hist[40:])
+
+
+def test_trap_never_scaling_down_when_pods_start_slower_than_the_growth_window() -> None:
+    # The CRD's defaults: pods take 180 s to start, so the horizon (180 + 15 + the rates'
+    # window / 2) is longer than the 180 s of demand the forecast fits. Scale-in waits until
+    # demand has been measured for the horizon, which must come, however short the fit's window.
+    slow = replace(POLICY, pod_start_seconds=180)
+    hist, decisions = simulate([1.2] * 20 + [8 / 30] * 80, current=6, policy=slow)
+    assert hist[-1] in (2, 3), [d.message for d in decisions[-3:]]
 
 
 def test_trap_scaling_up_during_model_load() -> None:

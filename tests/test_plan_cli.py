@@ -80,6 +80,17 @@ def test_bad_numbers_exit_2_naming_the_flag() -> None:
     assert r.returncode == 2 and "--context" in r.stderr
 
 
+def test_gpu_memory_that_is_not_a_size_and_a_plot_nowhere_exit_2(tmp_path: Path) -> None:
+    small = ["--model", "llama-3.1-8b", "--concurrency", "1", "--context", "10"]
+    for value in ("inf", "nan", "-1", "5000"):
+        r = run(*small, "--gpu-memory-gib", value)
+        assert r.returncode == 2, (value, r.stderr)
+        assert f"--gpu-memory-gib must be in (0, 4096], got {value}" in r.stderr.replace(".0", "")
+    r = run(*small, "--plot", str(tmp_path / "nowhere" / "plan.png"))
+    assert r.returncode == 2 and f"--plot: no directory {tmp_path / 'nowhere'}" in r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
 def test_infeasible_plan_exits_1_with_the_reason() -> None:
     r = run("--model", "llama-3.1-405b", "--gpu", "h100", "--concurrency", "8", "--context", "4096")
     assert r.returncode == 1 and "INFEASIBLE" in r.stdout and "exceed" in r.stdout

@@ -114,12 +114,18 @@ def test_streamed_completion_equals_the_whole_one(client: openai.OpenAI) -> None
     kw = dict(model="tiny-test", prompt="stream", max_tokens=20, temperature=0,
               extra_body={"ignore_eos": True})  # fmt: skip
     whole = client.completions.create(**kw)  # type: ignore[call-overload]
-    chunks = list(client.completions.create(stream=True, **kw))  # type: ignore[call-overload]
+    # Without stream_options.include_usage every chunk carries a choice, as OpenAI's do: the
+    # usual client loop reads chunk.choices[0].
+    plain = list(client.completions.create(stream=True, **kw))  # type: ignore[call-overload]
+    assert all(c.choices and c.usage is None for c in plain)
+    assert "".join(c.choices[0].text for c in plain) == whole.choices[0].text
+    chunks = list(client.completions.create(  # type: ignore[call-overload]
+        stream=True, stream_options={"include_usage": True}, **kw))  # fmt: skip
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
-    assert chunks[-1].usage is not None
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 20
     assert chunks[-1].usage.prompt_tokens == 7
 
@@ -137,6 +143,10 @@ def test_chat_uses_the_template_and_streams(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True},
                                             **kw)  # type: ignore[call-overload]  # fmt: skip
     chunks = list(stream)
+    plain = list(client.chat.completions.create(stream=True, **kw))  # type: ignore[call-overload]
+    assert all(c.choices and c.usage is None for c in plain)
+    text = "".join(c.choices[0].delta.content or "" for c in plain)
+    assert text == whole.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content == whole.choices[0].message.content

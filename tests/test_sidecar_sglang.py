@@ -38,7 +38,7 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -156,9 +156,15 @@ class Scheduler:
 class Tokenizer:
     """The tokenizer manager's TokenizerMetricsCollector (labels: `model_name`)."""
 
-    def __init__(self, model: str, tpot_name: str = "sglang:inter_token_latency_seconds") -> None:
+    def __init__(
+        self,
+        model: str,
+        process: Callable[[], contextlib.AbstractContextManager[None]],
+        tpot_name: str = "sglang:inter_token_latency_seconds",
+    ) -> None:
         labels = {"model_name": model}
         names = list(labels)
+        self._labels, self._process = labels, process
 
         def counter(name: str, doc: str) -> Any:
             return Counter(name, doc, names, registry=None).labels(**labels)
@@ -172,9 +178,11 @@ class Tokenizer:
         self.generation_tokens = counter(
             "sglang:generation_tokens_total", "Number of generation tokens processed."
         )
-        self.cached_tokens = counter(
-            "sglang:cached_tokens_total", "Number of cached prompt tokens."
+        # SGLang creates this series only at the first request that had a cached token.
+        self._cached_family = Counter(
+            "sglang:cached_tokens_total", "Number of cached prompt tokens.", names, registry=None
         )
+        self.cached_tokens: Any = None
         self.requests = counter("sglang:num_requests_total", "Number of requests processed.")
         self.aborted = counter("sglang:num_aborted_requests_total", "Number of requests aborted.")
         self.ttft = histogram(
@@ -192,7 +200,11 @@ class Tokenizer:
     def finish(self, prompt: int, cached: int, generated: int, ttft: float, itl: float) -> None:
         """One finished request, as `observe_one_finished_request` counts it."""
         self.prompt_tokens.inc(prompt)
-        self.cached_tokens.inc(cached)
+        if cached > 0:
+            if self.cached_tokens is None:
+                with self._process():
+                    self.cached_tokens = self._cached_family.labels(**self._labels)
+            self.cached_tokens.inc(cached)
         self.generation_tokens.inc(generated)
         self.requests.inc()
         self.ttft.observe(ttft)
@@ -248,7 +260,7 @@ class SglangServer:
 
     def tokenizer(self, **kwargs: Any) -> Tokenizer:
         with self._process():
-            return Tokenizer(self.model, **kwargs)
+            return Tokenizer(self.model, self._process, **kwargs)
 
     def text(self) -> str:
         registry = CollectorRegistry()
@@ -604,14 +616,20 @@ def test_without_token_usage_used_over_max_is_read() -> None:
     assert (r.capacity_blocks, r.used_blocks) == (1200, 300)
 
 
-def test_prefix_counters_need_both_names() -> None:
-    queries = "sglang:prompt_tokens_total 100\n"
+def test_prefix_counters_read_no_cached_series_as_no_hits_yet() -> None:
+    queries = "sglang:prompt_tokens_total 100\nsglang:num_requests_total 4\n"
     hits = "sglang:cached_tokens_total 40\n"
     r = parse_sglang_metrics(_USAGE + queries + hits)
     assert (r.prefix_queries_tokens_total, r.prefix_hits_tokens_total) == (100, 40)
-    for partial in (queries, hits):
-        r = parse_sglang_metrics(_USAGE + partial)
-        assert r.prefix_queries_tokens_total is None and r.prefix_hits_tokens_total is None
+    # SGLang creates the cached series at the first request with a cached token: a pod whose
+    # cache never hit has a 0 % hit ratio, the case its alert is for.
+    r = parse_sglang_metrics(_USAGE + queries)
+    assert (r.prefix_queries_tokens_total, r.prefix_hits_tokens_total) == (100, 0)
+    # The early release counts neither cached tokens nor finished requests: no figures.
+    r = parse_sglang_metrics(_USAGE + "sglang:prompt_tokens_total 100\n")
+    assert r.prefix_queries_tokens_total is None and r.prefix_hits_tokens_total is None
+    r = parse_sglang_metrics(_USAGE + hits)
+    assert r.prefix_queries_tokens_total is None and r.prefix_hits_tokens_total is None
 
 
 def test_usage_above_one_is_clamped() -> None:
@@ -685,6 +703,20 @@ def test_page_size_must_be_positive() -> None:
         SidecarConfig(engine_url="http://h:1", source="sglang", page_size=0)
     with pytest.raises(ValueError, match="page_size"):
         parse_sglang_metrics(_USAGE, page_size=0)
+
+
+def test_a_server_whose_cache_never_hit_reads_zero_hits(server: SglangServer) -> None:
+    server.scheduler().log_stats(max_total_num_tokens=32000, token_usage=0.5)
+    tok = server.tokenizer()
+    for _ in range(3):
+        tok.finish(prompt=700, cached=0, generated=60, ttft=0.2, itl=0.02)
+    text = server.text()
+    assert "sglang:prompt_tokens_total" in text and "sglang:cached_tokens_total" not in text
+    r = parse_sglang_metrics(text)
+    assert (r.prefix_queries_tokens_total, r.prefix_hits_tokens_total) == (2100, 0)
+    tok.finish(prompt=700, cached=500, generated=60, ttft=0.2, itl=0.02)
+    r = parse_sglang_metrics(server.text())
+    assert (r.prefix_queries_tokens_total, r.prefix_hits_tokens_total) == (2800, 500)
 
 
 async def test_sidecar_in_sglang_mode_exports_headroom_metrics(server: SglangServer) -> None:

@@ -105,6 +105,19 @@ def test_histogram_that_is_not_cumulative_is_garbage() -> None:
         parse_headroom_stats(json.dumps(doc).encode())
 
 
+@pytest.mark.parametrize("bound", [math.nan, math.inf, -math.inf])
+def test_a_bucket_bound_that_is_not_finite_is_garbage(bound: float) -> None:
+    # JSON's NaN and Infinity parse: they would be exported as le="nan" or a second +Inf bucket.
+    doc = _doc()
+    hist = dict(doc["time_to_first_token_seconds"])  # type: ignore[call-overload]
+    bounds = list(hist["buckets"])
+    bounds[-1 if bound > 0 else 1] = bound
+    hist["buckets"] = bounds
+    doc["time_to_first_token_seconds"] = hist
+    with pytest.raises(GarbageError, match="a bucket bound is not a finite number"):
+        parse_headroom_stats(json.dumps(doc).encode())
+
+
 @pytest.mark.parametrize(
     ("source", "body", "reading_source"),
     [

@@ -107,6 +107,29 @@ def test_restart_by_counter_going_backwards() -> None:
     assert _poll(state, eng, 1.0)
 
 
+def test_restart_seen_when_counters_come_back_lower_after_polls_without_them() -> None:
+    # SGLang has no instance id, and a restarted server exports its request counters only once
+    # a request has finished: the readings between have none, and the fall is against the last
+    # reading that had them.
+    eng = SyntheticEngine()
+    state = _state()
+    eng.requests_finished_total, eng.preemptions_total = 5, 3
+
+    def poll(t: float, **absent: None) -> bool:
+        reading = replace(parse_headroom_stats(eng.body()), instance_id=None)
+        return state.record_success(replace(reading, **absent), t)
+
+    assert not poll(0.0) and not poll(1.0)
+    none = dict.fromkeys(("prefix_queries_tokens_total", "prefix_hits_tokens_total",
+                          "preemptions_total", "requests_departed_total"))  # fmt: skip
+    eng.requests_finished_total, eng.preemptions_total = 1, 0
+    assert not poll(2.0, **none) and not poll(3.0, **none)
+    assert poll(4.0)  # departures 5 -> 1: a new server
+    assert (state.restarts_total, state.epoch) == (1, 1)
+    eng.requests_finished_total = 2
+    assert not poll(5.0)  # counting on from the new server's values
+
+
 def test_hit_ratio_is_windowed_and_survives_restart() -> None:
     eng = SyntheticEngine()
     state = _state()

@@ -142,6 +142,15 @@ def test_the_published_mooncake_trace_has_its_documented_requests_and_prefix_cei
          r"^nan\.jsonl:1: arrival time must be finite"),
         ("header-only.csv", "arrival_s,prompt_tokens,output_tokens\n",
          r"^header-only\.csv: no requests"),
+        ("quote.csv", 'arrival_s,prompt_tokens,output_tokens,note\n0,5,5,"open\n1,5,5,x\n',
+         r"^quote\.csv:3: not CSV: unexpected end of data"),
+        ("huge.csv", "arrival_s,prompt_tokens,output_tokens\n0,5,5\n1,99999999999999999999,5\n",
+         r"^huge\.csv:3: prompt_tokens must be at most 10,000,000"),
+        ("far.jsonl", '{"arrival_s": 1e400, "prompt_tokens": 5, "output_tokens": 5}\n'
+         '{"arrival_s": 1' + "0" * 400 + ', "prompt_tokens": 5, "output_tokens": 5}\n',
+         r"^far\.jsonl:1: arrival time must be finite"),
+        ("epoch.csv", "arrival_s,prompt_tokens,output_tokens\n1700000000,5,5\n0,5,5\n",
+         r"^epoch\.csv: arrivals span 19,676 days .* is one timestamp from another clock"),
         ("empty.csv", "", r"^empty\.csv: empty file"),
     ],
 )  # fmt: skip
@@ -150,6 +159,25 @@ def test_a_bad_file_names_the_file_the_line_and_the_reason(
 ) -> None:
     with pytest.raises(TraceError, match=expected):
         read_trace(write(tmp_path, name, text))
+
+
+def test_a_json_integer_beyond_a_float_is_a_trace_error(tmp_path: Path) -> None:
+    text = '{"arrival_s": 1' + "0" * 400 + ', "prompt_tokens": 5, "output_tokens": 5}\n'
+    with pytest.raises(TraceError, match=r"^far\.jsonl:1: arrival time must be finite, got 1000"):
+        read_trace(write(tmp_path, "far.jsonl", text))
+
+
+def test_an_extra_column_of_whole_prompts_is_ignored_however_long(tmp_path: Path) -> None:
+    prompt = "x" * 300_000  # over the csv module's default field limit of 128 KiB
+    text = f'arrival_s,prompt_tokens,output_tokens,prompt\n0,5,5,{prompt}\n2,6,7,"{prompt}"\n'
+    t = read_trace(write(tmp_path, "prompts.csv", text))
+    assert t.prompt.tolist() == [5, 6] and t.arrival.tolist() == [0.0, 2.0]
+
+
+def test_a_rate_that_leaves_no_request_is_a_trace_error() -> None:
+    t = read_trace(AZURE)
+    with pytest.raises(TraceError, match=r"a rate of 1e-06 leaves none of its 19,366 requests"):
+        scaled(t, 1e-6, seed=1, jitter_seconds=5.0)
 
 
 def test_a_missing_file_is_a_trace_error_naming_it(tmp_path: Path) -> None:

@@ -21,6 +21,8 @@ from headroom.contract.budget import (
     plan,
 )
 
+MAX_GPU_MEMORY_GIB = 4096  # the CRD's gpu.memoryGiB bound
+
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `headroom plan`."""
@@ -90,8 +92,11 @@ def build_input(args: argparse.Namespace) -> PlanInput:
     else:
         arch = model_preset(args.model)
     if args.gpu_memory_gib is not None:
-        if args.gpu_memory_gib <= 0:
-            raise ValueError(f"--gpu-memory-gib must be > 0, got {args.gpu_memory_gib}")
+        # NaN fails every comparison: the test is written so that NaN and inf fail it too.
+        if not 0 < args.gpu_memory_gib <= MAX_GPU_MEMORY_GIB:
+            raise ValueError(
+                f"--gpu-memory-gib must be in (0, {MAX_GPU_MEMORY_GIB}], got {args.gpu_memory_gib}"
+            )
         gpu_name, memory = f"{args.gpu_memory_gib:g} GiB GPU", int(args.gpu_memory_gib * GIB)
     else:
         gpu = gpu_preset(args.gpu)
@@ -125,6 +130,8 @@ def _validation_message(err: ValidationError) -> str:
 def run(args: argparse.Namespace) -> int:
     """Entry point of `headroom plan`; exit 2 on bad input, 1 when infeasible."""
     try:
+        if args.plot is not None and not args.plot.parent.is_dir():
+            raise ValueError(f"--plot: no directory {args.plot.parent}")
         inp = build_input(args)
     except UnknownPreset as e:
         print(f"headroom plan: {e}", file=sys.stderr)

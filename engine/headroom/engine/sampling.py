@@ -13,6 +13,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 _SEED_MASK = (1 << 63) - 1
+# Below this a temperature is greedy, as in vLLM: logits / 1e-300 overflow fp32 to inf, and the
+# softmax of that is NaN, which would fail the whole batch's step.
+SAMPLING_EPS = 1e-5
+MAX_STOP_TOKEN_IDS = 256  # each sampled token is looked up in the list, on the engine's thread
 
 
 class SamplingParams(BaseModel):
@@ -27,7 +31,7 @@ class SamplingParams(BaseModel):
     top_k: int = Field(default=0, ge=-1, description="0 or -1: no top-k filter")
     seed: int | None = Field(default=None, description="per-request seed for reproducibility")
     stop: list[str] = Field(default_factory=list, description="strings that end a completion")
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
 
     @field_validator("stop", mode="before")
@@ -51,7 +55,7 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @property
     def max_stop_len(self) -> int:
@@ -84,6 +88,7 @@ def sample_token(
         probs = torch.softmax(sorted_logits, dim=-1)
         # Drop tokens once the mass before them already reaches top_p; the top one always stays.
         drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop[0] = False  # a top_p that rounds to 0 in fp32 would otherwise drop every token
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter(0, order, sorted_logits)
     probs = torch.softmax(scaled, dim=-1)

@@ -104,7 +104,10 @@ def parse_sglang_metrics(
     as free. A pool's tokens are `sglang:max_total_num_tokens` where exported, else the
     server info's, paired with the pools in `dp_rank` order when their numbers match.
     Prefix-cache counters are the prompt and cached tokens of finished requests
-    (`sglang:prompt_tokens_total`, `sglang:cached_tokens_total`), reported only as a pair; the
+    (`sglang:prompt_tokens_total`, `sglang:cached_tokens_total`). SGLang creates the cached
+    series at the first request that had a cached token, so on a release that counts finished
+    requests (`sglang:num_requests_total`, 0.5.3) prompt tokens without it are 0 hits; the
+    early release without either has no prefix figures; the
     per-batch `sglang:cache_hit_rate` gauge is not a windowed ratio and is not read. Departures
     are `sglang:num_requests_total` (counted when a request finishes), arrivals the departures
     plus the requests running and queued now. Ranks and data-parallel pools combine by the rule
@@ -139,12 +142,14 @@ def parse_sglang_metrics(
     occupancy, capacity, used = combine_pools(pools)
     queries = total(one_per_pool(samples.get("sglang:prompt_tokens_total")), "prompt tokens")
     hits = total(one_per_pool(samples.get("sglang:cached_tokens_total")), "cached tokens")
+    departed = total(one_per_pool(samples.get("sglang:num_requests_total")), "requests")
+    if hits is None and queries is not None and departed is not None:
+        hits = 0.0  # no request has hit the cache yet, so the series does not exist yet
     if queries is None or hits is None:
         queries = hits = None
     running = as_int(total(one_per_pool(samples.get("sglang:num_running_reqs")), "running"))
     waiting = as_int(total(one_per_pool(samples.get("sglang:num_queue_reqs")), "waiting"))
     grammar = total(one_per_pool(samples.get("sglang:num_grammar_queue_reqs")), "grammar queue")
-    departed = total(one_per_pool(samples.get("sglang:num_requests_total")), "requests")
     retractions = first_present(samples, RETRACTIONS)
     start = samples.get("process_start_time_seconds")
     return EngineReading(

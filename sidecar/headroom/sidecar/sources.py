@@ -155,6 +155,10 @@ def _engine_histogram(hist: Histogram | None, name: str) -> HistogramReading | N
 
 def check_histogram(h: HistogramReading, name: str) -> None:
     """Raise GarbageError unless `h` is a histogram Prometheus would accept from an exporter."""
+    # NaN passes the order test, and +Inf is the `count`: either bound would be exported as a
+    # second +Inf bucket or le="nan", which makes histogram_quantile NaN.
+    if not all(math.isfinite(b) for b in h.bounds):
+        raise GarbageError(f"{name}: a bucket bound is not a finite number")
     if any(b2 <= b1 for b1, b2 in itertools.pairwise(h.bounds)):
         raise GarbageError(f"{name}: bucket bounds are not increasing")
     cumulative = (*h.counts, h.count)

@@ -52,18 +52,25 @@ class PollState:
     # Block-seconds integrated here, poll to poll, for sources that do not count them
     # (vLLM, SGLang): sampled at the poll interval, not exact like the engine's own counter.
     integrated_block_seconds: float = 0.0
+    # The last value of each restart marker (instance id, counters) in the last reading that
+    # had it: a restarted SGLang exports its request counters only after its first request
+    # finishes, so comparing with the previous reading alone would miss the fall.
+    seen: dict[str, object] = field(default_factory=dict)
 
     def record_success(self, reading: EngineReading, t: float) -> bool:
         """Keep a good reading taken at monotonic time `t`; returns True if the engine restarted."""
-        restarted = self.last_reading is not None and _restarted(self.last_reading, reading)
+        markers = _markers(reading)
+        restarted = _restarted(self.seen, markers)
         if restarted:
             self.epoch += 1
             self.restarts_total += 1
             self.integrated_block_seconds = 0.0
+            self.seen = {}
         elif self.samples and self.last_reading is not None:
             used = self.last_reading.used_blocks
             if used is not None:
                 self.integrated_block_seconds += used * max(t - self.samples[-1].t, 0.0)
+        self.seen.update(markers)
         self.polls_total += 1
         self.last_reading = reading
         self.last_ok_t = t
@@ -105,15 +112,28 @@ class PollState:
         self.last_error = f"{reason}: {message}"
 
 
-def _restarted(prev: EngineReading, cur: EngineReading) -> bool:
-    if None not in (prev.instance_id, cur.instance_id) and prev.instance_id != cur.instance_id:
+_COUNTERS = (
+    "prefix_queries_tokens_total",
+    "prefix_hits_tokens_total",
+    "preemptions_total",
+    "requests_departed_total",
+)
+
+
+def _markers(reading: EngineReading) -> dict[str, object]:
+    """The instance id and the counters `reading` has (absent ones left out)."""
+    found: dict[str, object] = {"instance_id": reading.instance_id}
+    found |= {name: getattr(reading, name) for name in _COUNTERS}
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def _restarted(seen: dict[str, object], cur: dict[str, object]) -> bool:
+    """A new instance id, or a counter below its last value seen."""
+    if "instance_id" in seen and "instance_id" in cur and seen["instance_id"] != cur["instance_id"]:
         return True
-    for before, after in (
-        (prev.prefix_queries_tokens_total, cur.prefix_queries_tokens_total),
-        (prev.prefix_hits_tokens_total, cur.prefix_hits_tokens_total),
-        (prev.preemptions_total, cur.preemptions_total),
-    ):
-        if before is not None and after is not None and after < before:
+    for name in _COUNTERS:
+        before, after = seen.get(name), cur.get(name)
+        if isinstance(before, float | int) and isinstance(after, float | int) and after < before:
             return True
     return False
 

@@ -127,6 +127,7 @@ async def _stream_chat(
             await sse.send(e.body())
             await sse.done()
             return sse.response
-    await sse.send(chunk([], usage(len(ids), tally.completion_tokens)))
+    if req.include_usage:  # as OpenAI: clients that did not ask read choices[0] of every chunk
+        await sse.send(chunk([], usage(len(ids), tally.completion_tokens)))
     await sse.done()
     return sse.response

@@ -91,8 +91,9 @@ async def _stream_completion(
             await sse.send(e.body())
             await sse.done()
             return sse.response
-    totals = usage(prompt_tokens, tally.completion_tokens)
-    final = CompletionResponse(id=rid, created=created, model=model, choices=[], usage=totals)
-    await sse.send(final)
+    if req.include_usage:  # as OpenAI: clients that did not ask read choices[0] of every chunk
+        totals = usage(prompt_tokens, tally.completion_tokens)
+        final = CompletionResponse(id=rid, created=created, model=model, choices=[], usage=totals)
+        await sse.send(final)
     await sse.done()
     return sse.response

@@ -23,6 +23,8 @@ from pydantic import (
     model_validator,
 )
 
+from headroom.engine.sampling import MAX_STOP_TOKEN_IDS
+
 FinishReason = Literal["stop", "length", "abort"]
 
 MAX_N = 64
@@ -53,7 +55,9 @@ class _SamplingFields(_Request):
     top_k: int = Field(default=-1, ge=-1, description="vLLM extension; -1 or 0 = off")
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, max_length=MAX_STOP_TOKEN_IDS
+    )
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None

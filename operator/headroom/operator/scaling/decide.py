@@ -172,6 +172,9 @@ class Memory:
     and the learned pod start time, given back through `Inputs`)."""
 
     demand: tuple[tuple[float, float], ...] = ()  # (time, deployment demand in blocks)
+    # When `demand` began: it keeps only the growth window, and scale-in waits until demand has
+    # been measured for the whole horizon, which may be longer.
+    demand_since: float | None = None
     held: tuple[tuple[float, float], ...] = ()  # (time, KV in use incl. waiting requests')
     # (time, block-seconds/s, departures/s) of the whole deployment, for block-s per request
     lifetimes: tuple[tuple[float, float, float], ...] = ()
@@ -476,8 +479,22 @@ def _measure(inp: Inputs, pods: _Pods, mem: Memory) -> _Demand:
         preempt=sum(s.preemption_rate for s in samples),
         waiting=waiting,
         per_departure=per_departure,
-        memory=replace(mem, demand=history, held=held, lifetimes=lifetimes, counters=counters),
+        memory=replace(
+            mem,
+            demand=history,
+            demand_since=min(history[0][0], _since(mem, now)),
+            held=held,
+            lifetimes=lifetimes,
+            counters=counters,
+        ),
     )
+
+
+def _since(mem: Memory, now: float) -> float:
+    """When this operator began measuring demand (`now` before its first point)."""
+    if mem.demand_since is not None:
+        return mem.demand_since
+    return mem.demand[0][0] if mem.demand else now
 
 
 def _tick_rates(
@@ -671,6 +688,17 @@ def _rule_scale_in(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Deci
     """Rule 6: scale in on the same forecast, after the down-stabilization window."""
     p, now, current = inp.policy, inp.now, inp.current_replicas
     floor = p.target_occupancy - p.scale_in_hysteresis
+    if p.usable_occupancy - p.scale_in_hysteresis <= 0:
+        # The CRD checks the hysteresis against targetOccupancy only; the engine's usable share
+        # (its watermark) can be lower, and then no count of pods is below the margin.
+        return replace(
+            base,
+            reason="WithinTarget",
+            message=f"{_demand_words(d)}: scale-in is off: scaleInHysteresis "
+            f"{p.scale_in_hysteresis:.0%} leaves nothing of the {p.usable_occupancy:.0%} of a "
+            f"pool the engine fills; holding {current}",
+            memory=replace(base.memory, scale_in=None),
+        )
     # A pod removed is gone now: the present KV must fit the rest at once, not only the forecast.
     keep = max(
         _pods_for(d, floor, p.usable_occupancy - p.scale_in_hysteresis, p.blocks_per_sequence),
@@ -686,7 +714,7 @@ def _rule_scale_in(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Deci
             f"{floor:.0%} and {p.target_occupancy:.0%}",
             memory=quiet,
         )
-    history_span = now - d.memory.demand[0][0] if d.memory.demand else 0.0
+    history_span = now - _since(d.memory, now)
     learned = history_span >= d.forecast.horizon
     if pods.metrics == "ok" and pods.on_the_way > 0 and learned:
         return _cancel_starting(inp, pods, d, base, recommend, floor)

@@ -33,6 +33,10 @@ FORMATS: tuple[TraceFormat, ...] = ("azure", "mooncake", "csv", "jsonl")
 AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 GENERIC_HEADER = ("arrival_s", "prompt_tokens", "output_tokens")
 MOONCAKE_BLOCK_TOKENS = 512
+MAX_REQUEST_TOKENS = 10_000_000  # the CRD's largest traffic.contextTokens
+# A replay and its profile keep arrays per second of the trace: a trace longer than a month is
+# most likely one bad timestamp (a 0 among epoch seconds), not a month of traffic.
+MAX_TRACE_SECONDS = 31 * 86_400
 PROGRESS_EVERY = 50_000  # lines between two progress reports
 
 LineProgress = Callable[[int, int], None]  # (lines read, lines in the file)
@@ -80,6 +84,13 @@ def _trace(
         raise TraceError(f"{name}: no requests")
     order = sorted(range(len(rows)), key=lambda i: rows[i][0])
     t0 = rows[order[0]][0]
+    span = rows[order[-1]][0] - t0
+    if span > MAX_TRACE_SECONDS:
+        raise TraceError(
+            f"{name}: arrivals span {span / 86_400:,.0f} days ({t0:g} to {rows[order[-1]][0]:g} "
+            f"s), more than the {MAX_TRACE_SECONDS // 86_400} a trace may: is one timestamp "
+            "from another clock?"
+        )
     return Trace(
         name=name,
         arrival=np.array([rows[i][0] - t0 for i in order], dtype=float),
@@ -99,6 +110,8 @@ def _count(value: object, what: str, where: str, minimum: int = 1) -> int:
         raise TraceError(f"{where}: {what} must be an integer, got {value!r}") from None
     if n < minimum:
         raise TraceError(f"{where}: {what} must be at least {minimum}, got {n}")
+    if n > MAX_REQUEST_TOKENS:
+        raise TraceError(f"{where}: {what} must be at most {MAX_REQUEST_TOKENS:,}, got {n}")
     return n
 
 
@@ -107,6 +120,9 @@ def _seconds(value: object, where: str) -> float:
         t = float(str(value).strip()) if not isinstance(value, int | float) else float(value)
     except ValueError:
         raise TraceError(f"{where}: arrival time must be a number, got {value!r}") from None
+    except OverflowError:  # a JSON integer beyond a float's range
+        shown = f"{str(value)[:24]}..."
+        raise TraceError(f"{where}: arrival time must be finite, got {shown}") from None
     if not math.isfinite(t):
         raise TraceError(f"{where}: arrival time must be finite, got {value!r}")
     return t
@@ -115,16 +131,22 @@ def _seconds(value: object, where: str) -> float:
 def _csv_rows(
     text: str, name: str, header: tuple[str, ...], progress: LineProgress | None
 ) -> Iterator[tuple[int, list[str]]]:
-    reader = csv.reader(io.StringIO(text))
-    first = next(reader, None)
-    if first is None or tuple(c.strip() for c in first[: len(header)]) != header:
-        raise TraceError(f"{name}:1: expected the header {','.join(header)}, got {first}")
-    total = text.count("\n") + 1
-    for row in reader:
-        if progress is not None and reader.line_num % PROGRESS_EVERY == 0:
-            progress(reader.line_num, total)
-        if row:
-            yield reader.line_num, row
+    # Extra columns are ignored, and one may hold whole prompts: no field limit below the file.
+    csv.field_size_limit(max(csv.field_size_limit(), len(text) + 1))
+    # strict: an unterminated quote is an error, not a field that swallows the rest of the file.
+    reader = csv.reader(io.StringIO(text), strict=True)
+    try:
+        first = next(reader, None)
+        if first is None or tuple(c.strip() for c in first[: len(header)]) != header:
+            raise TraceError(f"{name}:1: expected the header {','.join(header)}, got {first}")
+        total = text.count("\n") + 1
+        for row in reader:
+            if progress is not None and reader.line_num % PROGRESS_EVERY == 0:
+                progress(reader.line_num, total)
+            if row:
+                yield reader.line_num, row
+    except csv.Error as exc:
+        raise TraceError(f"{name}:{reader.line_num}: not CSV: {exc}") from None
 
 
 def read_azure(text: str, name: str = "azure", progress: LineProgress | None = None) -> Trace:
@@ -301,6 +323,10 @@ def scaled(trace: Trace, factor: float, seed: int, jitter_seconds: float) -> Tra
     whole = math.floor(factor)
     copies = whole + (rng.uniform(0, 1, len(trace)) < factor - whole)
     idx = np.repeat(np.arange(len(trace)), copies)
+    if len(idx) == 0:
+        raise TraceError(
+            f"{trace.name}: a rate of {factor:g} leaves none of its {len(trace):,} requests"
+        )
     t = trace.arrival[idx] + rng.uniform(-jitter_seconds, jitter_seconds, len(idx))
     order = np.argsort(t, kind="stable")
     idx, t = idx[order], np.clip(t[order], 0.0, None)
