@@ -290,6 +290,9 @@ def test_operator_service_monitor_is_gated_too(helm: Path) -> None:
     svc = one(render(helm), "Service")
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"]
+    # headroom_desired_replicas{namespace=<the InferenceDeployment's>}: the dashboard filters
+    # on it, and Prometheus would rename it exported_namespace without honorLabels.
+    assert sm["spec"]["endpoints"][0]["honorLabels"] is True
 
 
 def test_dashboard_config_map_embeds_the_dashboard(helm: Path) -> None:

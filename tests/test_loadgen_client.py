@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import http.server
 import io
 import json
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -126,3 +128,69 @@ def test_bad_flags_and_unreachable_server(capsys: pytest.CaptureFixture[str]) ->
     assert "prefix_len" in capsys.readouterr().err
     assert _load("--url", f"http://127.0.0.1:{free_port()}", "-n", "1") == 2
     assert "headroom load:" in capsys.readouterr().err
+    for flags, says in (
+        (["--url", "127.0.0.1:8000"], "--url: must be an http:// or https:// URL with a host"),
+        (["--timeout", "-1"], "--timeout: must be a positive number, got -1"),
+        (["--tokens-per-word", "nan"], "--tokens-per-word: must be a positive number, got nan"),
+        (["--prompt-len", "0"], "--prompt-len: Input should be greater than or equal to 1"),
+        (["--output-len-spread", "2"], "--output-len-spread: Input should be less than or equal"),
+        (["--json", "/nonexistent/run.json"], "--json: no directory /nonexistent"),
+    ):
+        assert _load("-n", "1", *flags) == 2, flags
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, err
+
+
+@pytest.fixture
+def web_page() -> Iterator[str]:
+    """A server that answers every request 200 with a web page: the wrong port, say."""
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def _page(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(b"<html><body>Grafana</body></html>")
+
+        do_GET = do_POST = _page
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def test_a_200_that_is_not_an_event_stream_is_not_a_served_request(
+    web_page: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = _load("--url", web_page, "--model", "m", "--tokens-per-word", "1", "-n", "2", "-c",
+                 "1", "--no-stats", "--json", "-")  # fmt: skip
+    assert code == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["summary"]["errors_by_type"] == {"no_stream": 2}
+    assert _load("--url", web_page, "-n", "1", "--no-stats") == 2
+    assert "/v1/models is not an OpenAI model list: give --model" in capsys.readouterr().err
+
+
+def test_a_run_where_every_request_failed_writes_strict_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run.json"
+    code = _load("--url", f"http://127.0.0.1:{free_port()}", "--model", "m",
+                 "--tokens-per-word", "1", "-n", "2", "-c", "1", "--no-stats", "--json",
+                 str(out))  # fmt: skip
+    assert code == 1
+
+    def no_nan(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    summary = json.loads(out.read_text(), parse_constant=no_nan)["summary"]
+    assert summary["errors"] == 2 and summary["ttft"]["p50"] is None
+    capsys.readouterr()
+    # A run too short to send anything measured nothing: not a success.
+    assert _load("--url", f"http://127.0.0.1:{free_port()}", "--model", "m",
+                 "--tokens-per-word", "1", "--duration", "1e-9", "--no-stats") == 1  # fmt: skip
+    assert "no request was sent" in capsys.readouterr().err

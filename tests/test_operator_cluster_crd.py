@@ -63,6 +63,12 @@ CEL_CASES = [
     ("gpu-resource-kubernetes-io",
      {**VALID, "gpu": {"type": "h100", "resourceName": "kubernetes.io/gpu"}},
      rule(GPUSpec, "extended resource")),
+    ("gpu-resource-empty-domain-label",
+     {**VALID, "gpu": {"type": "h100", "resourceName": "nvidia..com/gpu"}},
+     rule(GPUSpec, "extended resource")),
+    ("gpu-resource-name-over-63",
+     {**VALID, "gpu": {"type": "h100", "resourceName": "example.com/" + "g" * 64}},
+     rule(GPUSpec, "extended resource")),
     ("min-max", {**VALID, "scaling": {"minReplicas": 5, "maxReplicas": 2}},
      rule(ScalingSpec, "minReplicas")),
     ("target-below-scale-out", {**VALID, "scaling": {"targetOccupancy": 0.96}},
@@ -112,6 +118,14 @@ SCHEMA_CASES = [
     ("cpu-not-a-quantity", {**VALID, "engine": {"cpu": "four"}},
      "spec.engine.cpu in body should match"),
     ("memory-negative", {**VALID, "engine": {"memory": -5}}, "greater than or equal to 0"),
+    # Kubernetes' quantity takes whole exponents only: the Deployment would be refused.
+    ("memory-fractional-exponent", {**VALID, "engine": {"memory": "1e1.5"}},
+     "spec.engine.memory in body should match"),
+    # nvidia-smi's product name is not a label value (GPU Feature Discovery's is).
+    ("node-selector-value-not-a-label",
+     {**VALID, "gpu": {"type": "h100", "nodeSelector": {"nvidia.com/gpu.product":
+                                                        "NVIDIA H100 80GB HBM3"}}},
+     "in body should match"),
     ("path-is-a-flag",
      {**VALID, "model": {"preset": "llama-3.1-8b", "path": "--trust-remote-code"}},
      "spec.model.path in body should match"),

@@ -441,6 +441,20 @@ def test_an_invalid_child_becomes_a_condition_not_a_retry_loop() -> None:
     assert [e.reason for e in out.events] == ["ApplyFailed"]
 
 
+def test_a_refused_apply_keeps_what_the_last_reconcile_wrote() -> None:
+    # Its status is applied under the reconcile's field manager: a field left out is deleted,
+    # and an HPA on /scale reads status.selector.
+    good = reconcile(FakeKube(), body(SPEC), NOW).status
+    exc = KubeError(422, "Invalid", 'Deployment.apps "x" is invalid: nodeSelector: bad value')
+    out = apply_failed(body(SPEC, status=good, gen=2), exc, NOW + 60)
+    assert {k: v for k, v in good.items() if k not in ("conditions", "observedGeneration")} == {
+        k: v for k, v in out.status.items() if k not in ("conditions", "observedGeneration")
+    }
+    assert out.status["observedGeneration"] == 2 and out.status["selector"]
+    assert cond(out.status, "Feasible") == cond(good, "Feasible")
+    assert cond(out.status, "Ready")["reason"] == "ApplyFailed"
+
+
 def test_a_name_the_children_cannot_take_is_refused_before_any_apply() -> None:
     kube = FakeKube()
     b = body(SPEC)

@@ -163,6 +163,30 @@ def test_explicit_images_win() -> None:
     assert c["engine"]["image"] == c["sidecar"]["image"] == "registry.local/headroom:dev"
 
 
+@pytest.mark.parametrize(
+    ("gpu", "block_size", "runs"),
+    [("h200-141gb", 16, 64), ("h200-141gb", 128, 128), ("b200-192gb", 16, 128),
+     ("b200-192gb", 64, 128)],
+)  # fmt: skip
+def test_vllm_plans_mla_with_the_block_size_it_forces(gpu: str, block_size: int, runs: int) -> None:
+    # vLLM raises an MLA model's block size to FlashMLA's 64 (CUTLASS MLA's 128 on Blackwell)
+    # and still allocates --num-gpu-blocks-override blocks: planned at 16 tokens, 4x the pool.
+    s = spec({"runtime": "vllm", "blockSize": block_size},
+             model={"preset": "deepseek-v3", "path": "/models/dsv3"},
+             gpu={"type": gpu, "countPerPod": 8})  # fmt: skip
+    sizing, blocks, planned = pool(s)
+    args = vllm_command(s, sizing, "chat").args
+    assert planned == runs and args[args.index("--block-size") + 1] == str(runs)
+    assert args[args.index("--num-gpu-blocks-override") + 1] == str(blocks)
+    # The pool's bytes are the same: the count follows the block size.
+    model = s.model.model_dump(by_alias=True)
+    flat = pool(spec({"runtime": "sglang", "blockSize": runs}, model=model,
+                     gpu={"type": gpu, "countPerPod": 8}))  # fmt: skip
+    assert flat[1] == blocks
+    llama = pool(spec({"runtime": "vllm", "blockSize": block_size}))
+    assert llama[2] == block_size  # not MLA: the spec's block size
+
+
 def test_sglang_page_size_matches_the_engine() -> None:
     s = spec({"runtime": "sglang", "blockSize": 32})
     c = containers(deployment(OWNER, s, size(s), replicas=1))
@@ -315,8 +339,9 @@ KNOBS: list[tuple[str, dict[str, Any], dict[str, tuple[str, Any] | None]]] = [
 ]  # fmt: skip
 # What the budget reads that no engine is told: the GPU's memory and the traffic, which size the
 # pool (each runtime's pool flag is checked against the plan below) and the replica count.
+# engine.runtime picks the engine itself (and, for vLLM with an MLA model, the block size).
 SIZING_ONLY = {"gpu.memory_gib", "gpu.type", "traffic.peak_concurrency",
-               "traffic.context_tokens", "traffic.prefix_hit_ratio"}  # fmt: skip
+               "traffic.context_tokens", "traffic.prefix_hit_ratio", "engine.runtime"}  # fmt: skip
 # The headroom engine runs one GPU: it has no tensor or pipeline parallelism to be told about.
 NO_PARALLELISM = "the headroom engine has no tensor or pipeline parallelism (one GPU per pod)"
 

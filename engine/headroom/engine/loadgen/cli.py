@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 from pathlib import Path
 
+import aiohttp
 from pydantic import ValidationError
 
 from headroom.engine.loadgen.client import LoadResult, RunState, Target, run_load
@@ -78,6 +80,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--no-progress", action="store_true")
 
 
+class FlagError(ValueError):
+    """A flag's value that cannot work, named by its flag."""
+
+
+def _length(kind: str, mean: int, spread: float, which: str) -> LengthDist:
+    """One length distribution, its errors named by `--{which}-len...` flags."""
+    try:
+        return LengthDist(kind=kind, mean=mean, spread=spread)
+    except ValidationError as e:
+        flags = {"mean": f"--{which}-len", "spread": f"--{which}-len-spread"}
+        raise FlagError(
+            "; ".join(
+                f"{flags.get(str(err['loc'][0]) if err['loc'] else '', f'--{which}-len')}: "
+                f"{str(err['msg']).removeprefix('Value error, ')}"
+                for err in e.errors(include_url=False)
+            )
+        ) from None
+
+
+def _check_positive(args: argparse.Namespace) -> None:
+    """Seconds and ratios that must be positive numbers (NaN included in what fails)."""
+    for flag, value in (("--timeout", args.timeout), ("--stats-interval", args.stats_interval),
+                        ("--tokens-per-word", args.tokens_per_word)):  # fmt: skip
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise FlagError(f"{flag}: must be a positive number, got {value:g}")
+
+
 def build_spec(args: argparse.Namespace) -> WorkloadSpec:
     """Validated workload from the flags (raises ValidationError naming the bad field)."""
     num = args.num_requests
@@ -89,12 +118,8 @@ def build_spec(args: argparse.Namespace) -> WorkloadSpec:
         concurrency=args.concurrency,
         ramp_to=args.ramp_to,
         ramp_s=args.ramp_duration,
-        prompt_len=LengthDist(
-            kind=args.prompt_len_dist, mean=args.prompt_len, spread=args.prompt_len_spread
-        ),
-        output_len=LengthDist(
-            kind=args.output_len_dist, mean=args.output_len, spread=args.output_len_spread
-        ),
+        prompt_len=_length(args.prompt_len_dist, args.prompt_len, args.prompt_len_spread, "prompt"),
+        output_len=_length(args.output_len_dist, args.output_len, args.output_len_spread, "output"),
         shared_prefix_fraction=args.shared_prefix_fraction,
         prefix_len=args.prefix_len,
         disconnect_fraction=args.disconnect_fraction,
@@ -115,6 +140,18 @@ def build_target(args: argparse.Namespace) -> Target:
     )
 
 
+def _json_safe(value: object) -> object:
+    """`value` with NaN and infinities as null: JSON has no NaN (a run where every request failed
+    has no latency percentiles)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def _write(path: Path, text: str) -> None:
     if str(path) == "-":
         sys.stdout.write(text)
@@ -124,7 +161,12 @@ def _write(path: Path, text: str) -> None:
 
 
 def _flag_errors(err: ValidationError) -> str:
-    flags = {"ramp_s": "--ramp-duration", "duration_s": "--duration"}
+    flags = {
+        "ramp_s": "--ramp-duration",
+        "duration_s": "--duration",
+        "base_url": "--url",
+        "timeout_s": "--timeout",
+    }
     parts = []
     for e in err.errors(include_url=False):
         field = ".".join(str(x) for x in e["loc"])
@@ -138,11 +180,20 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `headroom load`: 0 when every request succeeded, 1 when some failed,
     2 on bad flags or an unreachable server."""
     try:
+        _check_positive(args)
         spec = build_spec(args)
         target = build_target(args)
     except ValidationError as e:
         print(f"headroom load: {_flag_errors(e)}", file=sys.stderr)
         return 2
+    except FlagError as e:
+        print(f"headroom load: {e}", file=sys.stderr)
+        return 2
+    for flag, out in (("--json", args.json), ("--csv", args.csv)):
+        # Checked before the run: a run is minutes of traffic, lost if it cannot be written.
+        if out is not None and str(out) != "-" and not out.parent.is_dir():
+            print(f"headroom load: {flag}: no directory {out.parent}", file=sys.stderr)
+            return 2
     stats_url = None if args.no_stats else (args.stats_url or target.root + "/stats")
     bar = ProgressBar(
         total=spec.num_requests, duration=spec.duration_s, enabled=not args.no_progress
@@ -164,6 +215,9 @@ def run(args: argparse.Namespace) -> int:
                 on_progress=on_progress,
             )
         )
+    except aiohttp.ClientError as e:  # an unusable URL: aiohttp's text is the URL alone
+        print(f"headroom load: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     except (RuntimeError, OSError, ValueError) as e:
         print(f"headroom load: {e}", file=sys.stderr)
         return 2
@@ -185,7 +239,10 @@ def run(args: argparse.Namespace) -> int:
             "records": [r.model_dump(mode="json") for r in result.records],
             "stats_samples": [s.model_dump(mode="json") for s in result.samples],
         }
-        _write(args.json, json.dumps(payload, indent=2) + "\n")
+        _write(args.json, json.dumps(_json_safe(payload), indent=2, allow_nan=False) + "\n")
     if args.csv is not None:
         _write(args.csv, records_csv(result.records))
+    if summary.requests == 0:  # --duration shorter than one request: nothing was measured
+        print("headroom load: no request was sent", file=sys.stderr)
+        return 1
     return 0 if summary.errors == 0 else 1

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import aiohttp
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from headroom.engine.loadgen.workload import PromptFactory, RequestSpec, WorkloadSpec
 
@@ -30,6 +30,14 @@ class Target(BaseModel):
     temperature: float = 0.0
     ignore_eos: bool = True
     timeout_s: float = 600.0
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        scheme, sep, rest = url.partition("://")
+        if not sep or scheme not in ("http", "https") or not rest.strip("/"):
+            raise ValueError(f"must be an http:// or https:// URL with a host, got {url!r}")
+        return url
 
     @property
     def root(self) -> str:
@@ -163,6 +171,7 @@ async def send_request(
     token_times: list[float] = []
     first: float | None = None
     usage: dict[str, Any] | None = None
+    chunks, done = 0, False
     try:
         async with session.post(target.api + path, json=body, headers=target.headers()) as resp:
             rec.status = resp.status
@@ -181,8 +190,10 @@ async def send_request(
                     continue
                 data = line[5:].strip()
                 if data == b"[DONE]":
+                    done = True
                     break
                 chunk = json.loads(data)
+                chunks += 1
                 if "error" in chunk:
                     rec.error = "stream_error"
                     rec.error_message = _error_message(chunk, str(chunk))
@@ -212,6 +223,16 @@ async def send_request(
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         rec.error, rec.error_message = "bad_response", str(e)[:200]
         return rec
+    if not done:
+        # A 200 that is not a finished event stream (a web page on the wrong port, a stream cut
+        # off) is not a served request.
+        rec.error = "stream_cut" if chunks else "no_stream"
+        rec.error_message = (
+            f"the stream ended after {chunks} events without [DONE]"
+            if chunks
+            else "HTTP 200 without an event stream: is this an OpenAI-compatible server?"
+        )
+        return rec
     end = time.perf_counter()
     rec.ok = True
     rec.e2e_s = end - t0
@@ -233,8 +254,13 @@ async def resolve_model(session: aiohttp.ClientSession, target: Target) -> str:
     async with session.get(target.api + "/models", headers=target.headers()) as resp:
         if resp.status != 200:
             raise RuntimeError(f"GET {target.api}/models answered {resp.status}: give --model")
-        data = await resp.json()
-    models = data.get("data") or []
+        try:
+            data = await resp.json(content_type=None)
+        except ValueError:
+            data = None
+    models = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(models, list) or not all(isinstance(m, dict) and "id" in m for m in models):
+        raise RuntimeError(f"{target.api}/models is not an OpenAI model list: give --model")
     if not models:
         raise RuntimeError(f"{target.api}/models lists no model: give --model")
     return str(models[0]["id"])

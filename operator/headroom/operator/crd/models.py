@@ -45,7 +45,7 @@ _NOT_A_FLAG = r"^[^-\s]"
 # resource.Quantity): 4, 500m, 1.5, 32Gi, 512M, 4e9.
 QUANTITY_PATTERN = (
     r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
-    r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]+))?$"
 )
 _ARCH_FIELDS = (
     "numLayers",
@@ -116,7 +116,19 @@ Quantity = Annotated[
 
 # An extended resource name: a DNS-subdomain prefix, '/', a name (what the device plugin
 # advertises); names without a prefix, and kubernetes.io's, are Kubernetes' own resources.
-_EXTENDED_RESOURCE = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+# A DNS subdomain, then a name of at most 63 characters (apimachinery's IsQualifiedName). `[.]`,
+# not an escaped dot: the pattern sits in a CEL string, where `\.` is not an escape.
+_EXTENDED_RESOURCE = (
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+    r"/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+# A label value (apimachinery's IsValidLabelValue): nvidia-smi's "NVIDIA H100 80GB HBM3" is not
+# one; GPU Feature Discovery writes NVIDIA-H100-80GB-HBM3.
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+_LABEL_KEY = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
 
 # The children take the resource's name: the Service (a DNS-1035 label, so no dots and a letter
 # first) and the pods' labels (63 characters at most). Checked at the object's root, where CEL
@@ -520,13 +532,29 @@ class GPUSpec(CRDModel):
         max_length=253,
         description="the extended resource the device plugin advertises (nvidia.com/gpu, ...)",
     )
-    node_selector: dict[str, str] = Field(
-        default_factory=dict,
-        description=(
-            "node labels the pods require; the way to put them on nodes with gpu.type (which "
-            "itself does not steer scheduling)"
-        ),
+    node_selector: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]] = (
+        Field(
+            default_factory=dict,
+            description=(
+                "node labels the pods require; the way to put them on nodes with gpu.type (which "
+                "itself does not steer scheduling)"
+            ),
+        )
     )
+
+    @field_validator("node_selector")
+    @classmethod
+    def _label_keys(cls, v: dict[str, str]) -> dict[str, str]:
+        # Keys are checked here, not in the CRD: a CEL rule over a map's keys of unbounded
+        # length costs more than the API server allows a rule.
+        for key in v:
+            prefix = key.rpartition("/")[0]
+            if _LABEL_KEY.match(key) is None or len(prefix) > 253:
+                raise ValueError(
+                    f"gpu.nodeSelector key {key!r} is not a label key ([prefix/]name, the name "
+                    "at most 63 letters, digits, '-', '_' or '.')"
+                )
+        return v
 
     @field_validator("type")
     @classmethod

@@ -25,6 +25,7 @@ from headroom.operator.status import (
     Event,
     Outcome,
     condition_changed,
+    get_condition,
     ready_condition,
     set_status_condition,
 )
@@ -105,11 +106,23 @@ def apply_children(
     return applied_deployment, events
 
 
+# What a reconcile writes besides its conditions: an apply under the same field manager that
+# left one out would delete it (the /scale subresource reads `selector`).
+_RECONCILED_FIELDS = ("budget", "replicas", "readyReplicas", "desiredReplicas")
+
+
 def apply_failed(body: dict[str, Any], exc: KubeError, now: float) -> Outcome:
     """The status and Event of an apply the API server refused for good (an invalid child):
-    retrying the same object cannot succeed, so it waits for the next spec change."""
+    retrying the same object cannot succeed, so it waits for the next spec change. The last
+    reconcile's figures and Feasible condition stay: the running Deployment is unchanged."""
     out = Outcome()
     out.status["observedGeneration"] = body["metadata"].get("generation")
+    out.status["selector"] = selector_string(body["metadata"]["name"])
+    previous = body.get("status") or {}
+    out.status |= {k: previous[k] for k in _RECONCILED_FIELDS if previous.get(k) is not None}
+    feasible = get_condition(previous.get("conditions"), "Feasible")
+    if feasible is not None:
+        out.status["conditions"] = [dict(feasible)]
     message = f"the API server refused a child of this spec ({exc}); fix the spec"
     out.events.append(Event("Warning", "ApplyFailed", message))
     set_status_condition(body, out.status, "Ready", "False", "ApplyFailed", message, now)

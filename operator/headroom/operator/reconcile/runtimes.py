@@ -119,7 +119,7 @@ def vllm_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> En
         "--num-gpu-blocks-override",
         str(p.kv_blocks_per_pod),
         "--block-size",
-        str(e.block_size),
+        str(p.block_size),  # engine.blockSize, or what vLLM forces for MLA (see sizing)
         "--kv-cache-dtype",
         e.kv_cache_dtype,  # auto | fp8 (the CRD refuses int8)
         "--enable-prefix-caching" if e.prefix_caching else "--no-enable-prefix-caching",

@@ -75,6 +75,32 @@ def model_arch(model: ModelSpec, fallback_context: int) -> ModelArch:
         raise SpecError(f"model architecture: {where}: {first['msg']}") from None
 
 
+# vLLM runs an MLA model (DeepSeek V2/V3) on FlashMLA or FlashInfer MLA with 64-token blocks,
+# and on Blackwell on CUTLASS MLA with 128: it raises any other --block-size to that
+# (vllm/platforms/cuda.py, check_and_update_config) and then still allocates the
+# --num-gpu-blocks-override it was given, 4-8x the planned pool. The plan uses its block size.
+VLLM_MLA_BLOCK_SIZE = 64
+VLLM_MLA_BLOCK_SIZE_BLACKWELL = 128
+_BLACKWELL_GPUS = frozenset({"b200-192gb"})
+
+
+def engine_block_size(spec: InferenceDeploymentSpec) -> int:
+    """The KV block size the engine will run: engine.blockSize, except where vLLM forces its
+    own (MLA models)."""
+    size = spec.engine.block_size
+    if (
+        spec.engine.runtime != "vllm"
+        or model_arch(spec.model, max_model_len(spec)).kv_lora_rank is None
+    ):
+        return size
+    try:
+        blackwell = spec.gpu.type is not None and gpu_preset(spec.gpu.type).name in _BLACKWELL_GPUS
+    except UnknownPreset:
+        blackwell = False
+    need = VLLM_MLA_BLOCK_SIZE_BLACKWELL if blackwell else VLLM_MLA_BLOCK_SIZE
+    return size if size % need == 0 else need
+
+
 def plan_input(spec: InferenceDeploymentSpec) -> PlanInput:
     """The budget model's input for this spec (pure; raises SpecError on a bad combination)."""
     gpu = spec.gpu
@@ -100,7 +126,7 @@ def plan_input(spec: InferenceDeploymentSpec) -> PlanInput:
             context=spec.traffic.context_tokens,
             kv_dtype=kv_dtype,
             prefix_hit=spec.traffic.prefix_hit_ratio if spec.engine.prefix_caching else 0.0,
-            block_size=spec.engine.block_size,
+            block_size=engine_block_size(spec),
             gpu_memory_utilization=spec.engine.gpu_memory_utilization,
             max_num_seqs=spec.engine.max_num_seqs,
             max_num_batched_tokens=spec.engine.max_num_batched_tokens,
@@ -195,7 +221,7 @@ def summary(sizing: Sizing) -> str:
 
 def blocks_per_sequence(spec: InferenceDeploymentSpec) -> float:
     """KV blocks one more p95 request will claim (its shared prefix stored once)."""
-    blocks = blocks_for_tokens(spec.traffic.context_tokens, spec.engine.block_size)
+    blocks = blocks_for_tokens(spec.traffic.context_tokens, engine_block_size(spec))
     hit = spec.traffic.prefix_hit_ratio if spec.engine.prefix_caching else 0.0
     return max(1.0, blocks * (1.0 - hit))
 

@@ -184,7 +184,7 @@ def shape_for(spec: InferenceDeploymentSpec, sizing: Sizing | None = None) -> Po
     cap = max(1, sizing.plan.kv_blocks_per_pod)
     return PodShape(
         capacity_blocks=cap,
-        block_size=spec.engine.block_size,
+        block_size=sizing.plan.block_size,
         max_num_seqs=spec.engine.max_num_seqs,
         watermark_blocks=watermark_blocks(DEFAULT_WATERMARK, cap),
         max_model_len=sizing.max_model_len,
