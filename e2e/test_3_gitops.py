@@ -25,6 +25,7 @@ from e2e.kube import (
     container_arg,
     get_obj,
     headroom_plan,
+    pool_flags,
 )
 
 # The kubectl field managers; every other manager (the operator, kopf) must stay off spec.
@@ -169,8 +170,10 @@ def test_a_spec_change_rolls_the_deployment(
 
     dep = wait_until(rolled, timeout=60, what=f"{ns}/{name} to roll", alive=operator.check_alive)
     plan = headroom_plan(edited["spec"])
-    assert container_arg(dep, "engine", "--block-size") == str(old_block * 2)
-    assert container_arg(dep, "engine", "--num-blocks") == str(plan["kv_blocks_per_pod"])
+    assert plan["block_size"] == old_block * 2
+    # The block size and the pool it sizes, in the flags of the example's own runtime.
+    for flag, want in pool_flags(edited["spec"], plan).items():
+        assert container_arg(dep, "engine", flag) == want, (flag, want)
     after_rs = {k for k in _children(cluster, ns, name) if k.startswith("replicaset/")}
     assert len(after_rs - before_rs) == 1, f"expected one new ReplicaSet: {before_rs} -> {after_rs}"
     budget = get_obj(cluster, "inferencedeployment", name, namespace=ns)["status"]["budget"]

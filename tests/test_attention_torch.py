@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
+import headroom.engine.attention as attention
 from headroom.engine.attention import (
     BackendUnavailable,
     TorchBackend,
     allocate_layer_cache,
+    cuda_shape_reason,
     select_backend,
 )
 from headroom.engine.attention import torch_backend as tb
@@ -167,3 +170,17 @@ def test_select_backend() -> None:
         select_backend("cuda", "cpu")
     with pytest.raises(ValueError, match="auto, torch or cuda"):
         select_backend("triton", "cpu")  # type: ignore[arg-type]
+
+
+def test_a_gpu_whose_kernels_do_not_fit_the_model_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Checked when the engine starts, not at the first request (which failed every request
+    # while /ready said 200): head_dim 80 (h2o-danube, open_llama_3b) and 8-token blocks.
+    monkeypatch.setattr(attention, "_cuda_backend_status", lambda dev: None)  # a GPU, CuPy
+    assert cuda_shape_reason(128, 16) is None
+    for head_dim, block_size, says in ((80, 16, "head_dim (64, 128), the model has 80"),
+                                       (128, 8, "16k tokens, got 8")):  # fmt: skip
+        with pytest.raises(BackendUnavailable, match=re.escape(says)):
+            select_backend("cuda", "cuda", head_dim, block_size)
+        assert isinstance(select_backend("auto", "cuda", head_dim, block_size), TorchBackend)

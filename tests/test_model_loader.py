@@ -4,6 +4,8 @@ model and tokenizers, and the errors a bad model directory gets."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,6 +109,36 @@ def test_missing_files_get_clear_errors(sharded: tuple[Path, object], tmp_path: 
     (no_weights / "config.json").unlink()
     with pytest.raises(ModelFilesError, match=r"no config\.json"):
         load_model(str(no_weights))
+
+
+def test_a_broken_checkpoint_fails_serve_and_kv_check_with_one_line(tmp_path: Path,
+        sharded: tuple[Path, object]) -> None:  # fmt: skip
+    # A truncated shard raises safetensors' own error, a linear RoPE without its factor a
+    # KeyError: each used to end `headroom serve` in a traceback, and `kv-check` in exit 1,
+    # which that command means as "quantized KV unsafe".
+    path, _ = sharded
+    cut = _copy_dir(path, tmp_path / "cut")
+    shard = next(cut.glob("model-*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    rope = _copy_dir(path, tmp_path / "rope")
+    cfg = json.loads((rope / "config.json").read_text())
+    cfg.pop("rope_scaling", None)
+    cfg["rope_parameters"] = {"rope_type": "linear", "rope_theta": 10000.0}
+    (rope / "config.json").write_text(json.dumps(cfg))
+    cli = [sys.executable, "-m", "headroom.contract.cli"]
+    for model, says in ((cut, "SafetensorError"), (rope, "rope 'linear' needs a number factor")):
+        # A subprocess with a timeout: a model that loads after all would serve forever.
+        proc = subprocess.run([*cli, "serve", "--model", str(model), "--port", "0"],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 1, proc.stderr
+        assert "model failed to load: " in proc.stderr and says in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"text": "t1 t2 t3"}\n')
+    argv = ["kv-check", "--model", str(cut), "--prompts", str(docs), "--kv-cache-dtype", "int8"]
+    proc = subprocess.run([*cli, *argv, "--device", "cpu", "--quiet"], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "cannot load model" in proc.stderr, proc.stderr
 
 
 def test_wrong_weights_are_named(sharded: tuple[Path, object], tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from headroom.operator.scaling.metrics_sources import (
     pod_info,
     promql,
     sample_from_report,
+    usable,
 )
 from headroom.operator.status import parse_time
 
@@ -122,7 +123,9 @@ def test_pod_info_from_a_pod_object() -> None:
 
 async def test_sidecar_source_skips_silent_and_broken_pods() -> None:
     async def good(_: web.Request) -> web.Response:
-        return web.Response(body=report().model_dump_json(), content_type="application/json")
+        # One stand-in answers for every pod here: it names none (a sidecar without POD_NAME).
+        body = report(pod=None).model_dump_json()
+        return web.Response(body=body, content_type="application/json")
 
     app = web.Application()
     app.router.add_get("/saturation", good)
@@ -147,6 +150,82 @@ async def test_sidecar_source_skips_silent_and_broken_pods() -> None:
         got = await src.sample(TARGET, pods)
         assert sorted(got) == ["draining", "ready"] and got["ready"].occupancy == 0.42
         assert await SidecarSource(http, port=bad.port).sample(TARGET, pods) == {}
+
+
+async def test_a_sidecar_answering_for_another_pod_or_deployment_is_not_this_pods() -> None:
+    # An evicted pod's IP goes to a new pod, perhaps another deployment's: its KV is not ours.
+    answers = iter([report(pod="other-7f9"), report(inferencedeployment="other"), report()])
+
+    async def reused(_: web.Request) -> web.Response:
+        return web.Response(body=next(answers).model_dump_json(), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/saturation", reused)
+    async with TestServer(app, host="127.0.0.1") as srv, aiohttp.ClientSession() as http:
+        src = SidecarSource(http, port=srv.port)
+        pod = [PodInfo("chat-0", "127.0.0.1", True, 0.0)]
+        assert await src.sample(TARGET, pod) == {}
+        assert await src.sample(TARGET, pod) == {}
+        assert set(await src.sample(TARGET, pod)) == {"chat-0"}
+        # An exited pod (evicted: phase Failed) holds no KV and is not asked at all.
+        gone = [PodInfo("chat-0", "127.0.0.1", False, 0.0, terminating=True, exited=True)]
+        assert await src.sample(TARGET, gone) == {}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "kept"),
+    [("occupancy", math.nan, False), ("occupancy", math.inf, False), ("occupancy", 7.0, False),
+     ("occupancy", -0.1, False), ("hit_ratio", 1e400, True), ("eta_seconds", math.nan, True),
+     ("preemption_rate_per_second", math.inf, True), ("growth_blocks_per_second", math.nan, True),
+     ("arrival_rate_per_second", math.inf, True)],
+)  # fmt: skip
+def test_a_figure_that_is_not_a_number_makes_the_pod_silent_or_drops_the_figure(
+    field: str, value: float, kept: bool
+) -> None:
+    # One pod's NaN raised in the scaling loop (round(NaN)), which stopped scaling the whole
+    # deployment; Infinity would have bought pods.
+    extra = {"departure_rate_per_second": 1.0, "kv_block_seconds_per_second": 10.0,
+             "arrival_rate_per_second": 1.0}  # fmt: skip
+    sample = usable(sample_from_report(report(**{**extra, field: value})))
+    assert (sample is not None) == kept
+    if sample is not None:
+        figures = (sample.occupancy, sample.hit_ratio, sample.eta_seconds,
+                   sample.preemption_rate, sample.growth_blocks_per_second)  # fmt: skip
+        assert all(x is None or math.isfinite(x) for x in figures)
+        if field == "arrival_rate_per_second":
+            assert sample.demand is None
+
+
+def test_prometheus_answers_that_are_not_results_are_a_metrics_error_or_skipped() -> None:
+    for doc in (None, [], {"status": "success", "data": None}):
+        with pytest.raises(MetricsError):
+            parse_prometheus(doc)
+    odd = {"status": "success", "data": {"resultType": "vector", "result": [
+        {"metric": {"pod": "a", "q": "occupancy"}},  # no value
+        {"metric": {"pod": "a", "q": "used"}, "value": [100, "+Inf"]},
+        {"metric": {"pod": "a", "q": "occupancy"}, "value": [100, "0.5"]},
+        {"metric": {"pod": "b", "q": "occupancy"}, "value": [100, "+Inf"]},
+        "not a series",
+    ]}}  # fmt: skip
+    out = parse_prometheus(odd)
+    assert set(out) == {"a"} and out["a"].occupancy == 0.5 and out["a"].used_blocks is None
+
+
+async def test_an_ipv6_pod_ip_is_put_in_brackets() -> None:
+    # Unbracketed, aiohttp refused the URL and every pod of an IPv6 cluster read as silent.
+    # No connection is made here: the session records the URL and answers nothing.
+    asked: list[str] = []
+
+    class Session:
+        def get(self, url: str, **_: Any) -> Any:
+            asked.append(url)
+            raise aiohttp.ClientConnectionError("not connecting in a test")
+
+    src = SidecarSource(Session(), port=9090)  # type: ignore[arg-type]
+    pods = [PodInfo("a", "fd00:10:244::5", True, 0.0), PodInfo("b", "10.0.0.7", True, 0.0)]
+    assert await src.sample(TARGET, pods) == {}
+    assert sorted(asked) == ["http://10.0.0.7:9090/saturation",
+                             "http://[fd00:10:244::5]:9090/saturation"]  # fmt: skip
 
 
 async def test_prometheus_source_without_url_or_server() -> None:

@@ -179,6 +179,10 @@ def test_pool_too_small_fails_fast_with_the_numbers(capsys: pytest.CaptureFixtur
         (["--shutdown-grace", "-1"], "--shutdown-grace"),
         (["--stats-port", "70000"], "--stats-port"),
         (["--stats-host", "0.0.0.0"], "--stats-host needs --stats-port"),
+        (["--device", "cudax"], "device must be cpu, cuda, cuda:N or auto, got 'cudax'"),
+        # Settings the engine finds wrong only once the model is loaded are still bad flags.
+        (["--kv-cache-memory", "100"], "kv_cache_memory_bytes 100 holds no block"),
+        (["--max-model-len", "100000"], "exceeds the model's max_position_embeddings 8192"),
     ],
 )
 def test_bad_flags_name_the_flag(
@@ -195,3 +199,5 @@ def test_kv_cache_memory_units() -> None:
     assert parse_bytes("4096") == 4096
     with pytest.raises(argparse.ArgumentTypeError, match="invalid size"):
         parse_bytes("lots")
+    with pytest.raises(argparse.ArgumentTypeError, match="not a finite number"):
+        parse_bytes("1e400")

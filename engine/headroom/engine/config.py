@@ -3,6 +3,7 @@ scheduler reads its pool and batching limits from it once the engine resolved th
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -51,7 +52,7 @@ class EngineConfig(BaseModel):
     def _check(self) -> EngineConfig:
         if self.num_blocks is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_memory_bytes, not both")
-        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+        if re.fullmatch(r"cpu|auto|cuda(:[0-9]+)?", self.device) is None:
             raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
         return self
 

@@ -33,7 +33,7 @@ from headroom.contract.stats import StatsSnapshot
 from headroom.engine.attention import select_backend
 from headroom.engine.attention.kv_scales import load_model_scales
 from headroom.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
-from headroom.engine.errors import RequestFailed, RequestRejected
+from headroom.engine.errors import EngineConfigError, RequestFailed, RequestRejected
 from headroom.engine.failures import StepFailed, fail_requests
 from headroom.engine.model.loader import LoadedModel, load_model
 from headroom.engine.model.tokenizer import Tokenizer
@@ -81,8 +81,8 @@ class Engine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         loaded = load_model(config.model, config.dtype, device)
-        backend = select_backend(config.attention_backend, device)
         cfg = loaded.config
+        backend = select_backend(config.attention_backend, device, cfg.head_dim, config.block_size)
         storage = kv_cache_dtype(config.kv_cache_dtype, str(loaded.dtype))
         per_block = kv_bytes_per_token(cfg, storage) * config.block_size
         num_blocks = config.num_blocks
@@ -90,13 +90,13 @@ class Engine:
             memory = config.kv_cache_memory_bytes or _default_kv_bytes(device)
             num_blocks = memory // per_block
             if num_blocks < 1:
-                raise ValueError(
+                raise EngineConfigError(
                     f"kv_cache_memory_bytes {memory} holds no block "
                     f"({per_block} bytes per block of {config.block_size} tokens)"
                 )
         max_len = config.max_model_len or cfg.max_position_embeddings
         if max_len > cfg.max_position_embeddings:
-            raise ValueError(
+            raise EngineConfigError(
                 f"max_model_len {max_len} exceeds the model's max_position_embeddings "
                 f"{cfg.max_position_embeddings}"
             )

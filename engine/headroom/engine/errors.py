@@ -15,6 +15,11 @@ class RequestRejected(ValueError):
         self.code = code
 
 
+class EngineConfigError(ValueError):
+    """A setting the engine cannot start with (a pool that holds no block, a length past the
+    model's): a bad flag, not a bad model."""
+
+
 class RequestFailed(RuntimeError):
     """The engine gave up on a request (its model step or its decoding raised); the request's
     blocks are already freed and the engine goes on serving the others."""

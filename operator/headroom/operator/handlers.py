@@ -214,6 +214,11 @@ async def _tick(
         # One line, no traceback: the API server is down or refusing; the next tick retries.
         log.warning("scaling %s/%s: %s", meta["namespace"], meta["name"], exc)
         return memory
+    except Exception:
+        # A bug in one tick must not end the loop: kopf would restart the daemon after its
+        # backoff with the decision memory lost. Logged with the traceback; the next tick runs.
+        log.exception("scaling %s/%s: the decision failed", meta["namespace"], meta["name"])
+        return memory
     if result.decision is not None and result.current is not None:
         d = result.decision
         ctx.metrics.publish(meta["namespace"], meta["name"], result.mode, d.replicas,

@@ -6,6 +6,7 @@ so CPU-only installs never import CuPy.
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 import torch
@@ -20,6 +21,7 @@ from headroom.engine.attention.base import (
 from headroom.engine.attention.torch_backend import TorchBackend
 
 BackendName = Literal["auto", "torch", "cuda"]
+log = logging.getLogger("headroom.engine.attention")
 
 
 class BackendUnavailable(RuntimeError):
@@ -41,14 +43,33 @@ def _cuda_backend_status(device: torch.device) -> str | None:
     return None
 
 
-def select_backend(name: BackendName, device: torch.device | str) -> AttentionBackend:
-    """The backend for `name` on `device`: "auto" picks cuda when a GPU and CuPy are present."""
+def cuda_shape_reason(head_dim: int | None, block_size: int | None) -> str | None:
+    """None when the CUDA kernels are compiled for this head size and block size, else why
+    not (checked at start-up: the kernels' own check runs only at the first request)."""
+    from headroom.engine.attention.cuda_validate import TILE_TOKENS
+    from headroom.engine.kernels.compile import HEAD_DIMS
+
+    if head_dim is not None and head_dim not in HEAD_DIMS:
+        return f"the cuda attention kernels take head_dim {HEAD_DIMS}, the model has {head_dim}"
+    if block_size is not None and block_size % TILE_TOKENS != 0:
+        return f"the cuda attention kernels take blocks of {TILE_TOKENS}k tokens, got {block_size}"
+    return None
+
+
+def select_backend(
+    name: BackendName,
+    device: torch.device | str,
+    head_dim: int | None = None,
+    block_size: int | None = None,
+) -> AttentionBackend:
+    """The backend for `name` on `device`: "auto" picks cuda when a GPU and CuPy are present
+    and its kernels fit the model's head size and the block size, else torch."""
     dev = torch.device(device)
     if name == "torch":
         return TorchBackend()
     if name not in ("auto", "cuda"):
         raise ValueError(f"attention backend must be auto, torch or cuda, got {name!r}")
-    reason = _cuda_backend_status(dev)
+    reason = _cuda_backend_status(dev) or cuda_shape_reason(head_dim, block_size)
     if reason is None:
         from headroom.engine.attention.cuda_backend import CudaBackend
 
@@ -56,6 +77,8 @@ def select_backend(name: BackendName, device: torch.device | str) -> AttentionBa
         return backend
     if name == "cuda":
         raise BackendUnavailable(reason)
+    if dev.type == "cuda":
+        log.warning("attention backend torch", extra={"reason": reason})
     return TorchBackend()
 
 

@@ -162,6 +162,8 @@ def _load(args: argparse.Namespace, device: torch.device) -> LoadedModel:
         return load_model(args.model, args.dtype, device)
     except (ModelFilesError, UnsupportedModel, UnsupportedDtype, ValueError, OSError) as exc:
         raise UsageError(f"cannot load model {args.model}: {exc}") from None
+    except Exception as exc:  # a broken checkpoint's own parser error: exit 2, not "unsafe"
+        raise UsageError(f"cannot load model {args.model}: {type(exc).__name__}: {exc}") from None
 
 
 def _validate(args: argparse.Namespace, loaded: LoadedModel) -> check.CheckConfig:

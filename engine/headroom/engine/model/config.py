@@ -119,14 +119,21 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
     if partial != 1.0:
         raise UnsupportedModel(f"partial_rotary_factor {partial} is not supported")
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    theta = params.get("rope_theta", cfg.get("rope_theta")) or 10000.0  # null: the default
+
+    def need(key: str) -> float:
+        value = params.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise UnsupportedModel(f"config.json: rope {rope_type!r} needs a number {key}")
+        return float(value)
+
     fields: dict[str, Any] = {"rope_type": rope_type, "theta": float(theta)}
     if rope_type in ("linear", "llama3"):
-        fields["factor"] = float(params["factor"])
+        fields["factor"] = need("factor")
     if rope_type == "llama3":
-        fields["low_freq_factor"] = float(params["low_freq_factor"])
-        fields["high_freq_factor"] = float(params["high_freq_factor"])
-        fields["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+        fields["low_freq_factor"] = need("low_freq_factor")
+        fields["high_freq_factor"] = need("high_freq_factor")
+        fields["original_max_position_embeddings"] = int(need("original_max_position_embeddings"))
     return RopeConfig(**fields)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import re
 import sys
@@ -44,7 +45,10 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"invalid size {text!r}: use bytes or a unit (KiB, MiB, GiB, K, M, G)"
         )
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    number = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: not a finite number")
+    value = int(number)
     if value < 1:
         raise argparse.ArgumentTypeError(f"size must be at least 1 byte, got {text!r}")
     return value

@@ -19,7 +19,9 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from headroom.engine.async_engine import AsyncEngine
+from headroom.engine.attention import BackendUnavailable
 from headroom.engine.config import EngineConfig
+from headroom.engine.errors import EngineConfigError
 from headroom.engine.server.app import ServerSettings, ServerState, create_app
 from headroom.engine.server.budget_report import budget_report
 from headroom.engine.server.chat_template import ChatTemplate, load_chat_template
@@ -161,8 +163,16 @@ async def serve(
     try:
         try:
             engine = await asyncio.to_thread(build_engine, config)
-        except (ValueError, OSError) as e:
-            state.load_error = f"model failed to load: {e}"
+        except (EngineConfigError, BackendUnavailable) as e:
+            state.load_error = str(e)  # a flag the engine cannot run with: exit 2
+            print(f"headroom serve: {e}", file=sys.stderr, flush=True)
+            return 2
+        except Exception as e:
+            # A broken checkpoint raises whatever its parser raises (KeyError, SafetensorError,
+            # JSONDecodeError): one line naming it, not a traceback.
+            log.debug("model load failed", exc_info=True)
+            what = "" if isinstance(e, ValueError | OSError) else f"{type(e).__name__}: "
+            state.load_error = f"model failed to load: {what}{e}"
             print(f"headroom serve: {state.load_error}", file=sys.stderr, flush=True)
             return 1
         report = budget_report(engine.engine)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -122,14 +123,15 @@ def views(infos: list[PodInfo], samples: dict[str, Any]) -> tuple[PodView, ...]:
 def kv_status(d: Decision, now: float) -> dict[str, Any]:
     """status.kv from a decision's figures."""
     f = d.figures
-    eta = f.min_eta_seconds
+    eta = _r(f.min_eta_seconds)
     fc = f.forecast
+    occupancy, hit = _r(f.mean_occupancy), _r(f.hit_ratio)
     kv = KVStatus(
-        occupancy=_r(f.mean_occupancy),
-        occupancy_percent=round(100 * f.mean_occupancy) if f.mean_occupancy is not None else None,
+        occupancy=occupancy,
+        occupancy_percent=round(100 * occupancy) if occupancy is not None else None,
         max_occupancy=_r(f.max_occupancy),
-        hit_ratio=_r(f.hit_ratio),
-        hit_percent=round(100 * f.hit_ratio) if f.hit_ratio is not None else None,
+        hit_ratio=hit,
+        hit_percent=round(100 * hit) if hit is not None else None,
         eta_seconds=round(eta) if eta is not None else None,
         eta=(f"{eta:.0f}s" if eta is not None else "steady") if f.reporting else None,
         waiting=f.waiting if f.reporting else None,
@@ -178,7 +180,8 @@ def decision_record(d: Decision, current: int, now: float, applied: bool) -> dic
 
 
 def _r(x: float | None) -> float | None:
-    return None if x is None else round(x, 4)
+    # Status is JSON for the API server: no NaN or infinity, whatever a source let through.
+    return None if x is None or not math.isfinite(x) else round(x, 4)
 
 
 def pool_condition(samples: dict[str, PodSample], planned: int) -> tuple[Status, str, str]:

@@ -8,9 +8,10 @@ tested on its own; the fetching is a thin aiohttp shell.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import aiohttp
@@ -37,6 +38,7 @@ class PodInfo:
     created_at: float
     terminating: bool = False
     ready_since: float | None = None  # the Ready condition's lastTransitionTime
+    exited: bool = False  # phase Succeeded or Failed (an evicted pod): its IP may be reused
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,61 @@ class MetricsSource(Protocol):
     """Reads per-pod samples for one InferenceDeployment."""
 
     async def sample(self, target: ScrapeTarget, pods: list[PodInfo]) -> dict[str, PodSample]: ...
+
+
+# ---------------------------------------------------------------------------- checks
+
+# Occupancy a little over 1 is rounding in an engine's own ratio; far over it is not a KV pool.
+_MAX_OCCUPANCY = 1.05
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _rates_ok(r: DemandRates | None) -> DemandRates | None:
+    values = (r.arrivals, r.departures, r.block_seconds) if r is not None else ()
+    return r if r is not None and all(math.isfinite(v) and v >= 0 for v in values) else None
+
+
+def _counters_ok(c: CounterSample | None) -> CounterSample | None:
+    values = (c.t, c.arrived, c.departed, c.block_seconds) if c is not None else ()
+    return c if c is not None and all(math.isfinite(v) and v >= 0 for v in values) else None
+
+
+def usable(sample: PodSample | None) -> PodSample | None:
+    """`sample` with every figure a decision can use, or None when its occupancy or time is not
+    a number: one pod's NaN or 1e400 must make that pod silent, not raise in the loop (which
+    would stop scaling the whole deployment) or buy pods."""
+    if sample is None or _finite(sample.sampled_at) is None:
+        return None
+    occ = _finite(sample.occupancy)
+    if occ is None or not 0.0 <= occ <= _MAX_OCCUPANCY:
+        return None
+    blocks = [b for b in (sample.used_blocks, sample.capacity_blocks) if b is not None]
+    if any(b < 0 for b in blocks) or sample.waiting < 0 or sample.running < 0:
+        return None
+    hit = _finite(sample.hit_ratio)
+    rate = _finite(sample.preemption_rate)
+    eta = _finite(sample.eta_seconds)
+    return replace(
+        sample,
+        occupancy=min(occ, 1.0),
+        eta_seconds=eta if eta is not None and eta >= 0 else None,  # None: not growing
+        preemption_rate=rate if rate is not None and rate >= 0 else 0.0,
+        hit_ratio=hit if hit is not None and 0.0 <= hit <= 1.0 else None,
+        growth_blocks_per_second=_finite(sample.growth_blocks_per_second),
+        demand=_rates_ok(sample.demand),
+        counters=_counters_ok(sample.counters),
+    )
+
+
+def _host(ip: str) -> str:
+    """An IP as a URL's host: an IPv6 address goes in brackets."""
+    try:
+        return f"[{ip}]" if ipaddress.ip_address(ip).version == 6 else ip
+    except ValueError:
+        return ip
 
 
 # ---------------------------------------------------------------------------- sidecar
@@ -121,21 +178,30 @@ class SidecarSource:
         self.port = port
         self.timeout = aiohttp.ClientTimeout(total=timeout)
 
-    async def _one(self, pod: PodInfo) -> tuple[str, PodSample | None]:
-        url = f"http://{pod.ip}:{self.port}/saturation"
+    async def _one(self, target: ScrapeTarget, pod: PodInfo) -> tuple[str, PodSample | None]:
+        assert pod.ip is not None
+        url = f"http://{_host(pod.ip)}:{self.port}/saturation"
         try:
             async with self.session.get(url, timeout=self.timeout) as resp:
                 if resp.status != 200:
                     return pod.name, None
                 body = await resp.read()
-            return pod.name, sample_from_report(SaturationReport.model_validate_json(body))
+            report = SaturationReport.model_validate_json(body)
         except (aiohttp.ClientError, TimeoutError, ValidationError, OSError):
             return pod.name, None  # a silent pod: decide() holds rather than guess
+        # A pod IP is reused once its pod is gone: a sidecar that names another pod or
+        # deployment is not this pod's.
+        if (report.pod is not None and report.pod != pod.name) or (
+            report.inferencedeployment is not None and report.inferencedeployment != target.name
+        ):
+            return pod.name, None
+        return pod.name, usable(sample_from_report(report))
 
     async def sample(self, target: ScrapeTarget, pods: list[PodInfo]) -> dict[str, PodSample]:
-        """Samples of the ready (and terminating, still draining) pods that answered."""
-        wanted = [p for p in pods if p.ip and (p.ready or p.terminating)]
-        results = await asyncio.gather(*(self._one(p) for p in wanted))
+        """Samples of the ready (and terminating, still draining) pods that answered; a pod
+        that has exited (Succeeded, Failed: evicted) holds no KV and is not polled."""
+        wanted = [p for p in pods if p.ip and not p.exited and (p.ready or p.terminating)]
+        results = await asyncio.gather(*(self._one(target, p) for p in wanted))
         return {name: s for name, s in results if s is not None}
 
 
@@ -180,23 +246,41 @@ def _value(raw: str) -> float:
     return float(raw)  # Prometheus sends "+Inf", "NaN" as strings float() understands
 
 
-def parse_prometheus(doc: dict[str, Any]) -> dict[str, PodSample]:
-    """An `/api/v1/query` response for `promql()` as samples keyed by pod."""
+def _point(series: Any) -> tuple[str, str, float, float] | None:
+    """(pod, q, time, value) of one result series, or None when it is not one of ours."""
+    if not isinstance(series, dict) or not isinstance(series.get("metric"), dict):
+        return None
+    pod, q = series["metric"].get("pod"), series["metric"].get("q")
+    value = series.get("value")
+    if not pod or not q or not isinstance(value, list) or len(value) != 2:
+        return None
+    try:
+        return str(pod), str(q), float(value[0]), _value(value[1])
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_prometheus(doc: Any) -> dict[str, PodSample]:
+    """An `/api/v1/query` response for `promql()` as samples keyed by pod; raises MetricsError
+    when it is not a vector answer at all (a series that is malformed is skipped)."""
+    if not isinstance(doc, dict):
+        raise MetricsError(f"Prometheus answered {type(doc).__name__}, not a query result")
     if doc.get("status") != "success":
         raise MetricsError(f"Prometheus query failed: {doc.get('error', 'unknown error')}")
-    data = doc.get("data", {})
-    if data.get("resultType") != "vector":
-        raise MetricsError(f"expected a vector result, got {data.get('resultType')}")
+    data = doc.get("data")
+    if not isinstance(data, dict) or data.get("resultType") != "vector":
+        got = data.get("resultType") if isinstance(data, dict) else data
+        raise MetricsError(f"expected a vector result, got {got}")
+    result = data.get("result")
     per_pod: dict[str, dict[str, float]] = {}
-    for series in data.get("result", []):
-        labels = series.get("metric", {})
-        pod, q = labels.get("pod"), labels.get("q")
-        if not pod or not q:
+    for series in result if isinstance(result, list) else []:
+        point = _point(series)
+        if point is None:
             continue
-        ts, raw = series["value"]
+        pod, q, ts, value = point
         fig = per_pod.setdefault(pod, {})
-        fig[q] = _value(raw)
-        fig.setdefault("_ts", float(ts))
+        fig[q] = value
+        fig.setdefault("_ts", ts)
     out: dict[str, PodSample] = {}
     for pod, fig in per_pod.items():
         occ = fig.get("occupancy")
@@ -207,9 +291,9 @@ def parse_prometheus(doc: dict[str, Any]) -> dict[str, PodSample]:
 
         def count(key: str, fig: dict[str, float] = fig) -> int | None:
             v = fig.get(key)
-            return None if v is None or math.isnan(v) else round(v)
+            return None if v is None or not math.isfinite(v) else round(v)
 
-        out[pod] = PodSample(
+        sample = usable(PodSample(
             occupancy=occ,
             # The scrape time of the sample, so a target Prometheus lost shows up as stale.
             sampled_at=fig.get("time", fig["_ts"]),
@@ -223,7 +307,9 @@ def parse_prometheus(doc: dict[str, Any]) -> dict[str, PodSample]:
             engine_up=fig.get("up", 0.0) >= 1.0,
             demand=_demand(fig),
             counters=_counters(fig),
-        )
+        ))  # fmt: skip
+        if sample is not None:
+            out[pod] = sample
     return out
 
 
@@ -277,8 +363,11 @@ class PrometheusSource:
                 url, data={"query": promql(target)}, timeout=self.timeout
             ) as resp:
                 doc = await resp.json(content_type=None)
+                status = resp.status
         except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
             raise MetricsError(f"Prometheus at {base} unreachable: {exc}") from None
+        if status != 200 and not isinstance(doc, dict):
+            raise MetricsError(f"Prometheus at {base} answered HTTP {status}")
         samples = parse_prometheus(doc)
         names = {p.name for p in pods}
         return {k: v for k, v in samples.items() if k in names}
@@ -300,6 +389,7 @@ def pod_info(pod: dict[str, Any], parse_time: Any) -> PodInfo:
         terminating=meta.get("deletionTimestamp") is not None
         or status.get("phase") in ("Succeeded", "Failed"),
         ready_since=parse_time(ready_cond.get("lastTransitionTime")) if ready else None,
+        exited=status.get("phase") in ("Succeeded", "Failed"),
     )
 
 
