@@ -242,6 +242,8 @@ def _args(model: Path | str, prompts: Path, *extra: str) -> list[str]:
         (("--kv-cache-dtype", "fp8", "--contexts", "64k"), "exceeds the model's max_position"),
         (("--kv-cache-dtype", "fp8", "--depths", "0.5,2"), "--depths"),
         (("--kv-cache-dtype", "fp8", "--num-prompts", "0"), "--num-prompts must be at least 1"),
+        (("--kv-cache-dtype", "fp8", "--contexts", "8"), "is too short for the needle"),
+        (("--kv-cache-dtype", "fp8", "--plot", "kv.txt"), "--plot: kv.txt must end in .png"),
     ],
 )
 def test_bad_options_exit_2_with_the_reason(

@@ -135,6 +135,8 @@ def test_bad_flags_and_unreachable_server(capsys: pytest.CaptureFixture[str]) ->
         (["--prompt-len", "0"], "--prompt-len: Input should be greater than or equal to 1"),
         (["--output-len-spread", "2"], "--output-len-spread: Input should be less than or equal"),
         (["--json", "/nonexistent/run.json"], "--json: no directory /nonexistent"),
+        (["--json", "/tmp"], "--json: /tmp is a directory"),
+        (["--temperature", "5"], "--temperature: Input should be less than or equal to 2"),
     ):
         assert _load("-n", "1", *flags) == 2, flags
         err = capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
@@ -46,7 +47,7 @@ def test_a_bind_address_that_is_no_address_is_a_clear_error(
 ) -> None:
     args = parser().parse_args(["operator", flag, "lots"])
     assert cli.run_operator(args) == 2
-    assert f"--{flag[2:].replace('-', '_')}" in capsys.readouterr().err
+    assert f"{flag}:" in capsys.readouterr().err
 
 
 def test_namespace_and_all_namespaces_are_exclusive() -> None:
@@ -57,7 +58,20 @@ def test_namespace_and_all_namespaces_are_exclusive() -> None:
 def test_bad_option_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     args = parser().parse_args(["operator", "--metrics-port", "70000"])
     assert cli.run_operator(args) == 2
-    assert "--metrics_port" in capsys.readouterr().err
+    assert "--metrics-port:" in capsys.readouterr().err
+
+
+def test_a_kubeconfig_that_is_not_one_is_exit_2_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    garbage = tmp_path / "kubeconfig"
+    garbage.write_text("- just\n- a list\n")
+    for path, says in ((tmp_path / "nowhere", "No configuration found"),
+                       (tmp_path, "Is a directory"), (garbage, "")):  # fmt: skip
+        args = parser().parse_args(["operator", "--kubeconfig", str(path), "--metrics-port", "0"])
+        assert cli.run_operator(args) == 2, path
+        err = capsys.readouterr().err
+        assert f"--kubeconfig {path}:" in err and says in err and "Traceback" not in err, err
 
 
 def test_conditions_keep_transition_time_until_status_flips() -> None:

@@ -89,6 +89,21 @@ def test_gpu_memory_that_is_not_a_size_and_a_plot_nowhere_exit_2(tmp_path: Path)
     r = run(*small, "--plot", str(tmp_path / "nowhere" / "plan.png"))
     assert r.returncode == 2 and f"--plot: no directory {tmp_path / 'nowhere'}" in r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
+    r = run(*small, "--plot", str(tmp_path / "plan.txt"))  # matplotlib writes no .txt
+    assert r.returncode == 2 and "must end in .png, .svg, .pdf" in r.stderr
+
+
+def test_a_model_config_that_is_not_one_exits_2_naming_the_file(tmp_path: Path) -> None:
+    cases = {"empty": {}, "list": [1], "zero-heads": {"num_attention_heads": 0, "hidden_size": 8,
+             "num_hidden_layers": 1, "vocab_size": 4}}  # fmt: skip
+    for name, doc in cases.items():
+        cfg = tmp_path / f"{name}.json"
+        cfg.write_text(json.dumps(doc))
+        r = run("--model-config", str(cfg), "--concurrency", "1", "--context", "10")
+        assert r.returncode == 2 and f"{cfg}:" in r.stderr, (name, r.stderr)
+        assert "Traceback" not in r.stderr
+    r = run("--model-config", str(cfg), "--params", "inf", "--concurrency", "1", "--context", "1")
+    assert r.returncode == 2 and "--params must be billions" in r.stderr
 
 
 def test_infeasible_plan_exits_1_with_the_reason() -> None:

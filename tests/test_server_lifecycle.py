@@ -180,6 +180,7 @@ def test_pool_too_small_fails_fast_with_the_numbers(capsys: pytest.CaptureFixtur
         (["--stats-port", "70000"], "--stats-port"),
         (["--stats-host", "0.0.0.0"], "--stats-host needs --stats-port"),
         (["--device", "cudax"], "device must be cpu, cuda, cuda:N or auto, got 'cudax'"),
+        (["--model", "/nonexistent/model"], "--model: no directory /nonexistent/model"),
         # Settings the engine finds wrong only once the model is loaded are still bad flags.
         (["--kv-cache-memory", "100"], "kv_cache_memory_bytes 100 holds no block"),
         (["--max-model-len", "100000"], "exceeds the model's max_position_embeddings 8192"),

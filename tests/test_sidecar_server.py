@@ -171,6 +171,7 @@ def _free_port() -> int:
     ("flags", "complaint"),
     [
         (["--engine-url", "localhost:8000"], "engine_url must be http(s)"),
+        (["--engine-url", "http://127.0.0.1:99999"], "engine_url must be http(s)"),
         (["--engine-url", "http://x:1", "--interval", "1", "--timeout", "2"], "must not exceed"),
         (["--engine-url", "http://x:1", "--window", "0"], "window"),
         (["--engine-url", "http://x:1", "--port", "70000"], "port"),

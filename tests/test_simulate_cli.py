@@ -210,6 +210,8 @@ def test_a_bad_file_exits_2_with_the_line_and_no_traceback_from_the_installed_co
     [
         (["--rate", "0"], "--rate must be a positive number"),
         (["--decode-tps", "-1"], "--decode-tps must be a positive number"),
+        # A profile keeps a count per second until the last request ends: not a terabyte.
+        (["--decode-tps", "1e-9"], "make a request last 11,574,074 days (at most 31)"),
         (["--block-size", "0"], "--block-size must be in [1, 1024]"),
         (["--model", "llama-3.1-8b"], "--model and --gpu go together"),
         (["--model", "llama-9", "--gpu", "l4-24gb"], "unknown model 'llama-9'"),

@@ -20,6 +20,7 @@ from headroom.contract.budget import (
     model_preset,
     plan,
 )
+from headroom.contract.outputs import chart_error
 
 MAX_GPU_MEMORY_GIB = 4096  # the CRD's gpu.memoryGiB bound
 
@@ -87,6 +88,8 @@ def render_plan(p: Plan) -> str:
 def build_input(args: argparse.Namespace) -> PlanInput:
     """Turn CLI flags into a validated `PlanInput` (raises UnknownPreset / ValidationError)."""
     if args.model_config is not None:
+        if args.params is not None and not 0 < args.params <= 1e6:  # NaN and inf fail too
+            raise ValueError(f"--params must be billions in (0, 1e6], got {args.params}")
         params = int(args.params * 1e9) if args.params else None
         arch = from_hf_config(args.model_config, num_parameters=params)
     else:
@@ -130,8 +133,9 @@ def _validation_message(err: ValidationError) -> str:
 def run(args: argparse.Namespace) -> int:
     """Entry point of `headroom plan`; exit 2 on bad input, 1 when infeasible."""
     try:
-        if args.plot is not None and not args.plot.parent.is_dir():
-            raise ValueError(f"--plot: no directory {args.plot.parent}")
+        bad_plot = chart_error(args.plot, "--plot") if args.plot is not None else None
+        if bad_plot is not None:
+            raise ValueError(bad_plot)
         inp = build_input(args)
     except UnknownPreset as e:
         print(f"headroom plan: {e}", file=sys.stderr)

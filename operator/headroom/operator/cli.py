@@ -80,8 +80,10 @@ def run_crd(args: argparse.Namespace) -> int:
 def run_operator(args: argparse.Namespace) -> int:
     """Run the operator in the foreground until SIGINT/SIGTERM."""
     import kopf
+    from kubernetes.config import ConfigException
 
     from headroom.operator.handlers import Options, operate
+    from headroom.operator.kube import Kube
     from headroom.operator.scaling.exporter import OperatorMetrics
 
     try:
@@ -98,7 +100,15 @@ def run_operator(args: argparse.Namespace) -> int:
         )
     except ValidationError as exc:
         first = exc.errors()[0]
-        print(f"headroom operator: --{first['loc'][0]}: {first['msg']}", file=sys.stderr)
+        flag = str(first["loc"][0]).replace("_", "-")
+        print(f"headroom operator: --{flag}: {first['msg']}", file=sys.stderr)
+        return 2
+    try:
+        kube = Kube.connect(options.kubeconfig)
+    except (ConfigException, OSError, TypeError, ValueError) as exc:
+        # A missing, unreadable or malformed kubeconfig: the library's own text, one line.
+        where = f"--kubeconfig {options.kubeconfig}" if options.kubeconfig else "kubeconfig"
+        print(f"headroom operator: {where}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     kopf.configure(
         verbose=args.verbose,
@@ -108,8 +118,12 @@ def run_operator(args: argparse.Namespace) -> int:
         # kopf narrates every handler run at INFO; keep the operator quiet by default.
         logging.getLogger("kopf").setLevel(logging.WARNING)
     metrics = OperatorMetrics()
-    if options.metrics_port:
-        metrics.serve(options.metrics_port, addr=str(options.metrics_host))
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(operate(options, metrics=metrics))
+    try:
+        if options.metrics_port:
+            metrics.serve(options.metrics_port, addr=str(options.metrics_host))
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(operate(options, kube=kube, metrics=metrics))
+    except OSError as exc:  # a port taken: one line, as `headroom serve` says it
+        print(f"headroom operator: {exc}", file=sys.stderr)
+        return 1
     return 0

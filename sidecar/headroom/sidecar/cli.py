@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 
 from pydantic import ValidationError
@@ -145,6 +146,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(main())
+    except socket.gaierror as exc:  # a host name that does not resolve is a bad flag
+        print(f"headroom sidecar: --host {cfg.host}: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:  # e.g. the port is taken
         print(f"headroom sidecar: cannot listen on {cfg.host}:{cfg.port}: {exc}", file=sys.stderr)
         return 1

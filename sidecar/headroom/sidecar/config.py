@@ -55,7 +55,11 @@ class SidecarConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> Self:
         parts = urlsplit(self.engine_url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
+        try:
+            port = parts.port  # raises on a port past 65535 or not a number
+        except ValueError:
+            port = -1
+        if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
             raise ValueError(f"engine_url must be http(s)://host:port, got {self.engine_url!r}")
         if self.timeout > self.interval:
             raise ValueError(

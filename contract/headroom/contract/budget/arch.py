@@ -106,8 +106,22 @@ def from_hf_config(path: str | Path, num_parameters: int | None = None) -> Model
         p = p / "config.json"
     if not p.is_file():
         raise FileNotFoundError(f"no config.json at {p}")
-    cfg: dict[str, Any] = json.loads(p.read_text())
-    return from_hf_dict(cfg, p.parent.name, num_parameters)
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{p}: cannot read it as JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{p}: expected a JSON object, got {type(cfg).__name__}")
+    try:
+        return from_hf_dict(cfg, p.parent.name, num_parameters)
+    except ValueError as exc:  # pydantic's, naming the field
+        raise ValueError(f"{p}: {exc}") from None
+    except (KeyError, TypeError, ZeroDivisionError, OverflowError, AttributeError) as exc:
+        # A field missing, null, zero or beyond a number: say which file, and what broke.
+        raise ValueError(
+            f"{p}: not a model config this reads ({type(exc).__name__}: {exc}); it needs "
+            "num_attention_heads, hidden_size, num_hidden_layers and vocab_size"
+        ) from None
 
 
 def from_hf_dict(

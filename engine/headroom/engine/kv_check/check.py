@@ -16,6 +16,11 @@ from headroom.engine.kv_check.session import KVSetting, Session
 from headroom.engine.model.llama import LlamaForCausalLM
 from headroom.engine.model.tokenizer import Tokenizer
 
+
+class CheckError(ValueError):
+    """Settings the check cannot run with (a context too short for its needle)."""
+
+
 # A quantized setting is safe at a context when its needle score is within NEEDLE_DROP of the
 # auto cache's and its next-token top-1 agreement is at least TOP1_MIN.
 NEEDLE_DROP = 0.05
@@ -83,7 +88,7 @@ def needle_prompts(
             ask = tokenizer.encode(" " + nd.question, add_special_tokens=False)
             room = context - len(fact) - len(ask) - (hay.bos is not None)
             if room < 1:
-                raise ValueError(
+                raise CheckError(
                     f"context {context} is too short for the needle ({len(fact) + len(ask)} "
                     "tokens of fact and question)"
                 )

@@ -18,6 +18,7 @@ from typing import TextIO
 
 import torch
 
+from headroom.contract.outputs import chart_error, output_error
 from headroom.engine.attention import BackendUnavailable, select_backend
 from headroom.engine.attention.kv_scales import SCALES_FILE, KVScales, write_scales
 from headroom.engine.kv_check import check, report
@@ -196,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     """The kv-check command; returns its exit status."""
     try:
         return _run(args)
-    except (UsageError, PromptsError) as exc:
+    except (UsageError, PromptsError, check.CheckError) as exc:
         print(f"headroom kv-check: {exc}", file=sys.stderr)
         return 2
 
@@ -207,6 +208,13 @@ def _run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UsageError("--threads must be at least 1")
         torch.set_num_threads(args.threads)
+    for bad in (
+        chart_error(args.plot, "--plot") if args.plot is not None else None,
+        output_error(args.json, "--json") if args.json is not None else None,
+        output_error(args.scales_out, "--scales-out") if args.scales_out is not None else None,
+    ):
+        if bad is not None:  # before the check's minutes, not after
+            raise UsageError(bad)
     docs = read_documents(args.prompts)  # cheap: fail on a bad file before loading a model
     device = _device(args.device)
     progress.say(f"loading {args.model} on {device} ...")

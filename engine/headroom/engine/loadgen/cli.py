@@ -13,6 +13,7 @@ from pathlib import Path
 import aiohttp
 from pydantic import ValidationError
 
+from headroom.contract.outputs import output_error
 from headroom.engine.loadgen.client import LoadResult, RunState, Target, run_load
 from headroom.engine.loadgen.progress import ProgressBar
 from headroom.engine.loadgen.stats import records_csv, render_summary, summarize
@@ -191,8 +192,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for flag, out in (("--json", args.json), ("--csv", args.csv)):
         # Checked before the run: a run is minutes of traffic, lost if it cannot be written.
-        if out is not None and str(out) != "-" and not out.parent.is_dir():
-            print(f"headroom load: {flag}: no directory {out.parent}", file=sys.stderr)
+        bad = output_error(out, flag) if out is not None else None
+        if bad is not None:
+            print(f"headroom load: {bad}", file=sys.stderr)
             return 2
     stats_url = None if args.no_stats else (args.stats_url or target.root + "/stats")
     bar = ProgressBar(

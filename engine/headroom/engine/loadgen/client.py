@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import aiohttp
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from headroom.engine.loadgen.workload import PromptFactory, RequestSpec, WorkloadSpec
 
@@ -27,7 +27,7 @@ class Target(BaseModel):
     model: str | None = None
     api_key: str | None = None
     endpoint: Endpoint = "completions"
-    temperature: float = 0.0
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)  # OpenAI's range (NaN fails too)
     ignore_eos: bool = True
     timeout_s: float = 600.0
 

@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import re
+import socket
 import sys
 
 from pydantic import ValidationError
@@ -182,8 +183,20 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as e:
         print(f"headroom serve: {_flag_errors(e)}", file=sys.stderr)
         return 2
+    if engine.model != "tiny" and not os.path.isdir(engine.model):
+        # Said before the port is bound: the same path kv-check refuses with exit 2.
+        print(
+            f"headroom serve: --model: no directory {engine.model} (give tiny or a local "
+            "Hugging Face checkpoint directory)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         return asyncio.run(serve(engine, settings, listen))
+    except socket.gaierror as e:  # a host name that does not resolve is a bad flag
+        hosts = ", ".join(h for h in (listen.host, listen.stats_host) if h)
+        print(f"headroom serve: --host/--stats-host {hosts}: {e}", file=sys.stderr)
+        return 2
     except OSError as e:  # e.g. the port is taken
         print(f"headroom serve: {e}", file=sys.stderr)
         return 1

@@ -195,7 +195,7 @@ def _profile(args: argparse.Namespace) -> int:
     from headroom.operator.simulate.profile import profile
     from headroom.operator.simulate.specfile import read_spec
     from headroom.operator.simulate.sweep import JITTER_SECONDS
-    from headroom.operator.simulate.trace import scaled
+    from headroom.operator.simulate.trace import MAX_TRACE_SECONDS, scaled
 
     _rate(args.rate)
     _positive(args.decode_tps, "--decode-tps")
@@ -209,6 +209,14 @@ def _profile(args: argparse.Namespace) -> int:
     trace = _read(args, progress)
     if args.rate != 1.0:
         trace = scaled(trace, args.rate, 1, JITTER_SECONDS)
+    # The profile keeps a count per second until the last request ends: a decode rate of 1e-9
+    # tokens/s would make that a terabyte.
+    longest = float((trace.prompt / args.prefill_tps + trace.output / args.decode_tps).max())
+    if longest > MAX_TRACE_SECONDS:
+        raise UsageError(
+            f"--decode-tps {args.decode_tps:g} / --prefill-tps {args.prefill_tps:g} make a request "
+            f"last {longest / 86_400:,.0f} days (at most {MAX_TRACE_SECONDS // 86_400})"
+        )
     progress.start(f"profiling {len(trace):,} requests")
     p = profile(trace, args.decode_tps, args.prefill_tps)
     ld = verdict.load(trace, args.decode_tps, args.prefill_tps)
@@ -273,8 +281,11 @@ def _simulate(args: argparse.Namespace) -> int:
     if not 1 <= args.seeds <= MAX_SEEDS:
         raise UsageError(f"--seeds must be in [1, {MAX_SEEDS}], got {args.seeds}")
     if args.png is not None:
-        if not args.png.parent.resolve().is_dir():
-            raise UsageError(f"--png: no directory {args.png.parent}")
+        from headroom.contract.outputs import chart_error
+
+        bad = chart_error(args.png, "--png")
+        if bad is not None:
+            raise UsageError(bad)
         import matplotlib  # noqa: F401  (missing: exit 2 naming the extra, before the replays)
     sf = read_spec(args.spec)
     try:

@@ -1,0 +1,30 @@
+"""Checks on a file a command will write, made before the work: a run of minutes must not be
+lost to a path it cannot write at the end."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CHART_SUFFIXES = (".png", ".svg", ".pdf")  # what matplotlib writes here without extra backends
+
+
+def output_error(path: Path, flag: str) -> str | None:
+    """Why `path` cannot take a file (the flag named), or None; '-' (stdout) is fine."""
+    if str(path) == "-":
+        return None
+    if path.is_dir():
+        return f"{flag}: {path} is a directory"
+    parent = path.parent
+    if not parent.is_dir():
+        return f"{flag}: no directory {parent}"
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return f"{flag}: {path} is not writable"
+    return None
+
+
+def chart_error(path: Path, flag: str) -> str | None:
+    """`output_error`, and a suffix matplotlib can write."""
+    if path.suffix.lower() not in CHART_SUFFIXES:
+        return f"{flag}: {path} must end in {', '.join(CHART_SUFFIXES)}"
+    return output_error(path, flag)
