@@ -78,6 +78,11 @@ def test_bad_numbers_exit_2_naming_the_flag() -> None:
     assert r.returncode == 2 and "--tp" in r.stderr
     r = run("--model", "llama-3.1-8b", "--concurrency", "1", "--context", "ten")
     assert r.returncode == 2 and "--context" in r.stderr
+    r = run("--model", "llama-3.1-8b", "--concurrency", "1" + "0" * 20, "--context", "10")
+    assert (
+        r.returncode == 2
+        and "--concurrency: Input should be less than or equal to 10000000" in r.stderr
+    )
 
 
 def test_gpu_memory_that_is_not_a_size_and_a_plot_nowhere_exit_2(tmp_path: Path) -> None:

@@ -36,8 +36,11 @@ class PlanInput(BaseModel):
     gpu_memory_bytes: int = Field(gt=0)
     tp: int = Field(default=1, ge=1, le=64)
     gpus_per_pod: int | None = Field(default=None, ge=1, le=64)
-    concurrency: int = Field(ge=1, description="peak concurrent sequences")
-    context: int = Field(ge=1, description="tokens per sequence (prompt + output, p95)")
+    # The CRD's traffic bounds, so `headroom plan` sizes nothing the operator would refuse.
+    concurrency: int = Field(ge=1, le=10_000_000, description="peak concurrent sequences")
+    context: int = Field(
+        ge=1, le=10_000_000, description="tokens per sequence (prompt + output, p95)"
+    )
     kv_dtype: KVCacheSetting | KVCacheDtype = "auto"
     prefix_hit: float = Field(default=0.0, ge=0.0, lt=1.0)
     block_size: int = Field(default=16, ge=1, le=1024)
