@@ -119,5 +119,5 @@ def test_summary_and_blocks_per_sequence() -> None:
     s = spec(traffic={"peakConcurrency": 400, "contextTokens": 4096, "prefixHitRatio": 0.25})
     text = summary(size(s))
     assert "B/token/GPU" in text and "pod(s)" in text
-    assert blocks_per_sequence(s) == 256 * 0.75
+    assert blocks_per_sequence(s, size(s).plan.block_size) == 256 * 0.75
     assert served_model_name(s, "res") == "llama-3.1-8b"

@@ -25,13 +25,7 @@ from headroom.engine.kv_check import check, report
 from headroom.engine.kv_check.calibrate import calibrate
 from headroom.engine.kv_check.prompts import Haystacks, PromptsError, read_documents
 from headroom.engine.kv_check.session import KVSetting
-from headroom.engine.model.config import UnsupportedModel
-from headroom.engine.model.loader import (
-    LoadedModel,
-    ModelFilesError,
-    UnsupportedDtype,
-    load_model,
-)
+from headroom.engine.model.loader import LoadedModel, load_failure, load_model
 
 # Calibration prefills each prompt at the largest context, but no longer than this: the
 # absmax of K and V settles long before, and the pass costs as much as a check row.
@@ -161,10 +155,8 @@ def _device(name: str) -> torch.device:
 def _load(args: argparse.Namespace, device: torch.device) -> LoadedModel:
     try:
         return load_model(args.model, args.dtype, device)
-    except (ModelFilesError, UnsupportedModel, UnsupportedDtype, ValueError, OSError) as exc:
-        raise UsageError(f"cannot load model {args.model}: {exc}") from None
-    except Exception as exc:  # a broken checkpoint's own parser error: exit 2, not "unsafe"
-        raise UsageError(f"cannot load model {args.model}: {type(exc).__name__}: {exc}") from None
+    except Exception as exc:  # a broken checkpoint too: exit 2, not 1 ("unsafe")
+        raise UsageError(f"cannot load model {args.model}: {load_failure(exc)}") from None
 
 
 def _validate(args: argparse.Namespace, loaded: LoadedModel) -> check.CheckConfig:

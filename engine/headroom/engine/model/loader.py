@@ -132,6 +132,12 @@ def load_tokenizer(path: Path, cfg: ModelConfig) -> HFTokenizer:
     return HFTokenizer(tok_file, bos_token_id=bos, eos_token_ids=eos)
 
 
+def load_failure(exc: BaseException) -> str:
+    """A failed load in one line: the loader's own errors (ValueError, OSError: they name the
+    file) by their message, a parser's (KeyError, SafetensorError) with its type."""
+    return str(exc) if isinstance(exc, ValueError | OSError) else f"{type(exc).__name__}: {exc}"
+
+
 def load_model(name: str, dtype: str = "auto", device: str | torch.device = "cpu") -> LoadedModel:
     """Load `name` ("tiny" or a local Hugging Face directory) onto `device`."""
     dev = torch.device(device)

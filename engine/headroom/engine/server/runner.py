@@ -22,6 +22,7 @@ from headroom.engine.async_engine import AsyncEngine
 from headroom.engine.attention import BackendUnavailable
 from headroom.engine.config import EngineConfig
 from headroom.engine.errors import EngineConfigError
+from headroom.engine.model.loader import load_failure
 from headroom.engine.server.app import ServerSettings, ServerState, create_app
 from headroom.engine.server.budget_report import budget_report
 from headroom.engine.server.chat_template import ChatTemplate, load_chat_template
@@ -171,8 +172,7 @@ async def serve(
             # A broken checkpoint raises whatever its parser raises (KeyError, SafetensorError,
             # JSONDecodeError): one line naming it, not a traceback.
             log.debug("model load failed", exc_info=True)
-            what = "" if isinstance(e, ValueError | OSError) else f"{type(e).__name__}: "
-            state.load_error = f"model failed to load: {what}{e}"
+            state.load_error = f"model failed to load: {load_failure(e)}"
             print(f"headroom serve: {state.load_error}", file=sys.stderr, flush=True)
             return 1
         report = budget_report(engine.engine)

@@ -37,7 +37,13 @@ ScalingMode = Literal["auto", "advisory"]
 MetricsSource = Literal["sidecar", "prometheus"]
 ConditionStatus = Literal["True", "False", "Unknown"]
 
-_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# Kubernetes' name grammars, built once: a DNS label, a subdomain of them, and the name part of
+# a qualified name (apimachinery's IsQualifiedName). `[.]`, not an escaped dot: these patterns
+# also sit in CEL strings, where `\.` is not an escape.
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_SUBDOMAIN = rf"{_DNS_LABEL}([.]{_DNS_LABEL})*"
+_NAME_PART = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_DNS_SUBDOMAIN = rf"^{_SUBDOMAIN}$"
 # A value the engine's command line receives as an argument must not read as a flag
 # (`model.path: --trust-remote-code` would otherwise render `vllm serve --trust-remote-code`).
 _NOT_A_FLAG = r"^[^-\s]"
@@ -116,19 +122,11 @@ Quantity = Annotated[
 
 # An extended resource name: a DNS-subdomain prefix, '/', a name (what the device plugin
 # advertises); names without a prefix, and kubernetes.io's, are Kubernetes' own resources.
-# A DNS subdomain, then a name of at most 63 characters (apimachinery's IsQualifiedName). `[.]`,
-# not an escaped dot: the pattern sits in a CEL string, where `\.` is not an escape.
-_EXTENDED_RESOURCE = (
-    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
-    r"/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
-)
+_EXTENDED_RESOURCE = rf"^{_SUBDOMAIN}/{_NAME_PART}$"
 # A label value (apimachinery's IsValidLabelValue): nvidia-smi's "NVIDIA H100 80GB HBM3" is not
 # one; GPU Feature Discovery writes NVIDIA-H100-80GB-HBM3.
 LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
-_LABEL_KEY = re.compile(
-    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
-)
+_LABEL_KEY = re.compile(rf"^({_SUBDOMAIN}/)?{_NAME_PART}$")
 
 # The children take the resource's name: the Service (a DNS-1035 label, so no dots and a letter
 # first) and the pods' labels (63 characters at most). Checked at the object's root, where CEL

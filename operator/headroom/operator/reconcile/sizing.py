@@ -84,14 +84,11 @@ VLLM_MLA_BLOCK_SIZE_BLACKWELL = 128
 _BLACKWELL_GPUS = frozenset({"b200-192gb"})
 
 
-def engine_block_size(spec: InferenceDeploymentSpec) -> int:
+def _engine_block_size(spec: InferenceDeploymentSpec, arch: ModelArch) -> int:
     """The KV block size the engine will run: engine.blockSize, except where vLLM forces its
-    own (MLA models)."""
+    own (MLA models). The plan carries it; everything else reads `plan.block_size`."""
     size = spec.engine.block_size
-    if (
-        spec.engine.runtime != "vllm"
-        or model_arch(spec.model, max_model_len(spec)).kv_lora_rank is None
-    ):
+    if spec.engine.runtime != "vllm" or arch.kv_lora_rank is None:
         return size
     try:
         blackwell = spec.gpu.type is not None and gpu_preset(spec.gpu.type).name in _BLACKWELL_GPUS
@@ -115,9 +112,10 @@ def plan_input(spec: InferenceDeploymentSpec) -> PlanInput:
             raise SpecError(str(exc)) from None
         memory, gpu_name = preset.memory_bytes, preset.name
     kv_dtype = spec.engine.kv_cache_dtype
+    arch = model_arch(spec.model, max_model_len(spec))
     try:
         return PlanInput(
-            model=model_arch(spec.model, max_model_len(spec)),
+            model=arch,
             gpu_name=gpu_name,
             gpu_memory_bytes=memory,
             tp=gpu.tensor_parallel or gpu.count_per_pod,
@@ -126,7 +124,7 @@ def plan_input(spec: InferenceDeploymentSpec) -> PlanInput:
             context=spec.traffic.context_tokens,
             kv_dtype=kv_dtype,
             prefix_hit=spec.traffic.prefix_hit_ratio if spec.engine.prefix_caching else 0.0,
-            block_size=engine_block_size(spec),
+            block_size=_engine_block_size(spec, arch),
             gpu_memory_utilization=spec.engine.gpu_memory_utilization,
             max_num_seqs=spec.engine.max_num_seqs,
             max_num_batched_tokens=spec.engine.max_num_batched_tokens,
@@ -219,9 +217,10 @@ def summary(sizing: Sizing) -> str:
     )
 
 
-def blocks_per_sequence(spec: InferenceDeploymentSpec) -> float:
-    """KV blocks one more p95 request will claim (its shared prefix stored once)."""
-    blocks = blocks_for_tokens(spec.traffic.context_tokens, engine_block_size(spec))
+def blocks_per_sequence(spec: InferenceDeploymentSpec, block_size: int) -> float:
+    """KV blocks one more p95 request will claim (its shared prefix stored once), in blocks of
+    `block_size` tokens (the plan's)."""
+    blocks = blocks_for_tokens(spec.traffic.context_tokens, block_size)
     hit = spec.traffic.prefix_hit_ratio if spec.engine.prefix_caching else 0.0
     return max(1.0, blocks * (1.0 - hit))
 

@@ -66,7 +66,7 @@ def policy_for(spec: InferenceDeploymentSpec, sizing: Sizing) -> Policy:
         min_replicas=s.min_replicas,
         max_replicas=s.max_replicas,
         blocks_per_pod=max(1, sizing.plan.kv_blocks_per_pod),
-        blocks_per_sequence=blocks_per_sequence(spec),
+        blocks_per_sequence=blocks_per_sequence(spec, sizing.plan.block_size),
         target_occupancy=s.target_occupancy,
         scale_out_occupancy=s.scale_out_occupancy,
         scale_in_hysteresis=s.scale_in_hysteresis,

@@ -284,10 +284,8 @@ def parse_prometheus(doc: Any) -> dict[str, PodSample]:
     out: dict[str, PodSample] = {}
     for pod, fig in per_pod.items():
         occ = fig.get("occupancy")
-        if occ is None or math.isnan(occ):
+        if occ is None:
             continue
-        eta = fig.get("eta")
-        rate = fig.get("preempt", 0.0)
 
         def count(key: str, fig: dict[str, float] = fig) -> int | None:
             v = fig.get(key)
@@ -297,11 +295,11 @@ def parse_prometheus(doc: Any) -> dict[str, PodSample]:
             occupancy=occ,
             # The scrape time of the sample, so a target Prometheus lost shows up as stale.
             sampled_at=fig.get("time", fig["_ts"]),
-            eta_seconds=None if eta is None or math.isinf(eta) or math.isnan(eta) else eta,
+            eta_seconds=fig.get("eta"),  # usable() drops NaN and +Inf (not growing)
             waiting=count("waiting") or 0,
             running=count("running") or 0,
-            preemption_rate=0.0 if math.isnan(rate) else rate,
-            hit_ratio=None if math.isnan(fig.get("hit", math.nan)) else fig["hit"],
+            preemption_rate=fig.get("preempt", 0.0),
+            hit_ratio=fig.get("hit"),
             used_blocks=count("used"),
             capacity_blocks=count("capacity"),
             engine_up=fig.get("up", 0.0) >= 1.0,
@@ -315,7 +313,7 @@ def parse_prometheus(doc: Any) -> dict[str, PodSample]:
 
 def _counters(fig: dict[str, float]) -> CounterSample | None:
     values = [fig.get(k) for k in ("arrived_total", "departed_total", "block_seconds_total")]
-    if any(v is None or not math.isfinite(v) for v in values):
+    if any(v is None for v in values):  # usable() refuses what is not a number
         return None
     arrived, departed, block_seconds = (float(v) for v in values if v is not None)
     restarts = fig.get("restarts", 0.0)
@@ -330,7 +328,7 @@ def _counters(fig: dict[str, float]) -> CounterSample | None:
 
 def _demand(fig: dict[str, float]) -> DemandRates | None:
     values = [fig.get(k) for k in ("arrivals", "departures", "block_seconds")]
-    if any(v is None or not math.isfinite(v) for v in values):
+    if any(v is None for v in values):  # usable() refuses what is not a number
         return None
     arrivals, departures, block_seconds = (float(v) for v in values if v is not None)
     return DemandRates(arrivals, departures, block_seconds, window_seconds=60.0)
@@ -381,15 +379,15 @@ def pod_info(pod: dict[str, Any], parse_time: Any) -> PodInfo:
         (c for c in status.get("conditions", []) or [] if c.get("type") == "Ready"), {}
     )
     ready = ready_cond.get("status") == "True"
+    exited = status.get("phase") in ("Succeeded", "Failed")
     return PodInfo(
         name=meta.get("name", ""),
         ip=status.get("podIP"),
         ready=ready and status.get("phase") == "Running",
         created_at=parse_time(meta.get("creationTimestamp")) or 0.0,
-        terminating=meta.get("deletionTimestamp") is not None
-        or status.get("phase") in ("Succeeded", "Failed"),
+        terminating=meta.get("deletionTimestamp") is not None or exited,
         ready_since=parse_time(ready_cond.get("lastTransitionTime")) if ready else None,
-        exited=status.get("phase") in ("Succeeded", "Failed"),
+        exited=exited,
     )
 
 
