@@ -574,6 +574,51 @@ def test_drift_on_the_owned_deployment_is_undone(
     operator.check()
 
 
+def test_a_deployment_it_did_not_create_is_left_alone_until_it_is_gone(
+    cluster: Cluster, operator: InProcessOperator, cluster_namespace: str
+) -> None:
+    ns = cluster_namespace
+    theirs = {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "web", "namespace": ns},
+        "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "web"}},
+                 "template": {"metadata": {"labels": {"app": "web"}},
+                              "spec": {"containers": [{"name": "web", "image": "nginx:1"}]}}},
+    }  # fmt: skip
+    cluster.apply([theirs])
+    apply_cr(cluster, ns, "web", SPEC)
+
+    def conflicted() -> dict[str, Any] | None:
+        obj = get(cluster, "infd", "web", ns)
+        return obj if condition(obj, "Ready").get("reason") == "NameConflict" else None
+
+    obj = eventually("Ready=False NameConflict", conflicted)
+    assert (
+        "Deployment web already exists and is not managed by headroom"
+        in condition(obj, "Ready")["message"]
+    )
+    time.sleep(3)  # scaling ticks (1 s) and a reconcile retry would have touched it by now
+    dep = get(cluster, "deployment", "web", ns)
+    assert dep is not None
+    assert [c["image"] for c in dep["spec"]["template"]["spec"]["containers"]] == ["nginx:1"]
+    assert dep["spec"]["replicas"] == 2 and not dep["metadata"].get("ownerReferences")
+    assert get(cluster, "service", "web", ns) is None  # nothing applied while any name is taken
+    events = cluster.kubectl(
+        "get", "events", "-n", ns, "--field-selector", "involvedObject.name=web", "-o", "json"
+    ).stdout
+    assert "NameConflict" in {e["reason"] for e in json.loads(events)["items"]}
+    cluster.kubectl("delete", "deployment", "web", "-n", ns, "--wait=true")
+
+    def ours() -> bool:
+        d = get(cluster, "deployment", "web", ns)
+        refs = (d or {}).get("metadata", {}).get("ownerReferences") or []
+        return any(r.get("uid") == obj["metadata"]["uid"] for r in refs)
+
+    eventually("the operator to create its own Deployment once the name is free", ours,
+               timeout=90)  # fmt: skip
+    operator.check()
+
+
 def _operator_process(ns: str, kubeconfig: Path, log: Any) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "headroom.operator", "operator", "--namespace", ns,

@@ -514,3 +514,69 @@ async def test_a_reconcile_in_a_namespace_being_deleted_is_quiet_and_final(
     kube.fail_kinds["Deployment"] = KubeError(403, "Forbidden", "cannot patch deployments")
     with pytest.raises(kopf.TemporaryError, match="403"):
         await _reconcile(ctx, b)
+
+
+def _someone_elses(kind: str, **meta: Any) -> dict[str, Any]:
+    template = {"spec": {"containers": [{"image": "web"}]}}
+    return {
+        "kind": kind,
+        "metadata": {"name": "chat", "namespace": "ns", "managedFields": [], **meta},
+        "spec": {"replicas": 7, "template": template},
+    }
+
+
+@pytest.mark.parametrize(
+    ("kind", "meta", "says"),
+    [
+        ("Deployment", {}, "Deployment chat already exists and is not managed by headroom"),
+        ("Service", {"labels": {SELECTOR_LABEL: "chat"}}, "Service chat already exists"),
+        ("PodDisruptionBudget",
+         {"ownerReferences": [{"kind": "InferenceDeployment", "name": "chat", "uid": "u-0",
+                               "controller": True}]},
+         "controlled by InferenceDeployment chat (uid u-0)"),
+    ],
+)  # fmt: skip
+def test_a_child_name_someone_else_holds_is_not_taken_over(
+    kind: str, meta: dict[str, Any], says: str
+) -> None:
+    kube = FakeKube()
+    theirs = _someone_elses(kind, **meta)
+    kube.objects[(kind, "ns", "chat")] = copy.deepcopy(theirs)
+    out = reconcile(kube, body(SPEC), NOW)
+    assert kube.applies == []  # not even the children whose names were free
+    assert kube.objects[(kind, "ns", "chat")] == theirs
+    ready = cond(out.status, "Ready")
+    assert ready["reason"] == "NameConflict" and says in ready["message"]
+    assert cond(out.status, "Feasible")["status"] == "True"
+    assert [e.reason for e in out.events] == ["NameConflict"]
+    assert out.retry_after is not None and out.retry_after > 0
+    # The same conflict on the next try: no second Event.
+    again = reconcile(kube, body(SPEC, status=out.status), NOW + 30)
+    assert again.events == [] and cond(again.status, "Ready")["reason"] == "NameConflict"
+    # Once it is gone, the children are created.
+    del kube.objects[(kind, "ns", "chat")]
+    done = reconcile(kube, body(SPEC, status=again.status), NOW + 60)
+    assert done.retry_after is None
+    assert kube.kinds_applied() == ["Deployment", "Service", "PodDisruptionBudget"]
+
+
+def test_an_orphan_of_an_earlier_inference_deployment_of_the_same_name_is_adopted() -> None:
+    kube = FakeKube()
+    reconcile(kube, body(SPEC), NOW)
+    for obj in kube.objects.values():  # kubectl delete --cascade=orphan drops the references
+        obj["metadata"].pop("ownerReferences", None)
+    kube.applies.clear()
+    b = body(SPEC)
+    b["metadata"]["uid"] = "u-2"
+    out = reconcile(kube, b, NOW)
+    assert out.retry_after is None and cond(out.status, "Ready")["reason"] != "NameConflict"
+    dep = kube.objects[("Deployment", "ns", "chat")]
+    assert dep["metadata"]["ownerReferences"][0]["uid"] == "u-2"
+
+
+async def test_the_scaling_tick_never_scales_someone_elses_deployment() -> None:
+    kube, b = await created(SPEC)
+    del kube.objects[("Deployment", "ns", "chat")]["metadata"]["ownerReferences"]
+    kube.objects[("Deployment", "ns", "chat")]["metadata"]["labels"] = {}
+    res = await tick(kube, FakeSource(0.95, arrivals=2.0), b, parse(b["spec"]), NOW)
+    assert kube.scales == [] and res.decision is None

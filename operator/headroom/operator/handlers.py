@@ -39,7 +39,12 @@ from headroom.operator.scaling.decide import Memory
 from headroom.operator.scaling.exporter import OperatorMetrics
 from headroom.operator.scaling.loop import tick
 from headroom.operator.scaling.metrics_sources import MetricsSource, PrometheusSource, SidecarSource
-from headroom.operator.status import RECONCILE_MANAGER, SCALING_MANAGER, Outcome
+from headroom.operator.status import (
+    RECONCILE_MANAGER,
+    SCALING_MANAGER,
+    Outcome,
+    get_condition,
+)
 
 log = logging.getLogger("headroom.operator")
 FINALIZER = f"{GROUP}/finalizer"
@@ -148,6 +153,9 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> None:
         return
     ctx.metrics.reconciles.labels("ok").inc()
     await _write(ctx, body, outcome, RECONCILE_MANAGER)
+    if outcome.retry_after is not None:
+        ready = get_condition(outcome.status.get("conditions"), "Ready") or {}
+        raise kopf.TemporaryError(str(ready.get("message", "")), delay=outcome.retry_after)
 
 
 @kopf.on.startup(registry=REGISTRY)

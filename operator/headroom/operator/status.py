@@ -96,6 +96,9 @@ class Outcome:
 
     status: dict[str, Any] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
+    # Seconds until the same spec is worth reconciling again (a conflict someone else must
+    # clear, with nothing of ours to watch); None: only the next change.
+    retry_after: float | None = None
 
 
 def ready_condition(

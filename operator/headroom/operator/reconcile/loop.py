@@ -14,6 +14,7 @@ from typing import Any
 from headroom.operator.bounds import clamp
 from headroom.operator.crd.models import InferenceDeploymentSpec, name_error
 from headroom.operator.kube import KubeAPI, KubeError, owner_of, owns_field, with_retries
+from headroom.operator.reconcile.adoption import conflict
 from headroom.operator.reconcile.children import (
     FIELD_MANAGER,
     Owner,
@@ -32,6 +33,9 @@ from headroom.operator.status import (
 
 log = logging.getLogger("headroom.operator.reconcile.loop")
 HANDOFF_MANAGER = "headroom-operator-handoff"
+# How often a spec whose child name is taken looks again: the object in the way is not ours,
+# so no watch event says when it is gone.
+CONFLICT_RETRY_SECONDS = 30.0
 MONITORING_GV = "monitoring.coreos.com/v1"
 MONITORING_KINDS = frozenset({"ServiceMonitor", "PrometheusRule"})
 
@@ -59,6 +63,26 @@ def monitoring_kinds(kube: KubeAPI) -> frozenset[str]:
         return frozenset()
 
 
+class NameConflict(Exception):
+    """A child's name is taken by an object this InferenceDeployment does not own."""
+
+
+def check_ownership(
+    kube: KubeAPI, owner: Owner, children: list[dict[str, Any]], live: dict[str, Any] | None
+) -> None:
+    """Raise NameConflict before anything is applied if any child's name is someone else's
+    object: a forced apply would take it over (`live` is the Deployment, already read)."""
+    for child in children:
+        kind, name = child["kind"], child["metadata"]["name"]
+        current = (
+            live if kind == "Deployment"
+            else kube.get(child["apiVersion"], kind, owner.namespace, name)
+        )  # fmt: skip
+        reason = conflict(kind, current, owner)
+        if reason is not None:
+            raise NameConflict(reason)
+
+
 def apply_children(
     kube: KubeAPI,
     owner: Owner,
@@ -67,8 +91,12 @@ def apply_children(
     replicas: int | None,
     live: dict[str, Any] | None,
 ) -> tuple[dict[str, Any], list[Event]]:
-    """Server-side apply every child; returns the applied Deployment and any warnings."""
+    """Server-side apply every child; returns the applied Deployment and any warnings.
+    Raises NameConflict, having applied nothing, when a child's name is taken."""
     events: list[Event] = []
+    kinds = monitoring_kinds(kube)
+    children = render(owner, spec, sizing, replicas, monitoring=kinds)
+    check_ownership(kube, owner, children, live)
     if (
         replicas is None
         and live is not None
@@ -85,9 +113,8 @@ def apply_children(
             "spec": {"replicas": current},
         }
         with_retries(partial(kube.apply, handoff, field_manager=HANDOFF_MANAGER))
-    kinds = monitoring_kinds(kube)
     applied_deployment: dict[str, Any] = {}
-    for obj in render(owner, spec, sizing, replicas, monitoring=kinds):
+    for obj in children:
         try:
             out = with_retries(partial(kube.apply, obj))
         except KubeError as exc:
@@ -175,7 +202,16 @@ def reconcile(kube: KubeAPI, body: dict[str, Any], now: float) -> Outcome:
         return out
 
     replicas = replicas_to_apply(spec, sizing, live)
-    applied, warnings = apply_children(kube, owner, spec, sizing, replicas, live)
+    try:
+        applied, warnings = apply_children(kube, owner, spec, sizing, replicas, live)
+    except NameConflict as exc:
+        message = str(exc)
+        if condition_changed(body, "Ready", "False", "NameConflict"):
+            out.events.append(Event("Warning", "NameConflict", message))
+        set_status_condition(body, st, "Feasible", "True", "Sized", summary(sizing), now)
+        set_status_condition(body, st, "Ready", "False", "NameConflict", message, now)
+        out.retry_after = CONFLICT_RETRY_SECONDS
+        return out
     out.events.extend(warnings)
     dep_replicas = applied.get("spec", {}).get("replicas")
     st["replicas"] = dep_replicas

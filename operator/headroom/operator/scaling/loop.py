@@ -24,6 +24,7 @@ from headroom.operator.crd.models import (
     KVStatus,
 )
 from headroom.operator.kube import KubeAPI, KubeError, owner_of, with_retries
+from headroom.operator.reconcile.adoption import conflict
 from headroom.operator.reconcile.children import selector_string
 from headroom.operator.reconcile.sizing import Parsed, Sizing, blocks_per_sequence
 from headroom.operator.scaling.decide import (
@@ -243,6 +244,10 @@ async def tick(
     if live is None:
         # Not created yet, or deleted: the reconcile loop (and its watch on the Deployment)
         # brings it back; there is nothing to scale until it does.
+        return TickResult(Outcome(), mem)
+    if conflict("Deployment", live, owner) is not None:
+        # Someone else's Deployment under this name: reconcile() reports NameConflict, and
+        # scaling it would resize their workload.
         return TickResult(Outcome(), mem)
     current = int(live.get("spec", {}).get("replicas", 1) or 0)
     pods = await asyncio.to_thread(
