@@ -38,7 +38,7 @@ ALL_MONITORING = frozenset({"ServiceMonitor", "PrometheusRule"})
 def spec(**sections: Any) -> InferenceDeploymentSpec:
     raw: dict[str, Any] = {
         "model": {"preset": "llama-3.1-8b", "path": "/models/l8b", "volumeClaimName": "w"},
-        "gpu": {"type": "h100-80gb", "countPerPod": 2, "tensorParallel": 2},
+        "gpu": {"type": "h100-80gb"},
         "traffic": {"peakConcurrency": 400, "contextTokens": 4096},
     }
     raw.update(sections)
@@ -65,8 +65,12 @@ def test_pod_requests_gpus_probes_and_runs_hardened() -> None:
     pod = dep["spec"]["template"]["spec"]
     c = containers(dep)
     engine, sidecar = c["engine"], c["sidecar"]
-    assert engine["resources"]["requests"]["nvidia.com/gpu"] == "2"
-    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert engine["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    tp2 = spec(gpu={"type": "h100-80gb", "countPerPod": 2, "tensorParallel": 2},
+               engine={"runtime": "vllm"})  # fmt: skip
+    res = containers(deployment(OWNER, tp2, size(tp2), replicas=3))["engine"]["resources"]
+    assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == "2"
     assert "nvidia.com/gpu" not in sidecar["resources"]["requests"]
     assert engine["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert engine["livenessProbe"]["httpGet"]["path"] == "/health"

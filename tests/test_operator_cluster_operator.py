@@ -288,7 +288,9 @@ def test_infeasible_spec_then_the_fix(
     assert get(cluster, "deployment", "big", ns) is None
     cluster.kubectl(
         "patch", "infd", "big", "-n", ns, "--type", "merge",
-        "-p", json.dumps({"spec": {"gpu": {"type": "h100-80gb", "countPerPod": 4}}}),
+        "-p", json.dumps({"spec": {"gpu": {"type": "h100-80gb", "countPerPod": 4},
+                                   "model": {"path": "/models/70b"},
+                                   "engine": {"runtime": "sglang"}}}),
     )  # fmt: skip
     obj = reconciled(cluster, ns, "big")
     assert condition(obj, "Feasible")["observedGeneration"] == 2

@@ -55,6 +55,8 @@ INVALID = [
     ("gpu-without-type-or-memory", with_("gpu.type", None), "type preset"),
     ("tp-does-not-divide", with_("gpu", {"type": "h100", "countPerPod": 4, "tensorParallel": 3}),
      "must divide gpu.countPerPod"),
+    ("headroom-engine-several-gpus", with_("gpu", {"type": "h100", "countPerPod": 2}),
+     "the headroom engine runs on one GPU"),
     ("min-above-max", with_("scaling", {"minReplicas": 5, "maxReplicas": 3}),
      "minReplicas must not exceed"),
     ("target-not-below-scale-out", with_("scaling", {"targetOccupancy": 0.96}),
@@ -133,7 +135,11 @@ def test_minimal_spec_gets_defaults() -> None:
 
 def test_wire_form_is_camel_case_and_round_trips() -> None:
     spec = InferenceDeploymentSpec.model_validate(
-        with_("gpu", {"type": "h100", "memoryGiB": 79.6, "countPerPod": 2, "tensorParallel": 2})
+        with_(
+            "gpu",
+            {"type": "h100", "memoryGiB": 79.6, "countPerPod": 2, "tensorParallel": 2},
+            with_("engine.runtime", "vllm"),
+        )
     )
     wire = spec.wire()
     assert wire["gpu"]["memoryGiB"] == 79.6 and wire["gpu"]["tensorParallel"] == 2

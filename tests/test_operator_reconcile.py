@@ -181,7 +181,9 @@ def test_infeasible_spec_has_no_deployment_and_a_fix_recovers() -> None:
     assert out.status["budget"]["feasible"] is False
     assert [e.type for e in out.events] == ["Warning"]
 
-    fixed = {**INFEASIBLE, "gpu": {"type": "h100-80gb", "countPerPod": 4}}
+    fixed = {**INFEASIBLE, "gpu": {"type": "h100-80gb", "countPerPod": 4},
+             "model": {"preset": "llama-3.1-70b", "path": "/models/70b"},
+             "engine": {"runtime": "sglang"}}  # fmt: skip
     out2 = reconcile(kube, body(fixed, status=out.status, gen=2), NOW + 60)
     assert kube.kinds_applied()[0] == "Deployment"
     feasible2 = cond(out2.status, "Feasible")

@@ -33,9 +33,11 @@ OWNER = Owner(name="chat", namespace="team-a", uid="1234-abcd")
 
 
 def spec(engine: dict[str, Any] | None = None, **sections: Any) -> InferenceDeploymentSpec:
+    """The 8B model; vLLM and SGLang on two GPUs (tp 2), the single-GPU headroom engine on one."""
+    stock = (engine or {}).get("runtime") in ("vllm", "sglang")
     raw: dict[str, Any] = {
         "model": {"preset": "llama-3.1-8b", "path": "/models/l8b"},
-        "gpu": {"type": "h100-80gb", "countPerPod": 2, "tensorParallel": 2},
+        "gpu": {"type": "h100-80gb", **({"countPerPod": 2, "tensorParallel": 2} if stock else {})},
         "traffic": {"peakConcurrency": 400, "contextTokens": 4096},
         "engine": engine or {},
     }
@@ -214,12 +216,19 @@ def test_probes_survive_model_load(
     assert e["livenessProbe"]["httpGet"]["path"] == "/health"
 
 
-@pytest.mark.parametrize("runtime", ["headroom", "vllm", "sglang"])
-@pytest.mark.parametrize(("gpu", "shm"), [
-    ({"type": "h100-80gb"}, False),
-    ({"type": "h100-80gb", "countPerPod": 2, "tensorParallel": 2}, True),
-    ({"type": "h100-80gb", "countPerPod": 2, "tensorParallel": 1}, True),  # pipeline parallel
-])  # fmt: skip
+SHM_CASES = [
+    (runtime, gpu, shm)
+    for gpu, shm in [
+        ({"type": "h100-80gb"}, False),
+        ({"type": "h100-80gb", "countPerPod": 2, "tensorParallel": 2}, True),
+        ({"type": "h100-80gb", "countPerPod": 2, "tensorParallel": 1}, True),  # pipeline parallel
+    ]
+    for runtime in ("headroom", "vllm", "sglang")
+    if runtime != "headroom" or not shm  # the headroom engine runs on one GPU
+]
+
+
+@pytest.mark.parametrize(("runtime", "gpu", "shm"), SHM_CASES)
 def test_shm_only_with_several_ranks(runtime: str, gpu: dict[str, Any], shm: bool) -> None:
     s = spec({"runtime": runtime}, gpu=gpu)
     dep = deployment(OWNER, s, size(s), replicas=1)
@@ -342,8 +351,6 @@ KNOBS: list[tuple[str, dict[str, Any], dict[str, tuple[str, Any] | None]]] = [
 # engine.runtime picks the engine itself (and, for vLLM with an MLA model, the block size).
 SIZING_ONLY = {"gpu.memory_gib", "gpu.type", "traffic.peak_concurrency",
                "traffic.context_tokens", "traffic.prefix_hit_ratio", "engine.runtime"}  # fmt: skip
-# The headroom engine runs one GPU: it has no tensor or pipeline parallelism to be told about.
-NO_PARALLELISM = "the headroom engine has no tensor or pipeline parallelism (one GPU per pod)"
 
 
 def test_the_knob_table_covers_every_field_the_budget_reads() -> None:
@@ -364,15 +371,21 @@ def _headroom_serve_args(args: list[str]) -> argparse.Namespace:
 
 
 KNOB_CASES = [
-    pytest.param(
-        runtime, knob, patch, carried, id=f"{knob}-{runtime}",
-        # Strict: the day the headroom engine shards a model, this fails until it gets the flag.
-        marks=[pytest.mark.xfail(reason=NO_PARALLELISM, strict=True)]
-        if runtime == "headroom" and knob.startswith("gpu.") else [],
-    )
+    pytest.param(runtime, knob, patch, carried, id=f"{knob}-{runtime}")
     for knob, patch, carried in KNOBS
     for runtime in ("headroom", "vllm", "sglang")
+    # The headroom engine's parallelism knobs are refused by the spec (test below).
+    if not (runtime == "headroom" and knob.startswith("gpu."))
 ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("knob", "patch"), [(k, p) for k, p, _ in KNOBS if k.startswith("gpu.")])
+def test_the_spec_refuses_several_gpus_for_the_single_gpu_headroom_engine(
+    knob: str, patch: dict[str, Any]
+) -> None:
+    with pytest.raises(ValueError, match="the headroom engine runs on one GPU"):
+        spec({"runtime": "headroom"}, gpu=patch["gpu"])
+    spec({"runtime": "vllm"}, gpu=patch["gpu"])  # the same GPUs for a stock engine are fine
 
 
 @pytest.mark.parametrize(("runtime", "knob", "patch", "carried"), KNOB_CASES)

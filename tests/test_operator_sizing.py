@@ -11,6 +11,7 @@ from headroom.contract import plan_cli
 from headroom.contract.budget import GIB, plan
 from headroom.operator.crd.models import InferenceDeploymentSpec
 from headroom.operator.reconcile.sizing import (
+    SpecError,
     blocks_per_sequence,
     budget,
     plan_input,
@@ -40,14 +41,16 @@ def headroom_plan(*argv: str) -> Any:
 CASES = [
     ({}, ["--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--concurrency", "400",
           "--context", "4096"]),
-    ({"gpu": {"type": "h100", "countPerPod": 4}, "model": {"preset": "llama-3.1-70b"}},
+    ({"gpu": {"type": "h100", "countPerPod": 4},
+      "model": {"preset": "llama-3.1-70b", "path": "/models/70b"}, "engine": {"runtime": "vllm"}},
      ["--model", "llama-3.1-70b", "--gpu", "h100", "--tp", "4", "--concurrency", "400",
       "--context", "4096"]),
     ({"engine": {"kvCacheDtype": "fp8", "blockSize": 32}},
      ["--model", "llama-3.1-8b", "--kv-dtype", "fp8", "--block-size", "32", "--concurrency",
       "400", "--context", "4096"]),
     ({"traffic": {"peakConcurrency": 64, "contextTokens": 32768, "prefixHitRatio": 0.5},
-      "gpu": {"type": "a100-80gb", "countPerPod": 2, "tensorParallel": 1}},
+      "gpu": {"type": "a100-80gb", "countPerPod": 2, "tensorParallel": 1},
+      "model": {"preset": "llama-3.1-8b", "path": "/models/8b"}, "engine": {"runtime": "sglang"}},
      ["--model", "llama-3.1-8b", "--gpu", "a100-80gb", "--tp", "1", "--gpus-per-pod", "2",
       "--concurrency", "64", "--context", "32768", "--prefix-hit", "0.5"]),
     ({"engine": {"gpuMemoryUtilization": 0.8, "maxNumSeqs": 64}},
@@ -121,3 +124,39 @@ def test_summary_and_blocks_per_sequence() -> None:
     assert "B/token/GPU" in text and "pod(s)" in text
     assert blocks_per_sequence(s, size(s).plan.block_size) == 256 * 0.75
     assert served_model_name(s, "res") == "llama-3.1-8b"
+
+
+@pytest.mark.parametrize(
+    ("model", "tp", "refused"),
+    [
+        ({"preset": "llama-3.1-8b"}, 2, None),  # 32 heads, 8 KV heads: both split
+        ({"preset": "llama-3.1-8b"}, 3, "does not divide llama-3.1-8b's 32 attention heads"),
+        ({"preset": "llama-3.1-8b"}, 16, None),  # 8 KV heads replicated twice
+        # 48 heads split 12 ways, but 8 KV heads neither split 12 ways nor replicate evenly.
+        ({"numLayers": 8, "numAttentionHeads": 48, "numKVHeads": 8, "headDim": 64,
+          "hiddenSize": 3072, "vocabSize": 32000, "maxPositionEmbeddings": 8192,
+          "parameterCount": 1_000_000_000}, 12, "neither divides nor is a multiple"),
+    ],
+)  # fmt: skip
+def test_a_tensor_parallel_size_the_stock_engines_refuse_is_an_invalid_spec(
+    model: dict[str, Any], tp: int, refused: str | None
+) -> None:
+    s = spec(
+        model={**model, "path": "/models/m"},
+        gpu={"type": "h200", "countPerPod": tp},  # type: ignore[dict-item]
+        engine={"runtime": "vllm"},
+    )
+    if refused is None:
+        assert size(s).plan.tp == tp
+    else:
+        with pytest.raises(SpecError, match=refused):
+            size(s)
+
+
+def test_infeasible_weights_on_the_headroom_engine_point_at_a_stock_runtime() -> None:
+    sizing = size(spec(model={"preset": "llama-3.1-70b"}))
+    assert not sizing.feasible and sizing.reason is not None
+    assert "several GPUs per pod need engine.runtime vllm or sglang" in sizing.reason
+    # A stock runtime on one GPU: more GPUs per pod is the advice as it stands.
+    stock = size(spec(model={"preset": "llama-3.1-70b", "path": "/m"}, engine={"runtime": "vllm"}))
+    assert stock.reason is not None and "engine.runtime" not in stock.reason

@@ -731,6 +731,19 @@ class InferenceDeploymentSpec(CRDModel):
             ),
             field_path=".engine.maxModelLen",
         ),
+        Rule(
+            cel=(
+                "(has(self.engine) && has(self.engine.runtime) && "
+                "self.engine.runtime != 'headroom') || "
+                "!has(self.gpu.countPerPod) || self.gpu.countPerPod == 1"
+            ),
+            message=(
+                "the headroom engine runs on one GPU: gpu.countPerPod above 1 needs "
+                "engine.runtime vllm or sglang"
+            ),
+            check=lambda s: s.engine.runtime != "headroom" or s.gpu.count_per_pod == 1,
+            field_path=".gpu.countPerPod",
+        ),
     )
 
     model: ModelSpec

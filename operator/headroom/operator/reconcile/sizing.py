@@ -149,6 +149,23 @@ class Sizing:
         return self.plan.replicas or 1
 
 
+def tp_heads_error(arch: ModelArch, tp: int) -> str | None:
+    """Why vLLM and SGLang would refuse to shard `arch` `tp` ways, or None: the attention heads
+    must split evenly, and the KV heads either split or replicate evenly (MLA has one latent)."""
+    if arch.num_attention_heads % tp:
+        return (
+            f"gpu.tensorParallel {tp} does not divide {arch.name}'s {arch.num_attention_heads} "
+            "attention heads (vLLM and SGLang refuse to start); pick a divisor"
+        )
+    kv = arch.num_kv_heads
+    if arch.kv_lora_rank is None and kv % tp and tp % kv:
+        return (
+            f"gpu.tensorParallel {tp} neither divides nor is a multiple of {arch.name}'s {kv} "
+            "KV heads (vLLM and SGLang refuse to start)"
+        )
+    return None
+
+
 def size(spec: InferenceDeploymentSpec) -> Sizing:
     """Plan the deployment and decide whether the engine can start with this spec."""
     if spec.engine.runtime != "headroom" and spec.model.path == "tiny":
@@ -157,9 +174,16 @@ def size(spec: InferenceDeploymentSpec) -> Sizing:
             "built-in test model: set model.path to a weights directory (or a Hugging Face id)"
         )
     inp = plan_input(spec)
+    if (heads := tp_heads_error(inp.model, inp.tp)) is not None:
+        raise SpecError(heads)
     result = plan(inp)
     mml = max_model_len(spec)
     reason = result.reason
+    if reason is not None and spec.engine.runtime == "headroom" and inp.pod_gpus == 1:
+        reason += (
+            "; the headroom engine runs on one GPU: several GPUs per pod need engine.runtime "
+            "vllm or sglang"
+        )
     if result.feasible:
         arch = inp.model
         need_blocks = blocks_for_tokens(mml, result.block_size)
