@@ -39,10 +39,13 @@ def _apply_all(kube: Kube, objs: list[dict[str, Any]]) -> list[KubeError]:
     return errors
 
 
-def _spec(**engine: Any) -> InferenceDeploymentSpec:
+def _spec(gpu: dict[str, Any] | None = None, **engine: Any) -> InferenceDeploymentSpec:
     spec = InferenceDeploymentSpec.model_validate(VALID)
     # What an object stored before the CRD checked quantities holds: no validation on update.
-    return spec.model_copy(update={"engine": spec.engine.model_copy(update=engine)})
+    return spec.model_copy(
+        update={"engine": spec.engine.model_copy(update=engine),
+                "gpu": spec.gpu.model_copy(update=gpu or {})}
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("runtime", ["headroom", "vllm", "sglang"])
@@ -70,6 +73,7 @@ def test_valid_children_apply(cluster: Cluster, cluster_namespace: str, runtime:
         ("cpu-four", "cpu", {"cpu": "four"}),
         ("dotted-name", "a.b", {}),
         ("seventy-characters", "x" * 70, {}),
+        ("quota-prefixed-gpu", "gpu", {"gpu": {"resource_name": "requests.example.com/gpu"}}),
     ],
 )
 def test_what_the_crd_refuses_now_fails_for_good_on_the_api_server(

@@ -388,6 +388,47 @@ def test_advisory_publishes_and_leaves_replicas_alone(
     operator.check()
 
 
+def test_an_hpa_scales_an_advisory_inference_deployment_through_its_scale_subresource(
+    cluster: Cluster, operator: InProcessOperator, cluster_namespace: str
+) -> None:
+    ns = cluster_namespace
+    spec = {**SPEC, "scaling": {**SPEC["scaling"], "mode": "advisory"}}
+    apply_cr(cluster, ns, "hpa", spec)
+    reconciled(cluster, ns, "hpa")
+    scale = f"/apis/headroom.dev/v1alpha1/namespaces/{ns}/inferencedeployments/hpa/scale"
+    # Without spec.replicas the API server cannot answer /scale (the README says to set it).
+    unset = cluster.kubectl("get", "--raw", scale, check=False)
+    assert unset.returncode != 0 and ".spec.replicas" in unset.stderr, unset.stderr
+    cluster.kubectl("patch", "infd", "hpa", "-n", ns, "--type", "merge",
+                    "-p", json.dumps({"spec": {"replicas": 1}}))  # fmt: skip
+    hpa = {
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": "hpa", "namespace": ns},
+        "spec": {"scaleTargetRef": {"apiVersion": "headroom.dev/v1alpha1",
+                                    "kind": "InferenceDeployment", "name": "hpa"},
+                 "minReplicas": 2, "maxReplicas": 3,
+                 "metrics": [{"type": "Resource", "resource": {
+                     "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 50}}}]},
+    }  # fmt: skip
+    cluster.apply([hpa])
+
+    def got_scale() -> bool:
+        h = json.loads(cluster.kubectl("get", "hpa", "hpa", "-n", ns, "-o", "json").stdout)
+        conds = {c["type"]: c for c in (h.get("status") or {}).get("conditions") or []}
+        able = conds.get("AbleToScale", {})
+        return able.get("status") == "True"
+
+    eventually("the HPA to read the InferenceDeployment's /scale", got_scale, timeout=90)
+    # Below its minReplicas, the HPA writes spec.replicas through /scale; the operator follows
+    # it onto the Deployment (advisory mode, within min/max).
+    eventually("the Deployment to follow the HPA",
+               lambda: (d := get(cluster, "deployment", "hpa", ns)) and d["spec"]["replicas"] == 2,
+               timeout=90)  # fmt: skip
+    obj = get(cluster, "infd", "hpa", ns)
+    assert obj is not None and obj["spec"]["replicas"] == 2
+    operator.check()
+
+
 def test_restart_is_idempotent(
     cluster: Cluster, operator: InProcessOperator, cluster_namespace: str
 ) -> None:

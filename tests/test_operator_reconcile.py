@@ -582,3 +582,45 @@ async def test_the_scaling_tick_never_scales_someone_elses_deployment() -> None:
     kube.objects[("Deployment", "ns", "chat")]["metadata"]["labels"] = {}
     res = await tick(kube, FakeSource(0.95, arrivals=2.0), b, parse(b["spec"]), NOW)
     assert kube.scales == [] and res.decision is None
+
+
+async def test_a_refused_apply_stays_the_ready_condition_until_a_spec_applies() -> None:
+    kube, b = await created(SPEC)
+    first = await tick(kube, FakeSource(0.5), b, parse(b["spec"]), NOW)
+    assert cond(first.outcome.status, "Ready")["reason"] == "AllReplicasReady"
+    status = {**b["status"], **first.outcome.status}
+    exc = KubeError(422, "Invalid", 'Deployment.apps "chat" is invalid: bad value')
+    refused = apply_failed(body(SPEC, status=status, gen=2), exc, NOW + 1).status
+    b2 = body(SPEC, status={**status, **refused}, gen=2)
+    later = await tick(kube, FakeSource(0.5), b2, parse(b2["spec"]), NOW + 2)
+    # The old Deployment is ready, but this generation's children were refused: Ready is the
+    # reconcile's to say, and this loop leaves it out of its apply.
+    assert get_condition(later.outcome.status["conditions"], "Ready") is None
+    assert later.decision is not None  # the running Deployment is still scaled
+    # A later generation that applies: the tick reads Ready off the Deployment again.
+    fixed = reconcile(kube, body(SPEC, status=b2["status"], gen=3), NOW + 3).status
+    b3 = body(SPEC, status={**b2["status"], **fixed}, gen=3)
+    again = await tick(kube, FakeSource(0.5), b3, parse(b3["spec"]), NOW + 4)
+    assert cond(again.outcome.status, "Ready")["reason"] == "AllReplicasReady"
+
+
+async def test_an_infeasible_spec_keeps_ready_and_replicas_current_without_scaling() -> None:
+    kube, b = await created(SPEC)
+    first = await tick(kube, FakeSource(0.5, arrivals=1.0), b, parse(b["spec"]), NOW)
+    status = {**b["status"], **first.outcome.status}
+    b2 = body(INFEASIBLE, status=status, gen=2)
+    kube.ready = 1  # three of the running Deployment's pods are lost
+    res = await tick(kube, FakeSource(0.99, arrivals=9.0), b2, parse(b2["spec"]), NOW + 10)
+    st = res.outcome.status
+    assert kube.scales == [] and res.decision is None
+    assert (st["replicas"], st["readyReplicas"]) == (4, 1)
+    ready = cond(st, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ReplicasNotReady")
+    assert "keeps its last feasible configuration" in ready["message"]
+    limited = cond(st, "ScalingLimited")
+    assert (limited["status"], limited["reason"]) == ("True", "Infeasible")
+    assert [e.reason for e in res.outcome.events] == ["ScalingStopped"]
+    # What this loop wrote before is carried, not deleted by an apply that left it out.
+    for key in ("lastDecisions", "desiredReplicas", "kv"):
+        assert st.get(key) == status.get(key), key
+    assert cond(st, "KVSaturated") == cond(status, "KVSaturated")

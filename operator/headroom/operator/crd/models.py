@@ -487,16 +487,19 @@ class GPUSpec(CRDModel):
         Rule(
             cel=(
                 f"self.resourceName.matches('{_EXTENDED_RESOURCE}') && "
-                "!self.resourceName.contains('kubernetes.io/')"
+                "!self.resourceName.contains('kubernetes.io/') && "
+                "!self.resourceName.startsWith('requests.')"
             ),
             message=(
                 "gpu.resourceName must be an extended resource, domain/name such as "
                 "nvidia.com/gpu or amd.com/gpu: core resources (cpu, memory, ephemeral-storage, "
-                "hugepages-*, names under kubernetes.io) are not GPUs"
+                "hugepages-*, names under kubernetes.io) are not GPUs, and a name may not start "
+                "with requests. (quota's prefix)"
             ),
             check=lambda g: (
                 re.search(_EXTENDED_RESOURCE, g.resource_name) is not None
                 and "kubernetes.io/" not in g.resource_name
+                and not g.resource_name.startswith("requests.")
             ),
             field_path=".resourceName",
         ),
@@ -758,7 +761,8 @@ class InferenceDeploymentSpec(CRDModel):
         description=(
             "the /scale channel of an external autoscaler (HPA, KEDA) in advisory mode: when set "
             "the operator follows it (within min/max); unset, it leaves the Deployment's replicas "
-            "to whoever scales the Deployment. Ignored in auto mode"
+            "to whoever scales the Deployment. Set it once before pointing an HPA at this "
+            "resource: /scale answers an error while it is unset. Ignored in auto mode"
         ),
     )
 

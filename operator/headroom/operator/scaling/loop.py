@@ -49,6 +49,7 @@ from headroom.operator.status import (
     Outcome,
     Status,
     condition_changed,
+    get_condition,
     parse_time,
     ready_condition,
     rfc3339,
@@ -235,7 +236,7 @@ async def tick(
     mem = seeded(memory, status)
     if body.get("metadata", {}).get("deletionTimestamp"):
         return TickResult(Outcome(), mem)  # going away: its children are being collected
-    if parsed.spec is None or parsed.sizing is None or not parsed.sizing.feasible:
+    if parsed.spec is None or parsed.sizing is None:
         return TickResult(Outcome(), mem)  # reconcile() reports why; nothing to scale
     spec, sizing = parsed.spec, parsed.sizing
     owner = owner_of(body)
@@ -249,6 +250,8 @@ async def tick(
         # Someone else's Deployment under this name: reconcile() reports NameConflict, and
         # scaling it would resize their workload.
         return TickResult(Outcome(), mem)
+    if not sizing.feasible:
+        return TickResult(infeasible_outcome(body, live, now), mem)
     current = int(live.get("spec", {}).get("replicas", 1) or 0)
     pods = await asyncio.to_thread(
         kube.list, "v1", "Pod", owner.namespace, selector_string(owner.name)
@@ -322,11 +325,58 @@ async def tick(
         st["podStartSeconds"] = round(d.figures.pod_start_seconds, 1)
         st["podStartsObserved"] = max(len(starts), int(status.get("podStartsObserved") or 0))
     _conditions(body, st, d, auto, current, now, out)
-    set_status_condition(body, st, "Ready", *ready_condition(live), now)
+    if not reconcile_failed(body):
+        set_status_condition(body, st, "Ready", *ready_condition(live), now)
     set_status_condition(
         body, st, "PoolMatchesPlan", *pool_condition(samples, policy.blocks_per_pod), now
     )
     return TickResult(out, d.memory, d, current=applied_replicas, mode=spec.scaling.mode)
+
+
+# Ready reasons the reconcile loop sets when the spec's children could not be applied: the
+# Deployment still running is the previous spec's, so its readiness is not this spec's.
+RECONCILE_FAILURES = frozenset({"ApplyFailed", "NameConflict", "InvalidSpec", "InvalidName"})
+# What this loop writes each tick besides its conditions: a status apply that left one out
+# would delete it, so a tick that decides nothing carries them forward.
+_SCALING_FIELDS = ("lastDecisions", "desiredReplicas", "kv", "podStartSeconds",
+                   "podStartsObserved")  # fmt: skip
+
+
+def reconcile_failed(body: dict[str, Any]) -> bool:
+    """Whether the reconcile loop reported, for this generation, that its children were not
+    applied (then Ready is its to say, not read off the previous spec's Deployment)."""
+    ready = get_condition((body.get("status") or {}).get("conditions"), "Ready")
+    return (
+        ready is not None
+        and ready.get("status") == "False"
+        and ready.get("reason") in RECONCILE_FAILURES
+        and ready.get("observedGeneration") == body.get("metadata", {}).get("generation")
+    )
+
+
+def infeasible_outcome(body: dict[str, Any], live: dict[str, Any], now: float) -> Outcome:
+    """A tick for a spec that cannot be sized: the last feasible Deployment keeps running,
+    unscaled; its readiness and replicas stay current, and ScalingLimited says why nothing
+    scales. The rest of this loop's status is carried forward as it was."""
+    status = body.get("status") or {}
+    out = Outcome()
+    st = out.status
+    st |= {k: status[k] for k in _SCALING_FIELDS if status.get(k) is not None}
+    kept = [get_condition(status.get("conditions"), t) for t in ("KVSaturated", "PoolMatchesPlan")]
+    st["conditions"] = [dict(c) for c in kept if c is not None]
+    st["replicas"] = int(live.get("spec", {}).get("replicas", 1) or 0)
+    st["readyReplicas"] = int((live.get("status") or {}).get("readyReplicas", 0) or 0)
+    message = (
+        "the spec is infeasible (see the Feasible condition): the running Deployment keeps its "
+        f"last feasible configuration at {st['replicas']} replicas and is not scaled"
+    )
+    if condition_changed(body, "ScalingLimited", "True", "Infeasible"):
+        out.events.append(Event("Warning", "ScalingStopped", message))
+    set_status_condition(body, st, "ScalingLimited", "True", "Infeasible", message, now)
+    ready, reason, msg = ready_condition(live)
+    msg += "; the running Deployment keeps its last feasible configuration"
+    set_status_condition(body, st, "Ready", ready, reason, msg, now)
+    return out
 
 
 def _with_message(d: Decision, message: str) -> Decision:
