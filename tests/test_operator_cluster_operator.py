@@ -32,7 +32,7 @@ from headroom.operator.crd.schema import CRD_NAME, crd_yaml
 from headroom.operator.handlers import FINALIZER, Context, Options, operate
 from headroom.operator.kube import Kube, load_configuration
 from headroom.operator.rbac import cluster_role
-from headroom.operator.reconcile.children import FIELD_MANAGER
+from headroom.operator.reconcile.children import FIELD_MANAGER, SELECTOR_LABEL
 from headroom.operator.reconcile.sizing import budget, size
 from headroom.operator.scaling.decide import PodSample
 from headroom.operator.scaling.exporter import OperatorMetrics
@@ -426,6 +426,38 @@ def test_an_hpa_scales_an_advisory_inference_deployment_through_its_scale_subres
                timeout=90)  # fmt: skip
     obj = get(cluster, "infd", "hpa", ns)
     assert obj is not None and obj["spec"]["replicas"] == 2
+    operator.check()
+
+
+def test_an_infeasible_spec_keeps_reporting_the_running_deployment(
+    cluster: Cluster, operator: InProcessOperator, cluster_namespace: str
+) -> None:
+    ns = cluster_namespace
+    apply_cr(cluster, ns, "stale", SPEC)
+    eventually("Ready", lambda: condition(get(cluster, "infd", "stale", ns), "Ready").get("status")
+               == "True")  # fmt: skip
+    cluster.kubectl("patch", "infd", "stale", "-n", ns, "--type", "merge",
+                    "-p", json.dumps({"spec": {"traffic": {"contextTokens": 200000}}}))  # fmt: skip
+    reconciled(cluster, ns, "stale", want="False")
+    nodes = [n["metadata"]["name"] for n in json.loads(
+        cluster.kubectl("get", "nodes", "-o", "json").stdout)["items"]]  # fmt: skip
+    try:
+        for node in nodes:  # the pod's replacement cannot schedule
+            cluster.kubectl("cordon", node)
+        cluster.kubectl("delete", "pod", "-n", ns, "-l", f"{SELECTOR_LABEL}=stale", "--wait=true")
+
+        def current() -> dict[str, Any] | None:
+            obj = get(cluster, "infd", "stale", ns)
+            return obj if condition(obj, "Ready").get("status") == "False" else None
+
+        obj = eventually("Ready to follow the running Deployment", current)
+    finally:
+        for node in nodes:
+            cluster.kubectl("uncordon", node)
+    assert obj["status"]["readyReplicas"] == 0
+    assert "keeps its last feasible configuration" in condition(obj, "Ready")["message"]
+    assert condition(obj, "ScalingLimited")["reason"] == "Infeasible"
+    assert condition(obj, "Feasible")["reason"] == "Infeasible"
     operator.check()
 
 
