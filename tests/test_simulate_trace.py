@@ -146,6 +146,9 @@ def test_the_published_mooncake_trace_has_its_documented_requests_and_prefix_cei
          r"^quote\.csv:3: not CSV: unexpected end of data"),
         ("huge.csv", "arrival_s,prompt_tokens,output_tokens\n0,5,5\n1,99999999999999999999,5\n",
          r"^huge\.csv:3: prompt_tokens must be at most 10,000,000"),
+        ("long.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,3,4\n"
+         "2023-11-16 18:15:47.1,9000000,1000001\n",
+         r"^long\.csv:3: prompt \+ output tokens must be at most 10,000,000, got 9,000,000 \+"),
         ("far.jsonl", '{"arrival_s": 1e400, "prompt_tokens": 5, "output_tokens": 5}\n'
          '{"arrival_s": 1' + "0" * 400 + ', "prompt_tokens": 5, "output_tokens": 5}\n',
          r"^far\.jsonl:1: arrival time must be finite"),

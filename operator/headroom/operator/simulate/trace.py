@@ -115,6 +115,17 @@ def _count(value: object, what: str, where: str, minimum: int = 1) -> int:
     return n
 
 
+def _request(t: float, prompt: int, output: int, where: str) -> tuple[float, int, int]:
+    """One request; its whole context (prompt + output) must fit the CRD's contextTokens,
+    which `headroom profile` suggests from these lengths."""
+    if prompt + output > MAX_REQUEST_TOKENS:
+        raise TraceError(
+            f"{where}: prompt + output tokens must be at most {MAX_REQUEST_TOKENS:,}, got "
+            f"{prompt:,} + {output:,}"
+        )
+    return t, prompt, output
+
+
 def _seconds(value: object, where: str) -> float:
     try:
         t = float(str(value).strip()) if not isinstance(value, int | float) else float(value)
@@ -169,8 +180,11 @@ def read_azure(text: str, name: str = "azure", progress: LineProgress | None = N
                 f"{where}: TIMESTAMP must be YYYY-MM-DD HH:MM:SS.fffffff, got {stamp!r}"
             ) from None
         rows.append(
-            (t, _count(row[1], "ContextTokens", where), _count(row[2], "GeneratedTokens", where))
-        )
+            _request(
+                t, _count(row[1], "ContextTokens", where), _count(row[2], "GeneratedTokens", where),
+                where,
+            )
+        )  # fmt: skip
     return _trace(name, rows, None)
 
 
@@ -182,10 +196,11 @@ def read_generic_csv(text: str, name: str = "trace", progress: LineProgress | No
         if len(row) < 3:
             raise TraceError(f"{where}: expected 3 columns, got {len(row)}")
         rows.append(
-            (
+            _request(
                 _seconds(row[0], where),
                 _count(row[1], "prompt_tokens", where),
                 _count(row[2], "output_tokens", where),
+                where,
             )
         )
     return _trace(name, rows, None)
@@ -231,10 +246,11 @@ def read_mooncake(text: str, name: str = "mooncake", progress: LineProgress | No
     for where, obj in _json_lines(text, name, progress):
         prompt = _count(_need(obj, "input_length", where), "input_length", where)
         rows.append(
-            (
+            _request(
                 _seconds(_need(obj, "timestamp", where), where) / 1000.0,
                 prompt,
                 _count(_need(obj, "output_length", where), "output_length", where),
+                where,
             )
         )
         ids = _ids(obj.get("hash_ids", []), where, "hash_ids")
@@ -256,10 +272,11 @@ def read_generic_jsonl(
     block_tokens = MOONCAKE_BLOCK_TOKENS
     for where, obj in _json_lines(text, name, progress):
         rows.append(
-            (
+            _request(
                 _seconds(_need(obj, "arrival_s", where), where),
                 _count(_need(obj, "prompt_tokens", where), "prompt_tokens", where),
                 _count(_need(obj, "output_tokens", where), "output_tokens", where),
+                where,
             )
         )
         blocks.append(_ids(obj.get("prefix_block_ids", []), where, "prefix_block_ids"))
