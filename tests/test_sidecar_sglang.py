@@ -616,6 +616,45 @@ def test_without_token_usage_used_over_max_is_read() -> None:
     assert (r.capacity_blocks, r.used_blocks) == (1200, 300)
 
 
+@pytest.mark.parametrize("release", ["0.5.3", "later"])
+def test_occupancy_is_used_over_the_pool_not_the_rounded_gauge(
+    server: SglangServer, release: str
+) -> None:
+    """SGLang exports `sglang:token_usage` rounded to 2 decimals: 14,300 of 14,336 tokens
+    (99.75 %) is 1.0, a full pool and a saturation ETA of 0. `sglang:num_used_tokens` is exact:
+    with the pool size known (exported by a later release, from the server info for 0.5.3) the
+    occupancy is the exact ratio."""
+    stats: dict[str, float] = {"token_usage": round(14300 / 14336, 2), "num_used_tokens": 14300}
+    if release != "0.5.3":
+        stats["max_total_num_tokens"] = 14336
+    server.scheduler(release=release).log_stats(**stats)
+    info = SglangServerInfo((14336,), None) if release == "0.5.3" else None
+    r = parse_sglang_metrics(server.text(), server_info=info)
+    assert r.occupancy == pytest.approx(14300 / 14336) and r.occupancy < 1.0
+    assert (r.capacity_blocks, r.used_blocks, r.free_blocks) == (14336, 14300, 36)
+    # in pages of 16: 896 blocks, 893.75 of them used
+    r = parse_sglang_metrics(server.text(), page_size=16, server_info=info)
+    assert (r.capacity_blocks, r.used_blocks, r.free_blocks) == (896, 894, 2)
+
+
+def test_without_the_pool_size_the_rounded_gauge_is_all_there_is(server: SglangServer) -> None:
+    server.scheduler(release="0.5.3").log_stats(
+        token_usage=round(14300 / 14336, 2), num_used_tokens=14300
+    )
+    r = parse_sglang_metrics(server.text())
+    assert r.occupancy == 1.0 and r.capacity_blocks is None
+
+
+def test_a_ratio_the_gauge_disagrees_with_gives_way_to_the_gauge(server: SglangServer) -> None:
+    """Where used / pool and the gauge differ by more than the rounding, the ratio is not over
+    the pool the server measured (a hybrid model's usage is that of its fuller pool): the
+    server's own figure is read."""
+    server.scheduler().log_stats(max_total_num_tokens=10000, token_usage=0.9, num_used_tokens=3000)
+    r = parse_sglang_metrics(server.text())
+    assert r.occupancy == pytest.approx(0.9)
+    assert (r.capacity_blocks, r.used_blocks) == (10000, 9000)
+
+
 def test_prefix_counters_read_no_cached_series_as_no_hits_yet() -> None:
     queries = "sglang:prompt_tokens_total 100\nsglang:num_requests_total 4\n"
     hits = "sglang:cached_tokens_total 40\n"
@@ -646,6 +685,11 @@ def test_usage_above_one_is_clamped() -> None:
         ("sglang:prompt_tokens_total 10\n", "no sglang:token_usage"),
         ('vllm:kv_cache_usage_perc{engine="0"} 0.5\n', "no sglang:token_usage"),
         ("sglang:token_usage NaN\n", "not a fraction"),
+        # the gauge is checked even where used / pool is what occupancy is read from
+        (
+            "sglang:token_usage NaN\nsglang:num_used_tokens 5\nsglang:max_total_num_tokens 10\n",
+            "not a fraction",
+        ),
         ("sglang:token_usage -0.1\n", "not a fraction"),
         ('sglang:token_usage{tp_rank="0" 0.5\n', "not Prometheus text"),
         (_USAGE + 'sglang:max_total_num_tokens{model_name="m"} -5\n', "max_total_num_tokens"),

@@ -5,7 +5,8 @@ makes the sidecar report `headroom_engine_up 0`, and the loop carries on. Logs a
 change of state (up, down, restart), not one per failed poll.
 
 For an SGLang server whose `/metrics` carries no pool size (0.5.3), the poller also reads its
-server-info endpoint, once a minute: the pool does not change while the server runs. A server
+server-info endpoint, once a minute: the pool does not change while the server runs, and is
+read again at once when the server restarts (a new instance may have another pool). A server
 that does not answer there still reports occupancy, only without block counts.
 """
 
@@ -114,18 +115,31 @@ class Poller:
         """One poll of the engine (and, when due, SGLang's server info); raises PollFailed."""
         body = await self._get(self.cfg.poll_url)
         # A release that exports its pool size in /metrics needs no second request.
-        if self.cfg.source == "sglang" and b"sglang:max_total_num_tokens" not in body:
+        if self.cfg.source != "sglang" or b"sglang:max_total_num_tokens" in body:
+            return self._parse(body)
+        fresh_info = await self._refresh_server_info()
+        reading = self._parse(body)
+        if not fresh_info and self.server_info is not None and self.state.is_restart(reading):
+            # The pool known is the dead instance's, and a restarted server may have another
+            # (another --max-total-tokens or --mem-fraction-static, or profiled otherwise):
+            # read the new one's now. Should it not answer, its blocks are unknown, not the old.
+            self.server_info = None
+            self._server_info_due = self._clock()
             await self._refresh_server_info()
+            reading = self._parse(body)
+        return reading
+
+    def _parse(self, body: bytes) -> EngineReading:
         try:
             return parse_body(self.cfg.source, body, self.cfg.page_size, self.server_info)
         except GarbageError as exc:
             raise PollFailed("garbage", str(exc)) from exc
 
-    async def _refresh_server_info(self) -> None:
-        """Read SGLang's server info when due; a failure keeps what was known, and is logged
-        once per change, never counted as a failed poll."""
+    async def _refresh_server_info(self) -> bool:
+        """Read SGLang's server info when due (returns whether it was asked); a failure keeps
+        what was known, and is logged once per change, never counted as a failed poll."""
         if self._clock() < self._server_info_due:
-            return
+            return False
         errors: list[str] = []
         for path in SERVER_INFO_PATHS:
             try:
@@ -151,12 +165,17 @@ class Poller:
         elif not error and self._server_info_error and self.server_info:
             log.info("event=server_info pool_tokens=%s", self.server_info.pool_tokens)
         self._server_info_error = error
+        return True
 
     async def poll_once(self) -> None:
         """Fetch once and record the outcome; never raises (except cancellation)."""
         was_up = self.state.last_poll_ok
         try:
             reading = await self.fetch()
+            # A reading the state cannot keep (a bug, or a figure the parser let through that
+            # it should not have) is an internal error like any other: counted, and polling
+            # goes on.
+            restarted = self.state.record_success(self._arrivals.apply(reading), self._clock())
         except PollFailed as exc:
             self.state.record_error(exc.reason, str(exc))
             if was_up or self.state.polls_total == 1:
@@ -171,7 +190,6 @@ class Poller:
             self.state.record_error("internal", f"{type(exc).__name__}: {exc}")
             log.exception("event=poll_internal_error url=%s", self.cfg.poll_url)
             return
-        restarted = self.state.record_success(self._arrivals.apply(reading), self._clock())
         if restarted:
             log.warning(
                 "event=engine_restart url=%s instance=%s", self.cfg.poll_url, reading.instance_id

@@ -49,6 +49,12 @@ RETRACTIONS = (
 )
 
 
+# SGLang rounds `sglang:token_usage` to 2 decimals; `sglang:num_used_tokens` is exact. A ratio
+# of the two that differs from the gauge by more than the rounding (and float noise) is not
+# over the pool the server measured.
+USAGE_ROUNDING = 0.005 + 1e-9
+
+
 @dataclass(frozen=True, slots=True)
 class SglangServerInfo:
     """What the server-info endpoint says about the KV pool."""
@@ -100,9 +106,13 @@ def parse_sglang_metrics(
 
     SGLang counts its KV pool in tokens: blocks are tokens // page size (the server's
     `page_size` from `server_info`, else the `page_size` argument, SGLang's `--page-size`).
-    Occupancy is `sglang:token_usage`, which already counts the radix cache's evictable tokens
-    as free. A pool's tokens are `sglang:max_total_num_tokens` where exported, else the
-    server info's, paired with the pools in `dp_rank` order when their numbers match.
+    A pool's tokens are `sglang:max_total_num_tokens` where exported, else the server info's,
+    paired with the pools in `dp_rank` order when their numbers match. Occupancy is
+    `sglang:num_used_tokens` over the pool's tokens where both are known: SGLang exports
+    `sglang:token_usage` (the same ratio) rounded to 2 decimals, which reads 14,300 of 14,336
+    tokens as full. The gauge is read where the pool size is unknown, or where it disagrees
+    with the ratio by more than its rounding (the ratio is then not over the pool the server
+    measured). Both count the radix cache's evictable tokens as free.
     Prefix-cache counters are the prompt and cached tokens of finished requests
     (`sglang:prompt_tokens_total`, `sglang:cached_tokens_total`). SGLang creates the cached
     series at the first request that had a cached token, so on a release that counts finished
@@ -134,10 +144,15 @@ def parse_sglang_metrics(
     pools = []
     for key in keys:
         tokens = max_tokens.get(key)
-        if key in usage:
-            share = fraction(usage[key], "SGLang token usage")
-        else:  # no token_usage gauge: used / max, both known and max > 0 (see `keys`)
-            share = fraction(used_tokens[key] / (tokens or 1.0), "SGLang token usage")
+        # the gauge, rounded: all there is while the pool size is unknown
+        share = fraction(usage[key], "SGLang token usage") if key in usage else None
+        if key in used_tokens and tokens:
+            exact = fraction(used_tokens[key] / tokens, "SGLang token usage")
+            # A ratio further from the gauge than its rounding is not over the pool the server
+            # measured (a hybrid model's gauge is its fuller pool's): the gauge wins then.
+            if share is None or abs(exact - share) <= USAGE_ROUNDING:
+                share = exact
+        assert share is not None  # `keys` are the gauge's, or have both used and pool size
         pools.append(Pool(share, (int(tokens) // page or None) if tokens else None))
     occupancy, capacity, used = combine_pools(pools)
     queries = total(one_per_pool(samples.get("sglang:prompt_tokens_total")), "prompt tokens")

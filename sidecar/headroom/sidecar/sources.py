@@ -4,8 +4,8 @@ The stock servers' parsers live beside this one: `vllm_source` and `sglang_sourc
 Prometheus-text helpers in `exposition`). Every parser is pure: bytes or text in, a reading
 out, or `GarbageError` when the body is not something the sidecar can trust (invalid JSON, a
 schema version it does not know, an exposition without the KV usage gauge, a series given
-twice, a histogram whose sum or counts are not non-negative numbers). The poller turns a
-`GarbageError` into `headroom_engine_up 0`.
+twice, a histogram whose sum or counts are not non-negative numbers, a count too large to be
+a float exactly). The poller turns a `GarbageError` into `headroom_engine_up 0`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ from pydantic import ValidationError
 
 from headroom.contract.report import SourceKind
 from headroom.contract.stats import STATS_SCHEMA_VERSION, Histogram, StatsSnapshot
+
+# The largest count a `/stats` body may hold: past 2**53 a float no longer holds every whole
+# number (past ~1.8e308 it holds none, and float() raises OverflowError). The contract's counts
+# have no upper bound, and no engine's blocks, tokens or requests come near this one.
+MAX_COUNT = 2**53
 
 
 class GarbageError(ValueError):
@@ -90,6 +95,7 @@ def parse_headroom_stats(body: bytes) -> EngineReading:
             f"/stats schema version {snap.version} is unknown (this sidecar reads version "
             f"{STATS_SCHEMA_VERSION})"
         )
+    _check_counts(snap.model_dump(), "")
     kv = snap.kv
     if kv.free + kv.used + kv.cached != kv.capacity:
         raise GarbageError(
@@ -121,6 +127,19 @@ def parse_headroom_stats(body: bytes) -> EngineReading:
         kv_block_seconds_total=_finite(snap.kv_block_seconds_total, "kv_block_seconds_total"),
         requests_departed_total=float(snap.requests_finished_total),
     )
+
+
+def _check_counts(value: object, where: str) -> None:
+    """Raise GarbageError at the first integer in `value` (a snapshot's dump) above MAX_COUNT."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_counts(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_counts(item, f"{where}[{i}]")
+    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_COUNT:
+        # the number itself may have hundreds of digits: name the field, not the value
+        raise GarbageError(f"/stats {where} is not a plausible count (above 2**53)")
 
 
 def _finite(value: float, name: str) -> float:

@@ -58,18 +58,33 @@ class PollState:
     seen: dict[str, object] = field(default_factory=dict)
 
     def record_success(self, reading: EngineReading, t: float) -> bool:
-        """Keep a good reading taken at monotonic time `t`; returns True if the engine restarted."""
+        """Keep a good reading taken at monotonic time `t`; returns True if the engine restarted.
+
+        Everything is computed before anything is kept: a reading this raises on leaves the
+        state as it was (the poller counts it as an internal error).
+        """
         markers = _markers(reading)
         restarted = _restarted(self.seen, markers)
-        if restarted:
-            self.epoch += 1
-            self.restarts_total += 1
-            self.integrated_block_seconds = 0.0
-            self.seen = {}
-        elif self.samples and self.last_reading is not None:
+        epoch = self.epoch + 1 if restarted else self.epoch
+        integrated = 0.0 if restarted else self.integrated_block_seconds
+        if not restarted and self.samples and self.last_reading is not None:
             used = self.last_reading.used_blocks
             if used is not None:
-                self.integrated_block_seconds += used * max(t - self.samples[-1].t, 0.0)
+                integrated += used * max(t - self.samples[-1].t, 0.0)
+        sample = Sample(
+            t=t,
+            epoch=epoch,
+            occupancy=reading.occupancy,
+            queries=reading.prefix_queries_tokens_total,
+            hits=reading.prefix_hits_tokens_total,
+            preemptions=reading.preemptions_total,
+            demand=_demand_counters(reading, t, epoch, integrated),
+        )
+        if restarted:
+            self.restarts_total += 1
+            self.seen = {}
+        self.epoch = epoch
+        self.integrated_block_seconds = integrated
         self.seen.update(markers)
         self.polls_total += 1
         self.last_reading = reading
@@ -78,31 +93,14 @@ class PollState:
         self.last_error = None
         if reading.model:
             self.known_model = reading.model
-        self.samples.append(
-            Sample(
-                t=t,
-                epoch=self.epoch,
-                occupancy=reading.occupancy,
-                queries=reading.prefix_queries_tokens_total,
-                hits=reading.prefix_hits_tokens_total,
-                preemptions=reading.preemptions_total,
-                demand=self._demand_counters(reading, t),
-            )
-        )
+        self.samples.append(sample)
         while self.samples and self.samples[0].t < t - self.horizon:
             self.samples.popleft()
         return restarted
 
-    def _demand_counters(self, reading: EngineReading, t: float) -> CounterSample | None:
-        arrived, departed = reading.requests_arrived_total, reading.requests_departed_total
-        if arrived is None or departed is None:
-            return None
-        block_seconds = reading.kv_block_seconds_total
-        if block_seconds is None:
-            if reading.used_blocks is None:
-                return None
-            block_seconds = self.integrated_block_seconds
-        return CounterSample(t, arrived, departed, block_seconds, self.epoch)
+    def is_restart(self, reading: EngineReading) -> bool:
+        """Whether recording `reading` would count an engine restart (it changes nothing)."""
+        return _restarted(self.seen, _markers(reading))
 
     def record_error(self, reason: ErrorReason, message: str) -> None:
         """Count a failed poll; the last good reading stays but is no longer fresh."""
@@ -110,6 +108,21 @@ class PollState:
         self.errors[reason] += 1
         self.last_poll_ok = False
         self.last_error = f"{reason}: {message}"
+
+
+def _demand_counters(
+    reading: EngineReading, t: float, epoch: int, integrated_block_seconds: float
+) -> CounterSample | None:
+    """The demand counters of `reading` as the window keeps them, or None without them."""
+    arrived, departed = reading.requests_arrived_total, reading.requests_departed_total
+    if arrived is None or departed is None:
+        return None
+    block_seconds = reading.kv_block_seconds_total
+    if block_seconds is None:
+        if reading.used_blocks is None:
+            return None
+        block_seconds = integrated_block_seconds
+    return CounterSample(t, arrived, departed, block_seconds, epoch)
 
 
 _COUNTERS = (

@@ -1,0 +1,318 @@
+"""The poller against engines that answer what it did not expect: every outcome is counted, the
+loop never stops, and an SGLang restart is read with the new server's pool from its first poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+from aiohttp import ClientSession, web
+from aiohttp.test_utils import TestServer
+from synthetic_engine import SyntheticEngine
+
+from headroom.sidecar.config import SidecarConfig
+from headroom.sidecar.poller import Poller
+from headroom.sidecar.server import build_app
+from headroom.sidecar.sources import EngineReading, GarbageError, parse_headroom_stats
+from headroom.sidecar.state import PollState, figures
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@dataclass
+class Clock:
+    t: float = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass
+class Engine:
+    """A stand-in engine: each route answers what `routes` holds for it now; `hits` counts."""
+
+    routes: dict[str, Callable[[], bytes]]
+    hits: dict[str, int] = field(default_factory=dict)
+
+    def app(self) -> web.Application:
+        async def answer(request: web.Request) -> web.Response:
+            self.hits[request.path] = self.hits.get(request.path, 0) + 1
+            make = self.routes.get(request.path)
+            if make is None:
+                return web.Response(status=404)
+            return web.Response(body=make(), content_type="text/plain")
+
+        app = web.Application()
+        app.router.add_get("/{path:.*}", answer)
+        return app
+
+
+@dataclass
+class Rig:
+    engine: Engine
+    poller: Poller
+    state: PollState
+    cfg: SidecarConfig
+    clock: Clock
+
+
+@contextlib.asynccontextmanager
+async def _rig(engine: Engine, **flags: Any) -> AsyncIterator[Rig]:
+    async with TestServer(engine.app()) as server, ClientSession() as session:
+        cfg = SidecarConfig(engine_url=str(server.make_url("/")), interval=1.0, timeout=1.0,
+                            window=30.0, forecast_window=30.0, **flags)  # fmt: skip
+        clock = Clock()
+        state = PollState(horizon=61.0)
+        yield Rig(engine, Poller(cfg, state, session, clock), state, cfg, clock)
+
+
+# --- a /stats body whose counts are not numbers a float can hold -----------------------------
+
+
+def _stats_doc() -> dict[str, Any]:
+    eng = SyntheticEngine(capacity=100, block_size=16, model="tiny")
+    eng.set_used(40)
+    eng.observe_ttft(0.02)
+    doc: dict[str, Any] = json.loads(eng.body())
+    return doc
+
+
+def _huge_kv(doc: dict[str, Any]) -> dict[str, Any]:
+    # adds up (free + used + cached == capacity), so only the size of the numbers is wrong
+    kv = {**doc["kv"], "capacity": 10**400, "used": 10**400, "free": 0, "cached": 0}
+    return {**doc, "kv": kv}
+
+
+def _past_2_to_the_53(doc: dict[str, Any]) -> dict[str, Any]:
+    # a float would hold it, but not exactly: no pool has 10**18 blocks
+    kv = doc["kv"]
+    return {**doc, "kv": {**kv, "capacity": 2**60, "free": 2**60 - kv["used"] - kv["cached"]}}
+
+
+def _huge(*path: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def edit(doc: dict[str, Any]) -> dict[str, Any]:
+        doc = json.loads(json.dumps(doc))
+        inner = doc
+        for key in path[:-1]:
+            inner = inner[key]
+        inner[path[-1]] = 10**400
+        return doc
+
+    return edit
+
+
+def _huge_histogram(doc: dict[str, Any]) -> dict[str, Any]:
+    hist = doc["time_to_first_token_seconds"]
+    n = len(hist["counts"])
+    return {**doc, "time_to_first_token_seconds": {**hist, "counts": [10**400] * n,
+                                                   "count": 10**400}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("edit", "where"),
+    [
+        (_huge_kv, "kv.capacity"),
+        (_past_2_to_the_53, "kv.capacity"),
+        (_huge("preemptions_total"), "preemptions_total"),
+        (_huge("requests_arrived_total"), "requests_arrived_total"),
+        (_huge("prefix_cache", "queries_tokens_total"), "prefix_cache.queries_tokens_total"),
+        (_huge("requests", "running"), "requests.running"),
+        (_huge_histogram, r"time_to_first_token_seconds\.counts\[0\]"),
+    ],
+)
+def test_counts_beyond_a_floats_reach_are_garbage(
+    edit: Callable[[dict[str, Any]], dict[str, Any]], where: str
+) -> None:
+    """The contract's counts are unbounded ints; a float holds every whole number only up to
+    2**53 and none past ~1.8e308 (float() raises OverflowError). No engine counts that far."""
+    body = json.dumps(edit(_stats_doc())).encode()
+    with pytest.raises(GarbageError, match=f"{where} is not a plausible count"):
+        parse_headroom_stats(body)
+
+
+def test_counts_up_to_2_to_the_53_are_read() -> None:
+    doc = _stats_doc()
+    doc["preemptions_total"] = 2**53
+    assert parse_headroom_stats(json.dumps(doc).encode()).preemptions_total == 2**53
+
+
+async def test_a_stats_body_with_overflowing_counts_is_garbage_and_polling_goes_on() -> None:
+    """The reviewer's case: kv.capacity = kv.used = 10**400. It was read, and integrating the
+    used blocks at the next poll raised OverflowError out of poll_once, which ended the poll
+    task for good (/healthz 503, engine_up 0 ever after)."""
+    body = {"now": json.dumps(_huge_kv(_stats_doc())).encode()}
+    async with _rig(Engine({"/stats": lambda: body["now"]})) as rig:
+        for t in range(3):
+            rig.clock.t = float(t)
+            await rig.poller.poll_once()  # never raises
+        assert rig.state.errors["garbage"] == 3 and rig.state.errors["internal"] == 0
+        assert rig.state.polls_total == 3 and not rig.state.last_poll_ok
+        assert rig.state.last_error is not None and "kv.capacity" in rig.state.last_error
+        body["now"] = json.dumps(_stats_doc()).encode()
+        rig.clock.t = 3.0
+        await rig.poller.poll_once()
+        assert rig.state.last_poll_ok and rig.state.polls_total == 4
+        reading = figures(rig.state, rig.cfg, 3.0).reading
+        assert reading is not None and reading.capacity_blocks == 100
+
+
+async def test_the_sidecar_stays_healthy_against_overflowing_counts() -> None:
+    """Over HTTP, as the reviewer saw it: the poll task lives on and /healthz stays 200."""
+    body = json.dumps(_huge_kv(_stats_doc())).encode()
+    engine = Engine({"/stats": lambda: body})
+    async with TestServer(engine.app()) as eng_srv:
+        cfg = SidecarConfig(engine_url=str(eng_srv.make_url("/")), interval=0.05, timeout=0.05)
+        app = build_app(cfg)
+        async with TestServer(app) as sidecar, ClientSession() as http:
+            for _ in range(500):  # bounded: until the sidecar has polled a few times
+                if engine.hits.get("/stats", 0) >= 4:
+                    break
+                async with http.get(sidecar.make_url("/healthz")) as resp:
+                    await resp.read()
+                await asyncio.sleep(0.02)
+            async with http.get(sidecar.make_url("/healthz")) as resp:
+                assert resp.status == 200
+                assert (await resp.json()) == {"status": "ok", "engine_up": False}
+            async with http.get(sidecar.make_url("/metrics")) as resp:
+                text = await resp.text()
+    assert engine.hits["/stats"] >= 4
+    assert 'headroom_sidecar_poll_errors_total{reason="garbage"}' in text
+    assert 'headroom_sidecar_poll_errors_total{reason="internal"} 0.0' in text
+
+
+class _StateThatFailsOnce(PollState):
+    """A state whose next `record_success` raises: a bug the parser's checks did not catch."""
+
+    fail = 1
+
+    def record_success(self, reading: EngineReading, t: float) -> bool:
+        if self.fail:
+            self.fail -= 1
+            raise OverflowError("int too large to convert to float")
+        return super().record_success(reading, t)
+
+
+async def test_a_reading_the_state_cannot_keep_is_an_internal_error() -> None:
+    """poll_once promises every failure is classified and counted, never raised: one raised
+    while recording a reading too, not only while fetching it."""
+    engine = Engine({"/stats": lambda: SyntheticEngine(capacity=100).body()})
+    async with TestServer(engine.app()) as server, ClientSession() as session:
+        cfg = SidecarConfig(engine_url=str(server.make_url("/")), interval=1.0, timeout=1.0)
+        clock = Clock()
+        state = _StateThatFailsOnce(horizon=61.0)
+        poller = Poller(cfg, state, session, clock)
+        await poller.poll_once()  # does not raise
+        assert state.errors["internal"] == 1 and state.polls_total == 1
+        assert not state.last_poll_ok and state.last_error is not None
+        assert "OverflowError" in state.last_error
+        clock.t = 1.0
+        await poller.poll_once()  # and the next poll is read as usual
+        assert state.last_poll_ok and state.polls_total == 2 and state.errors["internal"] == 1
+
+
+def test_a_reading_the_state_cannot_keep_leaves_it_as_it_was() -> None:
+    """record_success computes before it keeps: a raise leaves no half-recorded poll (a bumped
+    epoch, say, with the restart markers not updated)."""
+    state = PollState(horizon=61.0)
+    good = parse_headroom_stats(SyntheticEngine(capacity=100).body())
+    state.record_success(good, 0.0)
+    bad = replace(good, used_blocks=10**400)
+    state.record_success(bad, 1.0)  # the integral is of the previous reading's blocks
+    before = (state.polls_total, state.epoch, state.integrated_block_seconds, len(state.samples))
+    with pytest.raises(OverflowError):
+        state.record_success(good, 2.0)
+    assert (state.polls_total, state.epoch, state.integrated_block_seconds,
+            len(state.samples)) == before  # fmt: skip
+    assert state.last_reading is bad
+
+
+# --- an SGLang restart: the server info (pool size) is the new server's ----------------------
+
+LABELS = 'engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"'
+
+
+@dataclass
+class Sglang:
+    """An SGLang 0.5.3 server (no pool size in /metrics) whose pool and counters can change."""
+
+    pool: int = 14336
+    used: int = 7168
+    requests: float = 100.0
+    start: float | None = None  # process_start_time_seconds, where exported
+    info_up: bool = True
+
+    def metrics(self) -> bytes:
+        start = "" if self.start is None else f"process_start_time_seconds {self.start}\n"
+        return (
+            f"sglang:token_usage{{{LABELS}}} {round(self.used / self.pool, 2)}\n"
+            f"sglang:num_used_tokens{{{LABELS}}} {float(self.used)}\n"
+            f"sglang:num_running_reqs{{{LABELS}}} 3\n"
+            f"sglang:num_queue_reqs{{{LABELS}}} 0\n"
+            f'sglang:num_requests_total{{model_name="m"}} {self.requests}\n' + start
+        ).encode()
+
+    def info(self) -> bytes:
+        if not self.info_up:
+            raise web.HTTPServiceUnavailable()
+        return json.dumps({"max_total_num_tokens": self.pool, "page_size": 1}).encode()
+
+    def engine(self) -> Engine:
+        return Engine({"/metrics": self.metrics, "/get_server_info": self.info})
+
+
+@pytest.mark.parametrize("marker", ["counters fall", "new process start time"])
+async def test_an_sglang_restart_reads_the_new_servers_pool_at_once(marker: str) -> None:
+    """The server info is read once a minute (the pool does not change while a server runs),
+    but a restarted server may have another pool: it was the dead one's for up to 60 s."""
+    sg = Sglang(start=None if marker == "counters fall" else 1000.0)
+    async with _rig(sg.engine(), source="sglang") as rig:
+        for t in range(10):
+            rig.clock.t = float(t)
+            await rig.poller.poll_once()
+        reading = figures(rig.state, rig.cfg, 9.0).reading
+        assert reading is not None and reading.capacity_blocks == 14336
+        assert rig.engine.hits["/get_server_info"] == 1  # once, not at every poll
+
+        sg.pool, sg.used, sg.requests = 7168, 6451, 0.0  # restarted with half the pool
+        if sg.start is not None:
+            sg.start, sg.requests = 2000.0, 100.0  # counters need not fall to tell
+        rig.clock.t = 10.0
+        await rig.poller.poll_once()
+        assert rig.state.restarts_total == 1
+        reading = figures(rig.state, rig.cfg, 10.0).reading
+        assert reading is not None
+        assert (reading.capacity_blocks, reading.used_blocks, reading.free_blocks) == (
+            7168, 6451, 717,
+        )  # fmt: skip
+        assert reading.occupancy == pytest.approx(6451 / 7168, abs=0.005)
+        assert rig.engine.hits["/get_server_info"] == 2
+
+        rig.clock.t = 11.0  # and not again until the minute is up
+        await rig.poller.poll_once()
+        assert rig.engine.hits["/get_server_info"] == 2
+
+
+async def test_an_sglang_restart_without_server_info_has_no_block_counts() -> None:
+    """Where the restarted server does not answer its server info (yet), its blocks are
+    unknown: the dead server's pool is not the new one's. Occupancy is still read."""
+    sg = Sglang()
+    async with _rig(sg.engine(), source="sglang") as rig:
+        await rig.poller.poll_once()
+        sg.pool, sg.used, sg.requests, sg.info_up = 7168, 3584, 0.0, False
+        rig.clock.t = 1.0
+        await rig.poller.poll_once()
+        assert rig.state.restarts_total == 1 and rig.state.last_poll_ok
+        reading = figures(rig.state, rig.cfg, 1.0).reading
+        assert reading is not None and reading.capacity_blocks is None
+        assert reading.occupancy == pytest.approx(0.5)
+        sg.info_up = True
+        rig.clock.t = 11.0  # retried after SERVER_INFO_RETRY_S
+        await rig.poller.poll_once()
+        reading = figures(rig.state, rig.cfg, 11.0).reading
+        assert reading is not None and reading.capacity_blocks == 7168
