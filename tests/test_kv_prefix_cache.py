@@ -220,3 +220,35 @@ def test_turning_prefix_caching_off_changes_no_output() -> None:
 def test_hash_function_is_deterministic_for_token_ids() -> None:
     assert hash_block_tokens(None, (1, 2), None) == hash_block_tokens(None, (1, 2), None)
     assert hash_block_tokens(None, (1, 2), None) != hash_block_tokens(None, (2, 1), None)
+
+
+def test_a_preempted_sequence_is_looked_up_once_not_again_at_readmission() -> None:
+    # Two unrelated prompts in 8 blocks of 4: the second is preempted mid-decode and
+    # recomputed. Its re-admission must not count its output tokens as looked up, nor its own
+    # recomputed blocks as hits: the counters are "prompt tokens looked up / found cached".
+    sched = _sched(num_blocks=8, max_model_len=32, watermark=0.0)
+    sim = KVSimulator(8, 4)
+    a = Sequence("a", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], 16)
+    b = Sequence("b", [20, 21, 22, 23, 24, 25, 26, 27, 28, 29], 16)
+    for s in (a, b):
+        sched.add(s)
+    drive(sched, sim)
+    assert sched.preemptions_total > 0
+    assert len(a.output_token_ids) == len(b.output_token_ids) == 16
+    s = scheduler_stats(sched).prefix_cache
+    assert (s.queries_tokens_total, s.hits_tokens_total) == (20, 0)
+
+
+def test_prefix_counters_count_each_prompt_once_under_preemption() -> None:
+    rng = random.Random(5)
+    prompts = random_prompts(rng, 30, [rng.randrange(VOCAB) for _ in range(12)], 20)
+    sched = _sched(num_blocks=14, max_num_batched_tokens=24)
+    sim = KVSimulator(14, 4)
+    seqs = [Sequence(f"r{i}", p, rng.randrange(1, 24)) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        sched.add(seq)
+    drive(sched, sim, max_steps=20_000)
+    assert sched.preemptions_total > 0
+    s = scheduler_stats(sched).prefix_cache
+    assert s.queries_tokens_total == sum(len(p) for p in prompts)
+    assert 0 < s.hits_tokens_total <= sum(len(p) - 1 for p in prompts)

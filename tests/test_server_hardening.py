@@ -99,6 +99,26 @@ def test_json_nested_1100_deep_is_a_400_not_a_recursion_error(server: ServerProc
 
 
 @pytest.mark.parametrize(
+    "body",
+    [
+        b'{"prompt": [' + b"1" * 5000 + b'], "max_tokens": 1}',
+        b'{"prompt": "hi", "max_tokens": ' + b"9" * 4400 + b"}",
+    ],
+    ids=["token-id", "max_tokens"],
+)
+def test_an_integer_over_4300_digits_is_a_400_not_a_500(server: ServerProcess, body: bytes) -> None:
+    # json.loads raises a plain ValueError (no JSONDecodeError) past Python's int-string limit.
+    mark = len(server.lines)
+    status, err = _status_and_json(_post(server, "/v1/completions", body))
+    assert status == 400, err
+    assert err["error"]["type"] == "invalid_request_error"
+    assert err["error"]["code"] == "invalid_json"
+    assert "4300 digits" in err["error"]["message"]
+    assert "sys." not in err["error"]["message"]  # nothing the client could act on
+    assert not any("Traceback" in ln for ln in _log_since(server, mark))
+
+
+@pytest.mark.parametrize(
     ("path", "body", "field"),
     [
         ("/v1/completions", {"prompt": "a\ud800b", "max_tokens": 1}, "prompt"),

@@ -16,7 +16,8 @@ on the engine thread; the event loop only exchanges commands and outputs with it
   submitted on the first `__anext__`, which raises `RequestRejected` (bad request: too long,
   token ids outside the vocabulary, duplicate id) or `EngineClosed` (shutting down: HTTP 503)
   before anything is yielded. Closing the generator early (client disconnect, `aclose()`,
-  task cancellation) aborts the request, which frees its KV blocks.
+  task cancellation) aborts the request, which frees its KV blocks; closed while the request
+  still waits for the engine thread, it is never admitted at all.
 - `abort(request_id)` may be called from any thread; the stream then ends with a final output
   whose unfinished completions carry `finish_reason="abort"`.
 - `stats()` returns the snapshot published after the latest step (no waiting on the thread).
@@ -69,6 +70,10 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+    # From a stream's cleanup: abort only while this sink is the request's, so a stream whose
+    # request never got in (cancelled while queued, rejected as a duplicate id) cannot abort
+    # another stream's request of the same id. None (`abort()`): whatever has that id.
+    sink: asyncio.Queue[Any] | None = None
 
 
 @dataclass(slots=True)
@@ -161,7 +166,7 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self.abort(request_id)
+                self._send(_Abort(request_id, sink))
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed before the next step."""
@@ -202,7 +207,7 @@ class AsyncEngine:
             else:
                 stop = command is None
                 if command is not None:
-                    self._handle(command)
+                    self._handle_safely(command)
                     # Drain every queued command before the next step.
                     while True:
                         try:
@@ -212,7 +217,7 @@ class AsyncEngine:
                         if nxt is None:
                             stop = True
                             break
-                        self._handle(nxt)
+                        self._handle_safely(nxt)
             if stop:
                 self._abort_all()
                 self._publish()
@@ -246,9 +251,27 @@ class AsyncEngine:
             if not engine.has_unfinished():
                 self._idle.set()
 
+    def _handle_safely(self, command: _Command) -> None:
+        """`_handle`, except that a command that raises is logged and dropped: one bad command
+        must not kill the engine thread (a dead thread fails every stream and every probe)."""
+        try:
+            self._handle(command)
+        except Exception as exc:
+            log.exception("engine command failed", extra={"command": type(command).__name__})
+            if isinstance(command, _Add) and not command.done.done():
+                # The stream is still waiting on it: tell it rather than leave it hanging.
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    command.done.set_exception(exc)
+
     def _handle(self, command: _Command) -> None:
         engine = self.engine
         if isinstance(command, _Add):
+            # A stream closed while its request was queued (client gone) cancelled `done`:
+            # skip the request, admitting nothing. Once running, `done` can no longer be
+            # cancelled, so the results below always land; a stream closed from now on sends
+            # an abort, which the queue delivers after this add.
+            if not command.done.set_running_or_notify_cancel():
+                return
             if not self._accepting:
                 command.done.set_exception(EngineClosed("the engine is shutting down"))
                 return
@@ -265,6 +288,10 @@ class AsyncEngine:
             self._idle.clear()
             command.done.set_result(None)
         elif isinstance(command, _Abort):
+            if command.sink is not None:
+                target = self._sinks.get(command.request_id)
+                if target is None or target[1] is not command.sink:
+                    return  # that stream's request is not (or no longer) in the engine
             out = engine.abort(command.request_id)
             if out is not None:
                 self._publish()

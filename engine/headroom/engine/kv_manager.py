@@ -95,9 +95,13 @@ class KVManager:
             self.pool.share(b)
         seq.block_table[:] = blocks
         seq.num_computed_tokens = seq.num_cached_tokens = computed
-        if self.cache is not None:
-            self.cache.queries_tokens_total += seq.num_tokens
-            self.cache.hits_tokens_total += computed
+        if self.cache is not None and not seq.prefix_counted:
+            # "Prompt tokens looked up / found cached": once per sequence, at its first
+            # admission. A re-admission after preemption would count its output tokens and
+            # its own recomputed blocks.
+            seq.prefix_counted = True
+            self.cache.queries_tokens_total += seq.num_prompt_tokens
+            self.cache.hits_tokens_total += min(computed, seq.num_prompt_tokens)
         self.allocate_slots(seq, n, copies)
 
     def allocate_slots(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> int:

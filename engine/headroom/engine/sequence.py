@@ -37,6 +37,9 @@ class Sequence:
     num_computed_tokens: int = 0
     # Prompt tokens found already computed (prefix cache or sibling) at the last admission.
     num_cached_tokens: int = 0
+    # Counted in the prefix cache's lookup counters: done at the first admission only, so a
+    # preempted sequence's re-admission (its output and its own recomputed blocks) is not.
+    prefix_counted: bool = False
     status: SequenceStatus = SequenceStatus.WAITING
     # Chained content hashes of the full blocks of `all_token_ids` computed so far. They depend
     # on tokens only, so they survive preemption and are never recomputed.

@@ -15,27 +15,40 @@ def add_token(comp: Completion, token: int, params: SamplingParams, eos: Set[int
     """Record one sampled token: its text, and the finish reason when it ends `comp`."""
     comp.token_ids.append(token)
     if token in params.stop_token_ids or (not params.ignore_eos and token in eos):
-        finish(comp, "stop", token)
+        finish(comp, "stop", token, params)
         return
-    delta = comp.detok.add(token)
-    if delta:
-        old = len(comp.text)
-        comp.text += delta
-        # Only a stop string ending in the new text can be new: search from just before it.
-        start = max(0, old - params.max_stop_len + 1)
-        hits = [(i, s) for s in params.stop if (i := comp.text.find(s, start)) >= 0]
-        if hits:
-            at, stop = min(hits, key=lambda h: h[0])  # the earliest; a tie goes to the first listed
-            comp.text = comp.text[:at]
-            finish(comp, "stop", stop)
-            return
+    if _append_text(comp, comp.detok.add(token), params):
+        return
     if len(comp.token_ids) >= params.max_tokens:
-        finish(comp, "length", None)
+        finish(comp, "length", None, params)
 
 
-def finish(comp: Completion, reason: FinishReason, stop_reason: str | int | None) -> None:
-    """End `comp`; the detokenizer's held-back bytes are flushed unless a stop string cut it."""
-    if not isinstance(stop_reason, str):
-        comp.text += comp.detok.flush()
+def _append_text(comp: Completion, delta: str, params: SamplingParams) -> bool:
+    """Append `delta` to the text; when a stop string now appears, cut the text before it and
+    end `comp` with that stop string (returns True)."""
+    if not delta:
+        return False
+    old = len(comp.text)
+    comp.text += delta
+    # Only a stop string ending in the new text can be new: search from just before it.
+    start = max(0, old - params.max_stop_len + 1)
+    hits = [(i, s) for s in params.stop if (i := comp.text.find(s, start)) >= 0]
+    if not hits:
+        return False
+    at, stop = min(hits, key=lambda h: h[0])  # the earliest; a tie goes to the first listed
+    comp.text = comp.text[:at]
+    comp.finish_reason = "stop"
+    comp.stop_reason = stop
+    return True
+
+
+def finish(
+    comp: Completion, reason: FinishReason, stop_reason: int | None, params: SamplingParams
+) -> None:
+    """End `comp` by a stop token, EOS or length. The detokenizer's held-back bytes are flushed
+    first, and checked for stop strings like any other text: a stop string in them cuts the
+    text there and ends `comp` with that string instead."""
+    if _append_text(comp, comp.detok.flush(), params):
+        return
     comp.finish_reason = reason
     comp.stop_reason = stop_reason

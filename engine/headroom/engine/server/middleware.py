@@ -145,13 +145,19 @@ async def read_json(request: web.Request, limit: int, timeout_s: float = 30.0) -
     raw = await _read_body(request, limit, timeout_s)
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from e
     except RecursionError:
         # The C decoder recurses once per level; Python's recursion limit is its bound.
         raise APIError(
             400, "malformed JSON body: arrays or objects nested too deeply", code="invalid_json"
         ) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from e
+    except ValueError as e:
+        # An integer literal longer than Python's int-conversion limit (4300 digits): its
+        # own message names a Python setting the client cannot change.
+        raise APIError(
+            400, "malformed JSON body: an integer with more than 4300 digits", code="invalid_json"
+        ) from e
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     if _MAYBE_SURROGATE.search(raw) and (bad := lone_surrogate(body)) is not None:
