@@ -213,7 +213,7 @@ def test_scale_up_stabilization_defers() -> None:
 def test_partial_metrics_scale_out_but_never_in() -> None:
     hot = run(3, [pod("a", 0.95, arrivals=3.0), pod("b", None), pod("c", None)])
     assert hot.action == "scale-out" and hot.metrics == "partial"
-    window = ScaleInWindow(since=NOW - 1000, history=((NOW - 1000, 1),))
+    window = ScaleInWindow(since=NOW - 1000, history=((NOW - 15, 1),))  # the last tick's
     cold = run(4, [pod("a", 0.05), pod("b", None), pod("c", None), pod("d", 0.05)],
                memory=replace(history(100), scale_in=window))  # fmt: skip
     assert cold.replicas == 4 and cold.metrics == "partial"
@@ -260,14 +260,14 @@ def test_policy_rejects_inconsistent_bounds() -> None:
 
 def test_scale_in_goes_to_highest_recommendation_in_window() -> None:
     pods = [pod(f"p{i}", 0.1, arrivals=1.0) for i in range(6)]
-    window = ScaleInWindow(since=NOW - 400, history=((NOW - 290, 4), (NOW - 100, 2)))
+    window = ScaleInWindow(since=NOW - 400, history=((NOW - 290, 4), (NOW - 100, 2), (NOW - 15, 2)))
     d = run(6, pods, memory=replace(history(600), scale_in=window))
     assert (d.replicas, d.reason, d.action) == (4, "LowDemand", "scale-in")
 
 
 def test_scale_in_waits_for_the_window_after_any_change() -> None:
     pods = [pod(f"p{i}", 0.1, arrivals=1.0) for i in range(6)]
-    window = ScaleInWindow(since=NOW - 1000, history=((NOW - 1000, 1),))
+    window = ScaleInWindow(since=NOW - 1000, history=((NOW - 15, 1),))  # the last tick's
     mem = replace(history(600), scale_in=window)
     d = run(6, pods, memory=replace(mem, last_up=NOW - 100))
     assert d.replicas == 6 and d.reason == "Stabilizing"
@@ -281,7 +281,7 @@ def test_an_unset_scale_in_window_is_one_provisioning_horizon() -> None:
     # Unset, the window is the time it takes to get a released pod back (pod start + period +
     # half the rates' window: 120 + 15 + 30 s); a window the spec sets is kept as it is.
     pods = [pod(f"p{i}", 0.1, arrivals=1.0) for i in range(6)]
-    window = ScaleInWindow(since=NOW - 1000, history=((NOW - 1000, 1),))
+    window = ScaleInWindow(since=NOW - 1000, history=((NOW - 15, 1),))  # the last tick's
     mem = replace(history(600), scale_in=window)
     horizon = replace(POLICY, scale_down_stabilization_seconds=None)
     d = run(6, pods, memory=replace(mem, last_up=NOW - 100), policy=horizon)
@@ -298,7 +298,7 @@ def test_pods_still_starting_that_are_not_needed_are_cancelled_ready_ones_kept()
     # starting: the starting pods, which have served nothing, are what goes now.
     ready = [pod("a", 0.05), pod("b", 0.05)]
     starting = [pod(f"s{i}", None, ready=False, age=30) for i in range(2)]
-    window = ScaleInWindow(since=NOW - 1000, history=((NOW - 1000, 1),))
+    window = ScaleInWindow(since=NOW - 1000, history=((NOW - 15, 1),))  # the last tick's
     d = run(4, ready + starting, memory=replace(history(100), scale_in=window))
     assert (d.replicas, d.action, d.reason) == (2, "scale-in", "StartingNotNeeded"), d.message
     assert "cancelling 2 of the 2 pod(s) still starting" in d.message and "4 -> 2" in d.message
@@ -361,7 +361,9 @@ def test_the_horizon_is_this_deployments_own_pod_start() -> None:
         PodView(f"p{i}", True, NOW - 1000, sample=pod("x", 0.5).sample, ready_since=NOW - 1000 + s)
         for i, s in enumerate((100.0, 200.0, 300.0, 400.0, 500.0, 600.0, 700.0, 800.0, 900.0))
     ]
-    d = run(9, started)
+    loading = [PodView(f"p{i}", False, NOW - 1000) for i in range(9)]
+    seen = decide(Inputs(NOW - 15, 9, tuple(loading), POLICY))
+    d = run(9, started, memory=seen.memory)
     assert d.figures.pod_start_seconds == 900.0  # the 90th percentile of 9 starts
     assert len(d.memory.pod_starts) == 9
     # Once learned, it is kept; a restarted operator starts from what status kept.
@@ -576,3 +578,69 @@ def test_every_scaling_default_reaches_decide_unchanged() -> None:
         }
     )
     assert policy_for(vllm, size(vllm)).usable_occupancy == 1.0
+
+
+def test_only_a_pod_seen_starting_teaches_the_pod_start() -> None:
+    # A restarted operator sees pods already ready. One whose container restarted an hour ago
+    # became Ready then, three days after it was created: that is no start.
+    old = [
+        PodView(f"p{i}", True, NOW - 3 * 86400, sample=pod("x", 0.3).sample,
+                ready_since=NOW - 3 * 86400 + 150)
+        for i in range(3)
+    ] + [PodView("p3", True, NOW - 3 * 86400, sample=pod("x", 0.3).sample,
+                 ready_since=NOW - 3600)]  # fmt: skip
+    d = run(4, old)
+    assert d.memory.pod_starts == () and d.figures.pod_start_seconds == POLICY.pod_start_seconds
+    # Seen ready, then flipping Ready: still no start learned.
+    flipped = decide(Inputs(NOW + 15, 4, (*old[:3], replace(old[3], ready=False)), POLICY,
+                            d.memory))  # fmt: skip
+    back = decide(Inputs(NOW + 30, 4, (*old[:3], replace(old[3], ready_since=NOW + 30)), POLICY,
+                         flipped.memory))  # fmt: skip
+    assert back.memory.pod_starts == ()
+    # A pod asked for while the operator watches: its start is learned when it is ready.
+    new = PodView("p4", False, NOW + 30)
+    asked = decide(Inputs(NOW + 45, 5, (*old, new), POLICY, back.memory))
+    ready = replace(new, ready=True, ready_since=NOW + 230, sample=pod("x", 0.3).sample)
+    learned = decide(Inputs(NOW + 240, 5, (*old, ready), POLICY, asked.memory))
+    assert learned.memory.pod_starts == (("p4", 200.0),)
+    assert pod_start_seconds(Inputs(NOW + 240, 5, (), POLICY), learned.memory) == 200.0
+
+
+def test_a_pod_that_served_and_went_unready_is_not_cancelled_as_starting() -> None:
+    pods = [pod(f"p{i}", 0.05, arrivals=0.1) for i in range(5)]
+    mem = history(600)
+    seen = decide(Inputs(NOW - 15, 5, tuple(pods), POLICY, mem))
+    assert "p4" in seen.memory.seen_ready
+    blip = [*pods[:4], replace(pods[4], ready=False, sample=None)]
+    d = run(5, blip, memory=replace(seen.memory, demand=mem.demand, held=mem.held))
+    assert d.replicas == 5 and d.reason == "Hold", d.message
+    assert "1 pod(s) that served are not ready" in d.message
+    # A restarted operator has not seen it ready, but its sidecar reports KV in use.
+    holding = [*pods[:4], replace(pods[4], ready=False)]
+    assert run(5, holding, memory=mem).reason == "Hold"
+    # The same pod never seen ready: a pod on its way, which the forecast no longer needs.
+    fresh = run(5, blip, memory=replace(mem, seen_starting=frozenset({"p4"})))
+    assert (fresh.replicas, fresh.reason) == (4, "StartingNotNeeded")
+
+
+def test_scale_in_stays_under_the_scale_out_line() -> None:
+    # Usable share 1.0 and hysteresis 0.1 would keep pods at 90 % of their KV in use, over a
+    # scale-out line of 85 %: the next decision would buy the pod back, and again.
+    policy = replace(POLICY, target_occupancy=0.7, scale_out_occupancy=0.85,
+                     scale_in_hysteresis=0.1, usable_occupancy=1.0)  # fmt: skip
+    pods = [pod(f"p{i}", 0.74, arrivals=0.1) for i in range(6)]
+    window = ScaleInWindow(since=NOW - 1000, history=((NOW - 15, 1),))
+    d = run(6, pods, memory=replace(history(600), scale_in=window), policy=policy)
+    if d.replicas < 6:
+        after = 6 * 740 / d.replicas / 1000
+        assert after <= policy.scale_out_occupancy - policy.scale_in_hysteresis + 1e-9, after
+    again = run(d.replicas, pods[: d.replicas], memory=d.memory, policy=policy)
+    assert again.action != "scale-out", again.message
+
+
+def test_a_scale_in_window_with_a_gap_in_its_decisions_starts_again() -> None:
+    pods = [pod(f"p{i}", 0.1, arrivals=1.0) for i in range(6)]
+    stale = ScaleInWindow(since=NOW - 1800, history=((NOW - 1800, 3),))
+    d = run(6, pods, memory=replace(history(600), scale_in=stale))
+    assert d.reason == "Stabilizing" and d.memory.scale_in is not None
+    assert d.memory.scale_in.since == NOW

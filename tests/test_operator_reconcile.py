@@ -395,6 +395,8 @@ def test_last_changes_reads_the_decision_history() -> None:
             {"time": "2023-11-14T22:13:20Z", "from": 2, "to": 4},
             {"time": "2023-11-14T22:20:00Z", "from": 4, "to": 3},
             {"time": "garbage", "from": 3, "to": 9},
+            # An advisory recommendation changed nothing: no window starts from it.
+            {"time": "2023-11-14T22:30:00Z", "from": 3, "to": 6, "applied": False},
         ]
     }
     up, down = last_changes(status)
@@ -424,9 +426,15 @@ async def test_the_memory_goes_from_tick_to_tick_and_restarts_from_status() -> N
 
 async def test_the_learned_pod_start_is_kept_in_status() -> None:
     kube, b = await created(SPEC)
+    for p in kube.pods:  # seen loading first: only a start this operator watched is learned
+        p["status"]["phase"] = "Pending"
+        p["status"]["conditions"][0]["status"] = "False"
+    seen = await tick(kube, FakeSource(0.5, arrivals=1.0), b, parse(b["spec"]), NOW - 15, Memory())
     for p in kube.pods:
-        p["status"]["conditions"][0]["lastTransitionTime"] = "2023-11-14T22:03:00Z"
-    res = await tick(kube, FakeSource(0.5, arrivals=1.0), b, parse(b["spec"]), NOW, Memory())
+        p["status"]["phase"] = "Running"
+        p["status"]["conditions"][0] |= {"status": "True",
+                                         "lastTransitionTime": "2023-11-14T22:03:00Z"}  # fmt: skip
+    res = await tick(kube, FakeSource(0.5, arrivals=1.0), b, parse(b["spec"]), NOW, seen.memory)
     # Created 22:00:00, ready 22:03:00.
     assert res.outcome.status["podStartSeconds"] == 180.0
     assert res.outcome.status["podStartsObserved"] == 4

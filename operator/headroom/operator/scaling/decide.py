@@ -179,6 +179,13 @@ class Memory:
     # (time, block-seconds/s, departures/s) of the whole deployment, for block-s per request
     lifetimes: tuple[tuple[float, float, float], ...] = ()
     pod_starts: tuple[tuple[str, float], ...] = ()  # (pod, seconds from creation to ready)
+    # Pods (still present) this memory has seen ready, and seen not ready before ever seeing
+    # them ready. Only the latter's first Ready is a start: a pod already ready when the
+    # operator started may have flipped Ready since (a container restart), and its Ready time
+    # minus its creation would be days, not a start. One that was seen ready and is not ready
+    # now has served: it is not a pod on its way, to be cancelled as one that served nothing.
+    seen_ready: frozenset[str] = frozenset()
+    seen_starting: frozenset[str] = frozenset()
     counters: tuple[tuple[str, CounterSample], ...] = ()  # each pod's last demand counters
     scale_in: ScaleInWindow | None = None
     last_up: float | None = None
@@ -242,7 +249,7 @@ def decide(inp: Inputs) -> Decision:
     """Decide the replica count for one InferenceDeployment: the rules of the module docstring,
     in order, the first that decides wins."""
     pods = _pods(inp)
-    memory = _learn_pod_starts(inp)
+    memory = _observe_pods(inp)
     base = Decision(
         replicas=inp.current_replicas,
         action="hold",
@@ -290,6 +297,7 @@ class _Pods:
 
     ready: int
     on_the_way: int  # asked for but not ready: loading, scheduling or not yet created
+    dipped: int  # of those, pods seen ready before: they have served and may hold requests
     stuck: int  # not ready after the startup grace
     samples: list[PodSample]  # fresh samples of ready pods
     draining: list[PodSample]  # fresh samples of pods being removed
@@ -308,12 +316,18 @@ def _pods(inp: Inputs) -> _Pods:
     ]
     samples = [pod.sample for pod in fresh if pod.sample is not None]
     draining = [pod.sample for pod in leaving if pod.sample is not None]
+    dipped = sum(1 for pod in live if not pod.ready and _has_served(pod, inp.memory))
+    # A pod that served and dropped out of readiness (a probe timeout, an engine restart) is a
+    # ready pod that does not report, as far as its KV goes.
     metrics: MetricsState = (
-        "missing" if not samples else "partial" if len(samples) < len(ready) else "ok"
-    )
+        "missing" if not samples
+        else "partial" if len(samples) < len(ready) or dipped
+        else "ok"
+    )  # fmt: skip
     return _Pods(
         ready=len(ready),
         on_the_way=max(0, inp.current_replicas - len(ready)),
+        dipped=dipped,
         stuck=sum(
             1 for pod in live if not pod.ready and now - pod.created_at > p.startup_grace_seconds
         ),
@@ -324,21 +338,40 @@ def _pods(inp: Inputs) -> _Pods:
     )
 
 
-def _learn_pod_starts(inp: Inputs) -> Memory:
-    """Record the start time (creation to ready) of every pod seen ready for the first time."""
+def _has_served(pod: PodView, memory: Memory) -> bool:
+    """Whether a pod has been ready: seen so by this memory, or holding requests or KV now
+    (what a restarted operator can still tell)."""
+    s = pod.sample
+    return pod.name in memory.seen_ready or (
+        s is not None and (s.running > 0 or (s.used_blocks or 0) > 0 or s.occupancy > 0)
+    )
+
+
+def _observe_pods(inp: Inputs) -> Memory:
+    """Record which pods are seen ready and starting, and the start time (creation to ready) of
+    every pod seen starting that is now ready for the first time."""
     mem = inp.memory
     known = {name for name, _ in mem.pod_starts}
+    live = [pod for pod in inp.pods if not pod.terminating]
     new = tuple(
         (pod.name, pod.ready_since - pod.created_at)
-        for pod in inp.pods
+        for pod in live
         if pod.ready
+        and pod.name in mem.seen_starting
         and pod.name not in known
         and pod.ready_since is not None
         and pod.ready_since >= pod.created_at
     )
-    if not new:
-        return mem
-    return replace(mem, pod_starts=(mem.pod_starts + new)[-POD_STARTS_KEPT:])
+    present = {pod.name for pod in inp.pods}
+    seen_ready = (mem.seen_ready | {pod.name for pod in live if pod.ready}) & present
+    starting = {pod.name for pod in live if not pod.ready}
+    seen_starting = ((mem.seen_starting | starting) - seen_ready) & present
+    return replace(
+        mem,
+        pod_starts=(mem.pod_starts + new)[-POD_STARTS_KEPT:],
+        seen_ready=frozenset(seen_ready),
+        seen_starting=frozenset(seen_starting),
+    )
 
 
 def pod_start_seconds(inp: Inputs, memory: Memory) -> float:
@@ -699,10 +732,12 @@ def _rule_scale_in(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Deci
             f"pool the engine fills; holding {current}",
             memory=replace(base.memory, scale_in=None),
         )
-    # A pod removed is gone now: the present KV must fit the rest at once, not only the forecast.
+    # A pod removed is gone now: the present KV must fit the rest at once, not only the forecast,
+    # and under the scale-out line by the margin, or the next decision buys the pod back.
+    present_full = min(p.usable_occupancy, p.scale_out_occupancy) - p.scale_in_hysteresis
     keep = max(
         _pods_for(d, floor, p.usable_occupancy - p.scale_in_hysteresis, p.blocks_per_sequence),
-        math.ceil(d.present / (d.capacity * (p.usable_occupancy - p.scale_in_hysteresis))),
+        math.ceil(d.present / (d.capacity * present_full)),
     )
     recommend = clamp(keep, p.min_replicas, p.max_replicas)
     quiet = replace(base.memory, scale_in=None)
@@ -720,7 +755,8 @@ def _rule_scale_in(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Deci
         return _cancel_starting(inp, pods, d, base, recommend, floor)
     if pods.metrics != "ok" or not learned:
         why = (
-            "some ready pods do not report" if pods.metrics != "ok"
+            f"{pods.dipped} pod(s) that served are not ready" if pods.dipped
+            else "some ready pods do not report" if pods.metrics != "ok"
             else f"the demand history ({history_span:.0f} s) does not span the horizon yet "
             f"({d.forecast.horizon:.0f} s): the plan's count holds until it does"
         )  # fmt: skip
@@ -736,6 +772,10 @@ def _rule_scale_in(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Deci
         # (`scale_in_hysteresis`) does not: the pods that stay already hold the horizon's band.
         span = d.forecast.horizon
     prior = base.memory.scale_in
+    if prior is not None and now - prior.history[-1][0] > 2 * p.interval_seconds:
+        # Decisions stopped for a while (API errors, an infeasible spec): the window's evidence
+        # has a hole, and the time in it is not time the fit held.
+        prior = None
     history = (prior.history if prior else ()) + ((now, recommend),)
     window = ScaleInWindow(
         since=prior.since if prior else now,

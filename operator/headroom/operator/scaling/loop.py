@@ -94,11 +94,12 @@ def policy_for(spec: InferenceDeploymentSpec, sizing: Sizing) -> Policy:
 
 
 def last_changes(status: dict[str, Any]) -> tuple[float | None, float | None]:
-    """(last scale-up, last scale-down) times from status.lastDecisions."""
+    """(last scale-up, last scale-down) times from status.lastDecisions: the changes made, not
+    the advisory recommendations (a tick forgets those too)."""
     up = down = None
     for rec in status.get("lastDecisions") or []:
         t = parse_time(rec.get("time"))
-        if t is None:
+        if t is None or rec.get("applied") is False:
             continue
         if rec.get("to", 0) > rec.get("from", 0):
             up = t if up is None else max(up, t)
