@@ -432,3 +432,31 @@ def test_network_policy_applies_with_server_dry_run(
     assert "networkpolicy.networking.k8s.io/headroom-inference created (server dry run)" in (
         out.stdout
     ), out.stdout
+
+
+@pytest.mark.parametrize("pattern", ["!kube-system", "team-a,team-b"])
+def test_kopf_namespace_patterns_keep_everything_cluster_wide(helm: Path, pattern: str) -> None:
+    # kopf reads `!` (exclude) and `,` (a list) as patterns: no Role can name such a namespace.
+    objs = render(helm, "operator.watchNamespaces[0]=" + pattern.replace(",", "\\,"))
+    assert "Role" not in kinds(objs)
+    assert_same_rules(one(objs, "ClusterRole")["rules"], cluster_role_rules())
+
+
+def test_a_long_release_name_keeps_the_metrics_service_a_dns_label(helm: Path) -> None:
+    release = "inference-platform-llm-autoscaler-production-eu1"  # 48 characters, no "headroom"
+    out = _run(helm, "template", release, str(CHART), "--namespace", NAMESPACE).stdout
+    (svc,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "Service"]
+    name = svc["metadata"]["name"]
+    assert len(name) <= 63 and name.endswith("-metrics"), name
+
+
+@pytest.mark.parametrize(("tag", "image"), [("2", ":2"), ("1.10", ":1.10")])
+def test_a_numeric_image_tag_is_the_tag(helm: Path, tag: str, image: str) -> None:
+    dep = one(render(helm, f"image.tag={tag}"), "Deployment")
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"].endswith(image)
+
+
+def test_dashboard_labels_can_be_dropped(helm: Path) -> None:
+    objs = render(helm, "grafanaDashboard.labels=null")
+    (cm,) = [o for o in objs if o["kind"] == "ConfigMap" and "dashboard" in o["metadata"]["name"]]
+    assert "grafana_dashboard" not in cm["metadata"]["labels"]

@@ -119,5 +119,13 @@ def test_desired_replicas_metric() -> None:
     m.publish("ns", "chat", "auto", desired=4, current=4)
     text = generate_latest(m.registry).decode()
     assert 'mode="advisory"' not in text and 'mode="auto"' in text
+    m.decided("ns", "chat", "scale-out", "DemandForecast")
+    m.decided("ns", "other", "scale-in", "LowDemand")
+    assert (
+        'headroom_scaling_decisions_total{action="scale-out"'
+        in generate_latest(m.registry).decode()
+    )
     m.forget("ns", "chat")
-    assert "chat" not in generate_latest(m.registry).decode()
+    text = generate_latest(m.registry).decode()
+    assert 'inferencedeployment="chat"' not in text  # the decisions counter's series too
+    assert 'inferencedeployment="other"' in text

@@ -632,3 +632,30 @@ async def test_an_infeasible_spec_keeps_ready_and_replicas_current_without_scali
     for key in ("lastDecisions", "desiredReplicas", "kv"):
         assert st.get(key) == status.get(key), key
     assert cond(st, "KVSaturated") == cond(status, "KVSaturated")
+
+
+async def test_a_tick_that_ends_after_its_resource_was_deleted_publishes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # kopf stops the daemon, then runs the delete handler (`forget`) without waiting for the
+    # tick in flight: a tick that ends afterwards must not bring the series back.
+    from prometheus_client import generate_latest
+
+    from headroom.operator import handlers
+    from headroom.operator.handlers import Context, Options, _tick
+
+    async def write(*args: object) -> None:  # kopf.event needs a running operator
+        return None
+
+    monkeypatch.setattr(handlers, "_write", write)
+
+    class Stopped:
+        def __bool__(self) -> bool:
+            return True
+
+    kube, b = await created(SPEC)
+    ctx = Context(Options(), kube, source_factory=lambda kind, c: FakeSource(0.99))  # type: ignore[arg-type,return-value]
+    await _tick(ctx, b, parse(b["spec"]), Memory(), Stopped())  # type: ignore[arg-type]
+    assert 'inferencedeployment="chat"' not in generate_latest(ctx.metrics.registry).decode()
+    await _tick(ctx, b, parse(b["spec"]), Memory())
+    assert 'inferencedeployment="chat"' in generate_latest(ctx.metrics.registry).decode()

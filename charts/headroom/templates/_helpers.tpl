@@ -46,21 +46,28 @@ app.kubernetes.io/component: operator
 {{- end }}
 {{- end }}
 
+{{/* The operator's metrics Service: a Service name is a DNS label of at most 63 characters,
+     and fullname may already be 63. */}}
+{{- define "headroom.metricsService" -}}
+{{- include "headroom.fullname" . | trunc 55 | trimSuffix "-" }}-metrics
+{{- end }}
+
 {{- define "headroom.image" -}}
 {{- $tag := default .Chart.AppVersion .Values.image.tag }}
 {{- if .Values.image.digest }}
 {{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
 {{- else }}
-{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- printf "%s:%s" .Values.image.repository (toString $tag) }}
 {{- end }}
 {{- end }}
 
 {{/* "true" when the operator watches only named namespaces (no globs): its namespaced
-     permissions then go into one Role per watched namespace instead of the ClusterRole. */}}
+     permissions then go into one Role per watched namespace instead of the ClusterRole. kopf
+     reads `*`, `?`, `[`, an exclusion `!` and a comma-separated list as patterns. */}}
 {{- define "headroom.namespacedRBAC" -}}
 {{- $ok := gt (len .Values.operator.watchNamespaces) 0 }}
 {{- range .Values.operator.watchNamespaces }}
-{{- if regexMatch "[*?\\[]" . }}{{ $ok = false }}{{ end }}
+{{- if regexMatch "[*?\\[!,]" . }}{{ $ok = false }}{{ end }}
 {{- end }}
 {{- if $ok }}true{{ end }}
 {{- end }}

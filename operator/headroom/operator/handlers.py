@@ -204,12 +204,16 @@ async def scale(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, *
     while not stopped:
         live = dict(body)  # the latest the watch has seen, parsed once per decision
         parsed = parse(live.get("spec"))
-        memory = await _tick(ctx, live, parsed, memory)
+        memory = await _tick(ctx, live, parsed, memory, stopped)
         await stopped.wait(parsed.spec.scaling.interval_seconds if parsed.spec else 60)
 
 
 async def _tick(
-    ctx: Context, body: dict[str, Any], parsed: Parsed, memory: Memory | None
+    ctx: Context,
+    body: dict[str, Any],
+    parsed: Parsed,
+    memory: Memory | None,
+    stopped: kopf.DaemonStopped | None = None,
 ) -> Memory | None:
     meta = body["metadata"]
     if parsed.spec is None:
@@ -227,13 +231,16 @@ async def _tick(
         # backoff with the decision memory lost. Logged with the traceback; the next tick runs.
         log.exception("scaling %s/%s: the decision failed", meta["namespace"], meta["name"])
         return memory
+    if stopped:
+        # Deleted while the tick ran: kopf stops the daemon, then runs `forget`, which may
+        # already have dropped the series this would bring back.
+        return result.memory
     if result.decision is not None and result.current is not None:
         d = result.decision
         ctx.metrics.publish(meta["namespace"], meta["name"], result.mode, d.replicas,
                             result.current)  # fmt: skip
         if d.action != "hold":
-            ctx.metrics.decisions.labels(meta["namespace"], meta["name"], d.action,
-                                         d.reason).inc()  # fmt: skip
+            ctx.metrics.decided(meta["namespace"], meta["name"], d.action, d.reason)
     return result.memory
 
 

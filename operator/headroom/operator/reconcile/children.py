@@ -323,7 +323,9 @@ def service_monitor(owner: Owner, interval_seconds: int) -> dict[str, Any]:
 
 
 def alert_rules(owner: Owner, spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
-    """Per-deployment alerts over the metric contract."""
+    """The alerts only this deployment's spec can set: its saturation lookahead. The per-pod
+    alerts every deployment shares (cache full, preempting, engine down, pool below plan) are
+    the chart's rule file's, once; rendered here too, each would fire twice under one name."""
     sel = f'namespace="{owner.namespace}",inferencedeployment="{owner.name}"'
     lookahead = spec.scaling.saturation_lookahead_seconds
     target = f"{owner.namespace}/{owner.name}"
@@ -337,53 +339,9 @@ def alert_rules(owner: Owner, spec: InferenceDeploymentSpec) -> list[dict[str, A
             "annotations": {
                 "summary": f"{target}: a pod's KV cache fills within {lookahead}s",
                 "description": "Pod {{ $labels.pod }} saturates in {{ $value | humanizeDuration }}"
-                " at the current growth.",
-            },
-        },
-        {
-            "alert": "HeadroomKVCacheFull",
-            "expr": f"max by (namespace, inferencedeployment, pod) "
-            f"(headroom_kv_block_occupancy_ratio{{{sel}}}) >= 0.98",
-            "for": "1m",
-            "labels": {"severity": "critical"},
-            "annotations": {
-                "summary": f"{target}: KV cache full",
-                "description": "Pod {{ $labels.pod }} KV occupancy is "
-                "{{ $value | humanizePercentage }}.",
-            },
-        },
-        {
-            "alert": "HeadroomPreempting",
-            "expr": f"sum by (namespace, inferencedeployment) "
-            f"(rate(headroom_preemptions_total{{{sel}}}[5m])) > 0",
-            "for": "5m",
-            "labels": {"severity": "warning"},
-            "annotations": {
-                "summary": f"{target}: sequences are preempted for lack of KV blocks",
-                "description": "{{ $value | humanize }} preemptions/s over 5 minutes.",
-            },
-        },
-        {
-            "alert": "HeadroomKVPoolBelowPlan",
-            "expr": f"min by (namespace, inferencedeployment, pod) "
-            f"(headroom_kv_blocks_capacity{{{sel}}} / headroom_kv_blocks_planned{{{sel}}}) < 0.98",
-            "for": "5m",
-            "labels": {"severity": "warning"},
-            "annotations": {
-                "summary": f"{target}: a pod runs a smaller KV pool than planned",
-                "description": "Pod {{ $labels.pod }} runs {{ $value | humanizePercentage }} of "
-                "its planned KV blocks: each pod holds fewer sequences than the plan says.",
-            },
-        },
-        {
-            "alert": "HeadroomEngineDown",
-            "expr": f"max by (namespace, inferencedeployment, pod) "
-            f"(headroom_engine_up{{{sel}}}) == 0",
-            "for": "5m",
-            "labels": {"severity": "warning"},
-            "annotations": {
-                "summary": f"{target}: the sidecar cannot read its engine",
-                "description": "Pod {{ $labels.pod }} engine is not answering /stats.",
+                " at the current growth (this InferenceDeployment's "
+                "scaling.saturationLookaheadSeconds).",
+                "runbook": "README.md#headroomkvsaturationsoon",
             },
         },
     ]

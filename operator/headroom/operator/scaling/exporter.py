@@ -43,6 +43,13 @@ class OperatorMetrics:
             ["result"],
             registry=self.registry,
         )
+        # The (action, reason) pairs counted per InferenceDeployment, to drop with it.
+        self._decided: dict[tuple[str, str], set[tuple[str, str]]] = {}
+
+    def decided(self, namespace: str, name: str, action: str, reason: str) -> None:
+        """Count one decision that changed (or advised changing) replicas."""
+        self._decided.setdefault((namespace, name), set()).add((action, reason))
+        self.decisions.labels(namespace, name, action, reason).inc()
 
     def publish(self, namespace: str, name: str, mode: str, desired: int, current: int) -> None:
         """Record one decision's outcome."""
@@ -60,6 +67,9 @@ class OperatorMetrics:
                 self.desired_replicas.remove(namespace, name, mode)
         with contextlib.suppress(KeyError):
             self.current_replicas.remove(namespace, name)
+        for action, reason in self._decided.pop((namespace, name), set()):
+            with contextlib.suppress(KeyError):
+                self.decisions.remove(namespace, name, action, reason)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Expose /metrics on `port` from a background thread."""
