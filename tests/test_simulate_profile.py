@@ -183,3 +183,13 @@ def test_the_max_model_length_note_counts_the_requests_it_refuses() -> None:
     assert verdict.maxlen_note(ld, 9000 + OUTPUT, explicit=True) is None
     capped = verdict.maxlen_note(ld, 4096, explicit=True, model_limit=8192)
     assert capped is not None and "the model's limit" in capped
+
+
+def test_the_in_flight_max_is_of_the_same_series_as_its_percentiles() -> None:
+    # 100 requests at once at the opening, then a trickle: the table's max is not below p99.
+    arrival = np.concatenate([np.zeros(100), np.arange(1.0, 600.0)])
+    n = len(arrival)
+    trace = Trace("burst", arrival, np.full(n, 100), np.full(n, 400))
+    p = profile(trace)
+    assert p.concurrency_max >= p.concurrency[99]
+    assert p.kv_tokens_max >= p.kv_tokens[99]

@@ -218,3 +218,32 @@ def test_a_launch_spike_releases_its_pods_after_one_horizon_not_hpas_300_s() -> 
     old = replay(trace, shape, HeadroomPolicy(hpa_like), start)
     assert new.limited_seconds <= old.limited_seconds
     assert new.gpu_hours < 0.995 * old.gpu_hours
+
+
+def test_the_replay_decides_every_interval_the_spec_sets() -> None:
+    spec, sizing = deployment("h100-80gb")
+    shape = shape_for(spec, sizing)
+    trace = poisson([(1.0, 300.0)])
+    ticks: list[float] = []
+
+    class Counting(Fixed):
+        def __call__(self, world: World, now: float) -> int:
+            ticks.append(now)
+            return self.n
+
+    replay(trace, shape, Counting(1), 1, interval=60.0)
+    assert set(np.diff(ticks)) == {60.0}
+    ticks.clear()
+    replay(trace, shape, Counting(1), 1)  # the bench's 15 s
+    assert set(np.diff(ticks)) == {15.0}
+
+
+def test_a_replay_opens_within_the_specs_replica_bounds() -> None:
+    spec, sizing = deployment("h100-80gb")
+    shape = shape_for(spec, sizing)
+    trace = poisson([(0.2, 300.0)])
+    assert opening_replicas(trace, shape) == 1
+    (run,) = realize(trace, shape, (1,), rate=1.0, bounds=(2, 5))
+    assert run.start == 2
+    (free,) = realize(trace, shape, (1,), rate=1.0)
+    assert free.start == 1

@@ -225,3 +225,24 @@ def test_scaled_seeds_are_different_realizations_of_the_same_traffic() -> None:
     )
     again = scaled(t, 1.0, 1, 5.0)
     assert np.array_equal(a.arrival, again.arrival)
+
+
+def test_json_lines_end_only_at_a_newline(tmp_path: Path) -> None:
+    # JSON strings may hold U+2028, U+2029 and U+0085 raw (json.dumps(ensure_ascii=False)).
+    lines = [
+        json.dumps({"arrival_s": i, "prompt_tokens": 10, "output_tokens": 5,
+                    "prompt": f"hello{sep}world"}, ensure_ascii=False)
+        for i, sep in enumerate(("\u2028", "\u2029", "\u0085"))
+    ]  # fmt: skip
+    t = read_trace(write(tmp_path, "raw.jsonl", "\r\n".join(lines) + "\r\n"))
+    assert t.arrival.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_generic_prefix_block_ids_past_the_prompt_are_refused(tmp_path: Path) -> None:
+    text = "".join(
+        json.dumps({"arrival_s": t, "prompt_tokens": n, "output_tokens": 10,
+                    "prefix_block_ids": ids}) + "\n"
+        for t, n, ids in ((0, 1500, [1, 2, 3]), (1, 100, [7, 2, 3]))
+    )  # fmt: skip
+    with pytest.raises(TraceError, match=r"^ids\.jsonl:2: 3 prefix_block_ids for 100 tokens"):
+        read_trace(write(tmp_path, "ids.jsonl", text))

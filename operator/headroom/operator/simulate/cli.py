@@ -296,7 +296,10 @@ def _simulate(args: argparse.Namespace) -> int:
     trace = _read(args, progress)
     seeds = tuple(range(1, args.seeds + 1))
     shape = shape_for(sf.spec, sf.sizing)
-    runs = sweep.realize(trace, shape, seeds, args.rate)
+    scaling = sf.spec.scaling
+    runs = sweep.realize(
+        trace, shape, seeds, args.rate, (scaling.min_replicas, scaling.max_replicas)
+    )
     settings = sweep.sweep(runs, sf.spec, sf.sizing, qs, progress)
     best = sweep.cheapest_serving(settings)
     floors = sweep.floors(runs, sf.spec, sf.sizing)

@@ -45,6 +45,7 @@ class Profile:
     concurrency: dict[int, float]  # percentile -> requests in flight
     concurrency_max: int
     kv_tokens: dict[int, float]  # percentile -> tokens held in flight
+    kv_tokens_max: float
     context: dict[int, float]  # percentile -> prompt + output tokens
     prompt: dict[int, float]
     output: dict[int, float]
@@ -129,6 +130,7 @@ def profile(trace: Trace, decode_tps: float = 20.0, prefill_tps: float = 10_000.
         concurrency=_pct(count),
         concurrency_max=int(count.max()) if len(count) else 0,
         kv_tokens=_pct(tokens),
+        kv_tokens_max=float(tokens.max()) if len(tokens) else 0.0,
         context=_pct(trace.prompt + trace.output),
         prompt=_pct(trace.prompt),
         output=_pct(trace.output),

@@ -75,8 +75,10 @@ def profile_text(
         "tokens/s, no queueing",
         "",
         _row("in flight", [*pct, "max"]),
-        _row("requests", [_num(p.concurrency[q]) for q in PERCENTILES] + [str(ld.peak_requests)]),
-        _row("KV tokens", [_num(p.kv_tokens[q]) for q in PERCENTILES] + [_num(ld.peak_tokens)]),
+        # The max of the same series as the percentiles (the sizing's peak leaves out the
+        # opening, which starts empty, and could read below them).
+        _row("requests", [_num(p.concurrency[q]) for q in PERCENTILES] + [str(p.concurrency_max)]),
+        _row("KV tokens", [_num(p.kv_tokens[q]) for q in PERCENTILES] + [_num(p.kv_tokens_max)]),
         "",
         _row("tokens", pct),
         _row("prompt", [_num(p.prompt[q]) for q in PERCENTILES]),

@@ -136,14 +136,16 @@ def replay(
     start_replicas: int,
     warmup: float = WARMUP,
     on_tick: Callable[[float, World], None] | None = None,
+    interval: float = TICK,
 ) -> Result:
-    """Run `policy` over `trace` (times from 0; the warm-up replays its opening first)."""
+    """Run `policy` over `trace` (times from 0; the warm-up replays its opening first),
+    deciding every `interval` seconds (the spec's `scaling.intervalSeconds`)."""
     full = with_warmup(trace, warmup)
     world = World.start(shape, start_replicas, -warmup)
     world.counting = False
     end = float(trace.arrival[-1]) if len(trace) else 0.0
     steps = math.ceil(end / DT)
-    tick = round(TICK / DT)
+    tick = max(1, round(interval / DT))
     cursor = 0
     arrival, prompt, output = full.arrival, full.prompt, full.output
     for step in range(-int(warmup / DT), steps):

@@ -14,6 +14,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from headroom.operator.bounds import clamp
 from headroom.operator.crd.models import InferenceDeploymentSpec
 from headroom.operator.reconcile.sizing import Sizing
 from headroom.operator.scaling.decide import Policy
@@ -85,14 +86,22 @@ class Realization:
 
 
 def realize(
-    trace: Trace, shape: PodShape, seeds: Sequence[int], rate: float
+    trace: Trace,
+    shape: PodShape,
+    seeds: Sequence[int],
+    rate: float,
+    bounds: tuple[int, int] | None = None,
 ) -> tuple[Realization, ...]:
     """Each seed's realization (`scaled`, as the autoscaling bench's), made once for the sweep
-    and the floors alike."""
+    and the floors alike. It opens with the pods its opening needs, within the spec's
+    (minReplicas, maxReplicas) `bounds`: no deployed operator runs outside them."""
     out = []
     for s in seeds:
         run = scaled(trace, rate, s, JITTER_SECONDS)
-        out.append(Realization(s, run, opening_replicas(run, shape)))
+        start = opening_replicas(run, shape)
+        if bounds is not None:
+            start = clamp(start, *bounds)
+        out.append(Realization(s, run, start))
     return tuple(out)
 
 
@@ -126,7 +135,8 @@ def sweep(
 
             if progress is not None:
                 progress.start(label)
-            r = replay(run.trace, shape, HeadroomPolicy(policy), run.start, on_tick=tick)
+            r = replay(run.trace, shape, HeadroomPolicy(policy), run.start, on_tick=tick,
+                       interval=policy.interval_seconds)  # fmt: skip
             if progress is not None:
                 progress.done(
                     f"{label}: {r.gpu_hours:.2f} GPU-hours, {r.limited_seconds:.0f} KV-limited s"

@@ -209,7 +209,9 @@ def read_generic_csv(text: str, name: str = "trace", progress: LineProgress | No
 def _json_lines(
     text: str, name: str, progress: LineProgress | None
 ) -> Iterator[tuple[str, dict[str, object]]]:
-    lines = text.splitlines()
+    # Only "\n" ends a JSON line: splitlines() would also break at U+2028, U+2029 and U+0085,
+    # which JSON strings may hold raw.
+    lines = text.split("\n")
     for i, raw in enumerate(lines, start=1):
         if progress is not None and i % PROGRESS_EVERY == 0:
             progress(i, len(lines))
@@ -269,6 +271,7 @@ def read_generic_jsonl(
     """The generic JSON lines (see the module docstring)."""
     rows: list[tuple[float, int, int]] = []
     blocks: list[tuple[int, ...]] = []
+    wheres: list[str] = []
     block_tokens = MOONCAKE_BLOCK_TOKENS
     for where, obj in _json_lines(text, name, progress):
         rows.append(
@@ -280,8 +283,17 @@ def read_generic_jsonl(
             )
         )
         blocks.append(_ids(obj.get("prefix_block_ids", []), where, "prefix_block_ids"))
+        wheres.append(where)
         if "prefix_block_tokens" in obj:
             block_tokens = _count(obj["prefix_block_tokens"], "prefix_block_tokens", where)
+    # Checked once the block size is final (any line may set it): a block starts inside the
+    # prompt, or it holds no prompt token to hit.
+    for (_, prompt, _), ids, where in zip(rows, blocks, wheres, strict=True):
+        if len(ids) > math.ceil(prompt / block_tokens):
+            raise TraceError(
+                f"{where}: {len(ids)} prefix_block_ids for {prompt} tokens (at most "
+                f"ceil({prompt} / {block_tokens}))"
+            )
     return _trace(name, rows, blocks if any(blocks) else None, block_tokens)
 
 
