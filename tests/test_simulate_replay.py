@@ -23,7 +23,7 @@ from headroom.operator.simulate.replay import (
 from headroom.operator.simulate.sweep import Setting, cheapest_serving, realize, sweep
 from headroom.operator.simulate.synthetic import synthetic
 from headroom.operator.simulate.trace import Trace
-from headroom.operator.simulate.world import World
+from headroom.operator.simulate.world import PodShape, World
 
 
 class Fixed:
@@ -247,3 +247,67 @@ def test_a_replay_opens_within_the_specs_replica_bounds() -> None:
     assert run.start == 2
     (free,) = realize(trace, shape, (1,), rate=1.0)
     assert free.start == 1
+
+
+def _drain(world: World, dt: float, steps: int = 2000) -> int:
+    """Steps until every sequence has finished."""
+    for k in range(steps):
+        world.step(k * dt, dt)
+        if not len(world.seqs) and not world.pending and not world.queue:
+            return k
+    raise AssertionError("never drained")
+
+
+def _engine_steps(prompts: tuple[int, ...], output: int, blocks: int) -> tuple[int, int]:
+    """(last step, preemptions) of the engine's own scheduler on the same sequences, one token
+    a step and no watermark."""
+    from headroom.engine.config import EngineConfig
+    from headroom.engine.scheduler import Scheduler
+    from headroom.engine.sequence import Sequence
+
+    cfg = EngineConfig(block_size=16, max_num_seqs=8, enable_prefix_caching=False, watermark=0.0)
+    sched = Scheduler(cfg.sized(blocks, 10_000))
+    for i, p in enumerate(prompts):
+        sched.add(Sequence(f"r{i}", [1000 * i + j for j in range(p)], output))
+    for step in range(5000):
+        out = sched.schedule()
+        if out.is_empty:
+            return step - 1, sched.preemptions_total
+        sched.update(out, {e.seq.seq_id: 7 for e in out.scheduled if e.sample})
+    raise AssertionError("the engine never drained")
+
+
+def test_a_preempted_sequence_keeps_its_output_and_waits_a_step_as_in_the_engine() -> None:
+    # Three sequences outgrow a 30-block pool: the newest is preempted once, keeps the 142
+    # tokens it generated (recomputed on readmission) and finishes when the engine's does.
+    # Re-queued with its prompt alone, it regenerated everything and was preempted twice.
+    shape = PodShape(capacity_blocks=30, block_size=16, max_num_seqs=8, watermark_blocks=0,
+                     max_model_len=10_000, decode_tps=1.0, prefill_tps=1e9,
+                     pod_start=0)  # fmt: skip
+    world = World.start(shape, 1, 0.0)
+    for p in (16, 17, 18):
+        world.arrive(p, 200, 0.0)
+    last = _drain(world, 1.0)
+    engine_last, engine_preemptions = _engine_steps((16, 17, 18), 200, 30)
+    assert world.counters.preemptions == engine_preemptions == 1
+    assert abs(last - engine_last) <= 2, (last, engine_last)
+
+
+def test_the_door_queue_goes_to_a_pod_that_takes_it_and_is_reported_whole() -> None:
+    # Two pods with a batch cap of 2: one holds a long sequence and has a free slot, the other
+    # is full. A short request goes to the free slot rather than waiting behind the full pod.
+    shape = PodShape(capacity_blocks=100, block_size=16, max_num_seqs=2, watermark_blocks=5,
+                     max_model_len=100_000, decode_tps=20.0, prefill_tps=1e9,
+                     pod_start=0)  # fmt: skip
+    world = World.start(shape, 2, 0.0)
+    for prompt in (800, 16, 16):
+        world.arrive(prompt, 2000, 0.0)
+    world.step(0.0, 2.5)
+    world.arrive(16, 100, 2.5)
+    world.step(2.5, 2.5)
+    assert not world.queue and sorted(p.seqs for p in world.pods) == [2, 2]
+    # Three requests waiting over two ready pods: both report, and the three are all counted.
+    for _ in range(3):
+        world.arrive(16, 100, 5.0)
+    world.step(5.0, 2.5)
+    assert sum(p.waiting for p in world.pods) == len(world.queue) == 3

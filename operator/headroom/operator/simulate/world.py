@@ -188,17 +188,22 @@ class World:
         counts = np.bincount(owner, minlength=self.next_id + 1)
         requeue: list[tuple[int, int]] = []
         drop: list[np.ndarray] = []
+        preempting: set[int] = set()
         for p in self.pods:
             p.blocks, p.seqs = int(blocks[p.uid]), int(counts[p.uid])
             if p.blocks <= sh.capacity_blocks:
                 continue
             rows = np.flatnonzero(owner == p.uid)
             kept = int(np.searchsorted(np.cumsum(per_seq[rows]), sh.capacity_blocks, "right"))
-            out = rows[kept:][::-1]
-            requeue += [(int(s[i, PROMPT]), int(s[i, TOTAL])) for i in out]
+            # As the engine's scheduler: the newest sequences go, each keeps the tokens it has
+            # generated and recomputes them all when readmitted (prompt + output so far), and
+            # the oldest of them waits at the front.
+            out = rows[kept:]
+            requeue += [(math.ceil(s[i, TOKENS]), int(s[i, TOTAL])) for i in out]
             p.blocks, p.seqs = int(per_seq[rows[:kept]].sum()), kept
             p.preemptions.extend([now] * len(out))
             drop.append(out)
+            preempting.add(p.uid)
         if drop:
             self.seqs = np.delete(s, np.concatenate(drop), axis=0)
         self.counters.preemptions += len(requeue) if self.counting else 0
@@ -206,29 +211,45 @@ class World:
             p.ready(now) and p.blocks >= sh.capacity_blocks for p in self.pods
         )
         self.queue.extendleft(reversed(requeue))
-        self._admit(now)
+        self._admit(now, preempting)
         self._observe(now, dt)
         self.pods = [p for p in self.pods if not (p.draining and p.seqs == 0)]
         return saturated
 
-    def _admit(self, now: float) -> None:
+    def _admit(self, now: float, preempting: set[int] | None = None) -> None:
+        """Admit from the door's queue in order, each request to the pod with the most free
+        blocks that takes it; a pod that preempted in this step admits nothing (as the
+        engine's scheduler)."""
         sh = self.shape
         ready = [p for p in self.pods if p.ready(now)]
-        while self.queue and ready:
+        admitting = [p for p in ready if p.uid not in (preempting or ())]
+        while self.queue and admitting:
             prompt, total = self.queue[0]
-            best = min(ready, key=lambda q: q.blocks)  # the most free blocks, first of equals
             need = -(-prompt // sh.block_size)
-            free = sh.capacity_blocks - best.blocks
-            if not fits(free, need, sh.watermark_blocks, best.seqs, sh.max_num_seqs):
+            best = next(
+                (
+                    q
+                    for q in sorted(admitting, key=lambda q: q.blocks)  # most free first
+                    if fits(
+                        sh.capacity_blocks - q.blocks, need, sh.watermark_blocks, q.seqs,
+                        sh.max_num_seqs,
+                    )
+                ),
+                None,
+            )  # fmt: skip
+            if best is None:
                 break
             decode_at = now + prompt / sh.prefill_tps
             self.pending.append((prompt, total, prompt, best.uid, decode_at))
             best.blocks += need
             best.seqs += 1
             self.queue.popleft()
-        share = len(self.queue) // max(1, len(ready))
+        # The door's queue as the ready pods' waiting requests, every one counted.
+        share, extra = divmod(len(self.queue), max(1, len(ready)))
         for p in self.pods:
-            p.waiting = share if p.ready(now) else 0
+            p.waiting = 0
+        for i, p in enumerate(ready):
+            p.waiting = share + (i < extra)
 
     def _observe(self, now: float, dt: float) -> None:
         """The sidecars' polls: occupancy for the forecast, the demand counters."""
