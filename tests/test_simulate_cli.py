@@ -158,6 +158,14 @@ def test_profile_with_a_spec_keeps_its_scaling_and_names_what_its_max_length_ref
     assert doc["scaling"]["targetOccupancy"] == 0.7  # type: ignore[index]  # the example's
     assert "engine.maxModelLen 8,192 refuses" in r.stdout
     assert "(the model's limit)" in r.stdout  # llama-3.1-8b takes 131,072 tokens at most
+    # The trace's p95 context is over the example's maxModelLen: the block suggests the most
+    # the engine takes, so pasted into the example it is a spec the CRD accepts.
+    assert doc["traffic"]["contextTokens"] == 8192  # type: ignore[index]
+    assert "capped at the engine's max length 8,192" in r.stdout
+    example = yaml.safe_load(Path(EXAMPLE).read_text())["spec"]
+    pasted_in = {**example, "traffic": doc["traffic"],
+                 "scaling": {**example["scaling"], **doc["scaling"]}}  # type: ignore[dict-item]  # fmt: skip
+    InferenceDeploymentSpec.model_validate(pasted_in)
 
 
 def test_profile_at_twice_the_rate_doubles_the_requests() -> None:

@@ -246,7 +246,8 @@ def _profile(args: argparse.Namespace) -> int:
     limit = plan_input(spec).model.max_position_embeddings if spec is not None else None
     explicit_mml = sf.spec.engine.max_model_len if sf is not None else None
     advice = verdict.verdict(p, ld, f, block_size, explicit_mml, limit)
-    suggestion = verdict.suggest(p, f, scaling, sf is not None)
+    caps = [c for c in (explicit_mml, limit) if c is not None]
+    suggestion = verdict.suggest(p, f, scaling, sf is not None, min(caps) if caps else None)
     wired = verdict.wire(suggestion)
     context = int(wired["traffic"]["contextTokens"])
     mml = explicit_mml or context

@@ -243,19 +243,32 @@ def verdict(
 
 
 def suggest(
-    profile: Profile, f: Fit | None, scaling: ScalingSpec, from_spec: bool
+    profile: Profile,
+    f: Fit | None,
+    scaling: ScalingSpec,
+    from_spec: bool,
+    context_cap: int | None = None,
 ) -> dict[str, tuple[Entry, ...]]:
-    """spec.traffic and spec.scaling for the trace (min/max replicas only with a pod)."""
+    """spec.traffic and spec.scaling for the trace (min/max replicas only with a pod).
+    `context_cap`: the longest context the engine takes (the spec's maxModelLen, else the
+    model's): a contextTokens above it is a spec the CRD or the sizing refuses."""
     hit = profile.ideal_hit_ratio
+    context = max(1, math.ceil(profile.context[95]))
+    context_entry = Entry("contextTokens", context, "p95 of prompt + output tokens")
+    if context_cap is not None and context > context_cap:
+        context_entry = Entry(
+            "contextTokens",
+            context_cap,
+            f"p95 of prompt + output is {context:,}: capped at the engine's max length "
+            f"{context_cap:,} (longer requests are refused)",
+        )
     traffic = [
         Entry(
             "peakConcurrency",
             max(1, math.ceil(profile.concurrency[99])),
             "p99 of requests in flight, rounded up",
         ),
-        Entry(
-            "contextTokens", max(1, math.ceil(profile.context[95])), "p95 of prompt + output tokens"
-        ),
+        context_entry,
     ]
     if hit is None:
         traffic.append(Entry("prefixHitRatio", 0.0, "unknown: the trace has no block hashes"))
