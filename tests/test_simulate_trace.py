@@ -246,3 +246,9 @@ def test_generic_prefix_block_ids_past_the_prompt_are_refused(tmp_path: Path) ->
     )  # fmt: skip
     with pytest.raises(TraceError, match=r"^ids\.jsonl:2: 3 prefix_block_ids for 100 tokens"):
         read_trace(write(tmp_path, "ids.jsonl", text))
+
+
+def test_blank_lines_in_a_csv_are_skipped_as_in_json_lines(tmp_path: Path) -> None:
+    text = "\n  \narrival_s,prompt_tokens,output_tokens\n0,5,5\n \n1,6,7\n   \n"
+    t = read_trace(write(tmp_path, "blank.csv", text))
+    assert t.prompt.tolist() == [5, 6]

@@ -147,14 +147,18 @@ def _csv_rows(
     # strict: an unterminated quote is an error, not a field that swallows the rest of the file.
     reader = csv.reader(io.StringIO(text), strict=True)
     try:
-        first = next(reader, None)
+        # Blank lines (only whitespace) are skipped wherever they are, the header's line too,
+        # as the format detection and the JSON readers skip them.
+        first = next((r for r in reader if any(c.strip() for c in r)), None)
         if first is None or tuple(c.strip() for c in first[: len(header)]) != header:
-            raise TraceError(f"{name}:1: expected the header {','.join(header)}, got {first}")
+            raise TraceError(
+                f"{name}:{reader.line_num}: expected the header {','.join(header)}, got {first}"
+            )
         total = text.count("\n") + 1
         for row in reader:
             if progress is not None and reader.line_num % PROGRESS_EVERY == 0:
                 progress(reader.line_num, total)
-            if row:
+            if any(c.strip() for c in row):
                 yield reader.line_num, row
     except csv.Error as exc:
         raise TraceError(f"{name}:{reader.line_num}: not CSV: {exc}") from None
