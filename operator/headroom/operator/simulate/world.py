@@ -216,27 +216,22 @@ class World:
         self.pods = [p for p in self.pods if not (p.draining and p.seqs == 0)]
         return saturated
 
-    def _admit(self, now: float, preempting: set[int] | None = None) -> None:
+    def _admit(self, now: float, preempting: set[int]) -> None:
         """Admit from the door's queue in order, each request to the pod with the most free
-        blocks that takes it; a pod that preempted in this step admits nothing (as the
-        engine's scheduler)."""
+        blocks that takes it (the first of equals); a pod that preempted in this step admits
+        nothing (as the engine's scheduler)."""
         sh = self.shape
         ready = [p for p in self.pods if p.ready(now)]
-        admitting = [p for p in ready if p.uid not in (preempting or ())]
+        admitting = [p for p in ready if p.uid not in preempting]
         while self.queue and admitting:
             prompt, total = self.queue[0]
             need = -(-prompt // sh.block_size)
-            best = next(
-                (
-                    q
-                    for q in sorted(admitting, key=lambda q: q.blocks)  # most free first
-                    if fits(
-                        sh.capacity_blocks - q.blocks, need, sh.watermark_blocks, q.seqs,
-                        sh.max_num_seqs,
-                    )
-                ),
-                None,
+            takers = (
+                q for q in admitting
+                if fits(sh.capacity_blocks - q.blocks, need, sh.watermark_blocks, q.seqs,
+                        sh.max_num_seqs)
             )  # fmt: skip
+            best = min(takers, key=lambda q: q.blocks, default=None)
             if best is None:
                 break
             decode_at = now + prompt / sh.prefill_tps
