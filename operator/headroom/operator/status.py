@@ -115,6 +115,32 @@ def ready_condition(
     return "False", "ReplicasNotReady", f"{ready}/{want} replicas ready"
 
 
+def last_feasible_ready(
+    deployment: dict[str, Any],
+) -> tuple[Literal["True", "False"], str, str]:
+    """Ready while the spec cannot be sized: the running Deployment's, which keeps the last
+    feasible spec's configuration."""
+    status, reason, message = ready_condition(deployment)
+    return (
+        status,
+        reason,
+        message + "; the running Deployment keeps its last feasible configuration",
+    )
+
+
+def carried(
+    previous: dict[str, Any], fields: tuple[str, ...], conditions: tuple[str, ...]
+) -> dict[str, Any]:
+    """The `fields` and condition types of `previous` (a status) that are set: what a loop's
+    status apply must repeat when it writes nothing new for them, since server-side apply
+    deletes the fields its manager leaves out."""
+    kept = {k: previous[k] for k in fields if previous.get(k) is not None}
+    found = [get_condition(previous.get("conditions"), t) for t in conditions]
+    if any(found):
+        kept["conditions"] = [dict(c) for c in found if c is not None]
+    return kept
+
+
 def set_status_condition(
     body: dict[str, Any],
     status: dict[str, Any],

@@ -25,8 +25,9 @@ from headroom.operator.reconcile.sizing import Sizing, budget, parse, summary
 from headroom.operator.status import (
     Event,
     Outcome,
+    carried,
     condition_changed,
-    get_condition,
+    last_feasible_ready,
     ready_condition,
     set_status_condition,
 )
@@ -145,11 +146,7 @@ def apply_failed(body: dict[str, Any], exc: KubeError, now: float) -> Outcome:
     out = Outcome()
     out.status["observedGeneration"] = body["metadata"].get("generation")
     out.status["selector"] = selector_string(body["metadata"]["name"])
-    previous = body.get("status") or {}
-    out.status |= {k: previous[k] for k in _RECONCILED_FIELDS if previous.get(k) is not None}
-    feasible = get_condition(previous.get("conditions"), "Feasible")
-    if feasible is not None:
-        out.status["conditions"] = [dict(feasible)]
+    out.status |= carried(body.get("status") or {}, _RECONCILED_FIELDS, ("Feasible",))
     message = f"the API server refused a child of this spec ({exc}); fix the spec"
     out.events.append(Event("Warning", "ApplyFailed", message))
     set_status_condition(body, out.status, "Ready", "False", "ApplyFailed", message, now)
@@ -196,9 +193,7 @@ def reconcile(kube: KubeAPI, body: dict[str, Any], now: float) -> Outcome:
                 body, st, "Ready", "False", "Infeasible", "no Deployment: " + message, now
             )
         else:
-            status, reason, msg = ready_condition(live)
-            msg += "; the running Deployment keeps its last feasible configuration"
-            set_status_condition(body, st, "Ready", status, reason, msg, now)
+            set_status_condition(body, st, "Ready", *last_feasible_ready(live), now)
         return out
 
     replicas = replicas_to_apply(spec, sizing, live)

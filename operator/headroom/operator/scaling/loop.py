@@ -48,8 +48,10 @@ from headroom.operator.status import (
     Event,
     Outcome,
     Status,
+    carried,
     condition_changed,
     get_condition,
+    last_feasible_ready,
     parse_time,
     ready_condition,
     rfc3339,
@@ -359,12 +361,9 @@ def infeasible_outcome(body: dict[str, Any], live: dict[str, Any], now: float) -
     """A tick for a spec that cannot be sized: the last feasible Deployment keeps running,
     unscaled; its readiness and replicas stay current, and ScalingLimited says why nothing
     scales. The rest of this loop's status is carried forward as it was."""
-    status = body.get("status") or {}
     out = Outcome()
     st = out.status
-    st |= {k: status[k] for k in _SCALING_FIELDS if status.get(k) is not None}
-    kept = [get_condition(status.get("conditions"), t) for t in ("KVSaturated", "PoolMatchesPlan")]
-    st["conditions"] = [dict(c) for c in kept if c is not None]
+    st |= carried(body.get("status") or {}, _SCALING_FIELDS, ("KVSaturated", "PoolMatchesPlan"))
     st["replicas"] = int(live.get("spec", {}).get("replicas", 1) or 0)
     st["readyReplicas"] = int((live.get("status") or {}).get("readyReplicas", 0) or 0)
     message = (
@@ -374,9 +373,7 @@ def infeasible_outcome(body: dict[str, Any], live: dict[str, Any], now: float) -
     if condition_changed(body, "ScalingLimited", "True", "Infeasible"):
         out.events.append(Event("Warning", "ScalingStopped", message))
     set_status_condition(body, st, "ScalingLimited", "True", "Infeasible", message, now)
-    ready, reason, msg = ready_condition(live)
-    msg += "; the running Deployment keeps its last feasible configuration"
-    set_status_condition(body, st, "Ready", ready, reason, msg, now)
+    set_status_condition(body, st, "Ready", *last_feasible_ready(live), now)
     return out
 
 
