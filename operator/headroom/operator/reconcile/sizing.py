@@ -179,7 +179,8 @@ def size(spec: InferenceDeploymentSpec) -> Sizing:
     result = plan(inp)
     mml = max_model_len(spec)
     reason = result.reason
-    if reason is not None and spec.engine.runtime == "headroom" and inp.pod_gpus == 1:
+    if reason is not None and spec.engine.runtime == "headroom":
+        # The spec holds it to one GPU a pod: more GPUs is a runtime change.
         reason += (
             "; the headroom engine runs on one GPU: several GPUs per pod need engine.runtime "
             "vllm or sglang"
