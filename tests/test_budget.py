@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -16,6 +17,7 @@ from headroom.contract.budget import (
     MODEL_PRESETS,
     PlanInput,
     from_hf_config,
+    from_hf_dict,
     gpu_preset,
     kv_bytes_per_block,
     kv_bytes_per_token,
@@ -26,11 +28,13 @@ from headroom.contract.budget import (
     replicas_needed,
     reservation_waste,
     sequence_kv_bytes,
+    tp_split_error,
     weights_bytes,
     weights_bytes_per_gpu,
 )
 
 L70 = model_preset("llama-3.1-70b")
+L8 = model_preset("llama-3.1-8b")
 
 
 def test_llama_70b_bf16_kv_arithmetic() -> None:
@@ -269,3 +273,87 @@ def test_tp_never_increases_per_rank_kv_heads(arch: object, tp: int) -> None:
     assert isinstance(arch, ModelArch)
     assert kv_heads_per_rank(arch, tp) <= kv_heads_per_rank(arch, max(1, tp - 1))
     assert kv_heads_per_rank(arch, tp) >= 1
+
+
+def test_a_quantized_checkpoint_is_priced_at_its_stored_width() -> None:
+    # DeepSeek-V3's config says bfloat16 (its compute dtype) beside an fp8 quantization_config:
+    # 671B parameters, 671 GB, not the 1.3 TB (and 12 TB from the dense MoE guess) it was.
+    ds3 = {
+        "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+        "first_k_dense_replace": 3, "kv_lora_rank": 512, "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+        "vocab_size": 129280, "max_position_embeddings": 163840, "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"},
+    }  # fmt: skip
+    arch = from_hf_dict(ds3)
+    assert arch.weight_dtype == "fp8"
+    assert arch.num_parameters == pytest.approx(671e9, rel=0.01)
+    assert weights_bytes(arch) == pytest.approx(671e9, rel=0.01)
+    # Qwen3-MoE names its experts num_experts, each moe_intermediate_size wide: 30.5B.
+    qwen = {
+        "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_experts": 128, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "vocab_size": 151936, "torch_dtype": "bfloat16",
+    }  # fmt: skip
+    assert from_hf_dict(qwen).num_parameters == pytest.approx(30.5e9, rel=0.02)
+    dense = {"num_attention_heads": 8, "hidden_size": 512, "num_hidden_layers": 2,
+             "vocab_size": 100, "torch_dtype": "bfloat16"}  # fmt: skip
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"quant_method": "compressed-tensors",
+          "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float"}}}}, "fp8"),
+        ({"quant_method": "compressed-tensors",
+          "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}}, "int4"),
+        ({"quant_method": "gptq", "bits": 4}, "int4"),
+        ({"quant_method": "awq", "w_bit": 4}, "int4"),
+        ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "int8"),
+        ({"quant_method": "modelopt", "quant_algo": "FP8"}, "fp8"),
+    ]  # fmt: skip
+    for q, want in cases:
+        assert from_hf_dict({**dense, "quantization_config": q}).weight_dtype == want, q
+    with pytest.raises(ValueError, match="cannot tell how wide"):
+        from_hf_dict({**dense, "quantization_config": {"quant_method": "mystery"}})
+    # An explicit weight dtype wins over what the config says (and needs no parsing of it).
+    odd = {**dense, "quantization_config": {"quant_method": "mystery"}}
+    assert from_hf_dict(odd, weight_dtype="int8").weight_dtype == "int8"
+
+
+def test_a_config_beyond_any_model_is_refused_naming_the_field(tmp_path: Path) -> None:
+    base = {"num_attention_heads": 8, "hidden_size": 512, "num_hidden_layers": 2,
+            "vocab_size": 100}  # fmt: skip
+    for field, value, named in [
+        ("num_hidden_layers", 1e300, "num_layers"),  # OverflowError in the weights before
+        ("vocab_size", 10**12, "vocab_size"),
+    ]:
+        cfg = tmp_path / f"{field}.json"
+        cfg.write_text(json.dumps({**base, field: value}))
+        with pytest.raises(ValueError, match=f"{named}: Input should be less than"):
+            from_hf_config(cfg)
+    cfg = tmp_path / "layer_types.json"
+    cfg.write_text(json.dumps({**base, "sliding_window": 64, "layer_types": ["sliding_attention"]}))
+    with pytest.raises(ValueError, match="layer_types lists 1 layers but num_hidden_layers is 2"):
+        from_hf_config(cfg)
+
+
+def test_tp_split_names_what_vllm_and_sglang_refuse() -> None:
+    assert tp_split_error(L8, 1) is None and tp_split_error(L8, 8) is None
+    assert "does not divide llama-3.1-8b's 32 attention heads" in (tp_split_error(L8, 3) or "")
+    assert tp_split_error(L70, 16) is None  # 8 KV heads, each replicated twice
+    odd = L8.model_copy(update={"num_attention_heads": 48, "num_kv_heads": 8})
+    assert "neither divides nor is a multiple of" in (tp_split_error(odd, 12, "--tp") or "")
+
+
+def test_reserved_blocks_hold_no_sequence() -> None:
+    # vLLM keeps one block of --num-gpu-blocks-override N as its null block: a pool of exactly
+    # two sequences' blocks holds one there.
+    block = kv_bytes_per_block(L8, 16)
+    memory = weights_bytes(L8) + 2 * 64 * block  # two 1,024-token sequences
+    common = dict(model=L8, gpu_memory_bytes=memory, concurrency=2, context=1024,
+                  gpu_memory_utilization=1.0, activation_reserve_bytes=0)  # fmt: skip
+    free = plan(PlanInput(**common))  # type: ignore[arg-type]
+    held = plan(PlanInput(**common, reserved_blocks=1))  # type: ignore[arg-type]
+    assert free.kv_blocks_per_pod == held.kv_blocks_per_pod == 128
+    assert (free.sequences_per_pod, held.sequences_per_pod) == (2, 1)
+    assert (free.replicas, held.replicas) == (1, 2)

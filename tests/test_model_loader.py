@@ -171,6 +171,9 @@ def test_unsupported_architecture_and_dtype() -> None:
         from_hf_dict({**base, "rope_scaling": {"type": "yarn", "factor": 4.0}})
     with pytest.raises(UnsupportedModel, match="hidden_act"):
         from_hf_dict({**base, "hidden_act": "gelu"})
+    for quant in ({"quant_method": "fp8"}, {"quant_method": "mystery"}, "gptq"):
+        with pytest.raises(UnsupportedModel, match=r"quantized weights .* vllm or sglang"):
+            from_hf_dict({**base, "quantization_config": quant})
     with pytest.raises(UnsupportedDtype, match="float16 is not supported on CPU"):
         resolve_dtype("float16", torch.device("cpu"))
     with pytest.raises(UnsupportedDtype, match="not one of"):

@@ -93,6 +93,8 @@ CEL_CASES = [
      rule(EngineSpec, "runtime vllm accepts")),
     ("sglang-no-int8", {**VALID, "engine": {"runtime": "sglang", "kvCacheDtype": "int8"}},
      rule(EngineSpec, "runtime sglang accepts")),
+    ("vllm-whole-gpu", {**VALID, "engine": {"runtime": "vllm", "gpuMemoryUtilization": 1.0}},
+     rule(EngineSpec, "below 1.0")),
     ("vllm-block-sizes", {**VALID, "engine": {"runtime": "vllm", "blockSize": 24}},
      rule(EngineSpec, "engine.blockSize 16")),
     ("vllm-block-size-8", {**VALID, "engine": {"runtime": "vllm", "blockSize": 8}},

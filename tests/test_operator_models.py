@@ -85,6 +85,8 @@ INVALID = [
     ("sglang-attention-backend",
      with_("engine", {"runtime": "sglang", "attentionBackend": "cuda"}),
      "attentionBackend is the headroom engine's own"),
+    ("vllm-whole-gpu", with_("engine", {"runtime": "vllm", "gpuMemoryUtilization": 1.0}),
+     "runtime vllm needs engine.gpuMemoryUtilization below 1.0"),
     ("vllm-block-size", with_("engine", {"runtime": "vllm", "blockSize": 24}),
      "runtime vllm takes engine.blockSize 16, 32, 64 or 128"),
     # vLLM 0.11's attention backends raise "Block size must be a multiple of 16" on SM 8.0+.

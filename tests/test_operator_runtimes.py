@@ -494,3 +494,41 @@ def test_sidecar_is_told_the_planned_pool(runtime: str) -> None:
     args = build_parser("sidecar").parse_args(sidecar["args"])
     assert args.planned_blocks == sizing.plan.kv_blocks_per_pod
     assert args.source == runtime
+
+
+def test_vllm_is_planned_without_its_null_block() -> None:
+    # vLLM's BlockPool keeps block 0 of --num-gpu-blocks-override N: sequences get N - 1. A pool
+    # of exactly one maxModelLen sequence's blocks cannot schedule it on vLLM, but can on SGLang.
+    need = 131072 // 16
+
+    def sizing(runtime: str, gib: float) -> Sizing:
+        return size(spec({"runtime": runtime, "prefixCaching": False},
+                         gpu={"memoryGiB": gib},
+                         traffic={"peakConcurrency": 4, "contextTokens": 131072}))  # fmt: skip
+
+    lo, hi = 16.0, 64.0  # the least memory whose pool holds `need` blocks
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if sizing("sglang", mid).plan.kv_blocks_per_pod >= need else (mid, hi)
+    exact = sizing("sglang", hi)
+    assert exact.plan.kv_blocks_per_pod == need and exact.feasible
+    assert exact.plan.sequences_per_pod == 1
+    on_vllm = sizing("vllm", hi)
+    assert on_vllm.plan.kv_blocks_per_pod == need
+    assert not on_vllm.feasible and "of them the engine's own" in (on_vllm.reason or "")
+    assert plan_input(spec({"runtime": "vllm"})).reserved_blocks == 1
+    assert plan_input(spec({"runtime": "headroom"})).reserved_blocks == 0
+
+
+@pytest.mark.parametrize(
+    ("preset", "unified"), [("gemma-2-27b", True), ("llama-3.1-8b", False), ("mistral-7b", False)]
+)
+def test_vllm_pages_a_hybrid_model_as_the_plan_prices_it(preset: str, unified: bool) -> None:
+    # Gemma 2's sliding-window and full layers would be two vLLM KV groups whose blocks hold half
+    # the layers: the override's N blocks were half the planned bytes, and each sequence took
+    # blocks in both groups. Unified, one block holds every layer. Mistral (every layer sliding)
+    # and Llama (none) are one group already.
+    s = spec({"runtime": "vllm"}, model={"preset": preset, "path": "/models/m"},
+             gpu={"type": "h100-80gb", "countPerPod": 2, "tensorParallel": 2})  # fmt: skip
+    args = vllm_command(s, size(s), "chat").args
+    assert ("--disable-hybrid-kv-cache-manager" in args) is unified

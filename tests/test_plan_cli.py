@@ -130,3 +130,26 @@ def test_custom_gpu_memory() -> None:
     )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["gpu"] == "48 GiB GPU"
+
+
+def test_a_tp_the_stock_engines_refuse_exits_2() -> None:
+    # The operator calls such a spec invalid (vLLM: "Total number of attention heads (32) must
+    # be divisible by tensor parallel size (3)"); the planner used to size it.
+    r = run("--model", "llama-3.1-8b", "--tp", "3", "--concurrency", "64", "--context", "4096")
+    assert r.returncode == 2 and r.stdout == ""
+    assert "--tp 3 does not divide llama-3.1-8b's 32 attention heads" in r.stderr
+
+
+def test_weight_dtype_prices_the_weights_and_absurd_configs_exit_2(tmp_path: Path) -> None:
+    def weights(*extra: str) -> int:
+        r = run("--model", "llama-3.1-70b", "--concurrency", "1", "--context", "1024", "--json",
+                *extra)  # fmt: skip
+        return int(json.loads(r.stdout)["weights_bytes"])
+
+    assert weights("--weight-dtype", "fp8") * 2 == weights()
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_attention_heads": 8, "hidden_size": 512, "vocab_size": 100,
+                               "num_hidden_layers": 1e300}))  # fmt: skip
+    r = run("--model-config", str(cfg), "--concurrency", "1", "--context", "10")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "num_layers: Input should be less than or equal to 1024" in r.stderr

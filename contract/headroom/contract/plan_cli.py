@@ -12,6 +12,7 @@ from headroom.contract.budget import (
     GIB,
     GPU_PRESETS,
     MODEL_PRESETS,
+    WEIGHT_BYTES,
     Plan,
     PlanInput,
     UnknownPreset,
@@ -19,6 +20,7 @@ from headroom.contract.budget import (
     gpu_preset,
     model_preset,
     plan,
+    tp_split_error,
 )
 from headroom.contract.outputs import chart_error
 
@@ -40,6 +42,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     src.add_argument("--model", help="model preset name")
     src.add_argument("--model-config", type=Path, help="a local Hugging Face config.json or dir")
     p.add_argument("--params", type=float, help="parameter count in billions (--model-config)")
+    p.add_argument(
+        "--weight-dtype",
+        choices=sorted(WEIGHT_BYTES),
+        help="what the weights are stored as (default: the preset's, or config.json's "
+        "quantization_config and torch_dtype)",
+    )
     p.add_argument("--gpu", default="h100-80gb", help="GPU preset (default h100-80gb)")
     p.add_argument("--gpu-memory-gib", type=float, help="GPU memory in GiB, for any other GPU")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
@@ -91,9 +99,13 @@ def build_input(args: argparse.Namespace) -> PlanInput:
         if args.params is not None and not 0 < args.params <= 1e6:  # NaN and inf fail too
             raise ValueError(f"--params must be billions in (0, 1e6], got {args.params}")
         params = int(args.params * 1e9) if args.params else None
-        arch = from_hf_config(args.model_config, num_parameters=params)
+        arch = from_hf_config(args.model_config, params, args.weight_dtype)
     else:
         arch = model_preset(args.model)
+        if args.weight_dtype is not None:
+            arch = arch.model_copy(update={"weight_dtype": args.weight_dtype})
+    if args.tp >= 1 and (split := tp_split_error(arch, args.tp, "--tp")) is not None:
+        raise ValueError(split)
     if args.gpu_memory_gib is not None:
         # NaN fails every comparison: the test is written so that NaN and inf fail it too.
         if not 0 < args.gpu_memory_gib <= MAX_GPU_MEMORY_GIB:

@@ -10,6 +10,7 @@ from headroom.contract.budget.arch import (
     estimate_parameters,
     from_hf_config,
     from_hf_dict,
+    quantized_weight_dtype,
 )
 from headroom.contract.budget.memory import (
     GIB,
@@ -27,6 +28,7 @@ from headroom.contract.budget.memory import (
     replicas_needed,
     reservation_waste,
     sequence_kv_bytes,
+    tp_split_error,
     usable_kv_bytes_per_gpu,
     weights_bytes,
     weights_bytes_per_gpu,
@@ -72,9 +74,11 @@ __all__ = [
     "max_concurrent_sequences",
     "model_preset",
     "plan",
+    "quantized_weight_dtype",
     "replicas_needed",
     "reservation_waste",
     "sequence_kv_bytes",
+    "tp_split_error",
     "usable_kv_bytes_per_gpu",
     "weights_bytes",
     "weights_bytes_per_gpu",

@@ -47,6 +47,24 @@ def kv_heads_per_rank(arch: ModelArch, tp: int = 1) -> int:
     return max(1, math.ceil(arch.num_kv_heads / tp))
 
 
+def tp_split_error(arch: ModelArch, tp: int, label: str = "tensor parallel size") -> str | None:
+    """Why vLLM and SGLang would refuse to shard `arch` `tp` ways, or None: the attention heads
+    must split evenly, and the KV heads either split or replicate evenly (MLA has one latent).
+    `label` names the setting in the message (a flag or a spec field)."""
+    if arch.num_attention_heads % tp:
+        return (
+            f"{label} {tp} does not divide {arch.name}'s {arch.num_attention_heads} attention "
+            "heads (vLLM and SGLang refuse to start); pick a divisor"
+        )
+    kv = arch.num_kv_heads
+    if arch.kv_lora_rank is None and kv % tp and tp % kv:
+        return (
+            f"{label} {tp} neither divides nor is a multiple of {arch.name}'s {kv} KV heads "
+            "(vLLM and SGLang refuse to start)"
+        )
+    return None
+
+
 def layers_per_stage(arch: ModelArch, pp: int = 1) -> int:
     """Layers on the most loaded pipeline stage."""
     if pp < 1:

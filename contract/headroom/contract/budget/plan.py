@@ -48,6 +48,8 @@ class PlanInput(BaseModel):
     max_num_seqs: int = Field(default=256, ge=1)
     max_num_batched_tokens: int = Field(default=8192, ge=1)
     activation_reserve_bytes: int | None = Field(default=None, ge=0)
+    # Blocks of the pool no sequence can hold: vLLM's BlockPool takes one as its null block.
+    reserved_blocks: int = Field(default=0, ge=0, le=1024)
 
     @model_validator(mode="after")
     def _check(self) -> PlanInput:
@@ -128,7 +130,8 @@ def _capacity(inp: PlanInput, kv_dtype: KVCacheDtype, prefix_hit: float) -> tupl
     )
     block = kv_bytes_per_block(arch, inp.block_size, kv_dtype, inp.tp, inp.pp)
     blocks = max(0, usable) // block
-    return usable, blocks, max_concurrent_sequences(blocks, inp.context, inp.block_size, prefix_hit)
+    free = max(0, blocks - inp.reserved_blocks)
+    return usable, blocks, max_concurrent_sequences(free, inp.context, inp.block_size, prefix_hit)
 
 
 def plan(inp: PlanInput) -> Plan:
@@ -164,6 +167,8 @@ def plan(inp: PlanInput) -> Plan:
             f"{usable / GIB:.2f} GiB is left after weights {w_gpu / GIB:.1f} GiB and reserve "
             f"{reserve / GIB:.1f} GiB"
         )
+        if inp.reserved_blocks:
+            reason += f" ({blocks:,} blocks, {inp.reserved_blocks} of them the engine's own)"
     feasible = reason is None
     replicas = replicas_needed(inp.concurrency, capped) if feasible else None
 

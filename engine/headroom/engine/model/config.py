@@ -179,6 +179,15 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModel(f"hidden_act {act!r} is not supported (only silu)")
+    quant = cfg.get("quantization_config")
+    if quant is not None:
+        # Its tensors would only fail later, at load, as names the checkpoint should not have.
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise UnsupportedModel(
+            f"quantized weights (quantization_config {method!r}) are not supported: the "
+            "headroom engine loads fp32, bf16 or fp16 checkpoints; serve this one with "
+            "engine.runtime vllm or sglang"
+        )
     record = arch_from_hf_dict(cfg)
     if record.num_attention_heads % record.num_kv_heads:
         raise UnsupportedModel(

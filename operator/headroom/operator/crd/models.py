@@ -337,6 +337,18 @@ class EngineSpec(CRDModel):
             check=lambda e: e.runtime != "vllm" or e.block_size in VLLM_BLOCK_SIZES,
             field_path=".blockSize",
         ),
+        # vLLM refuses to start when the GPU's free memory is below utilization x total
+        # (gpu_worker.init_device), which the CUDA context alone makes true at 1.0.
+        Rule(
+            cel="self.runtime != 'vllm' || self.gpuMemoryUtilization < 1.0",
+            message=(
+                "runtime vllm needs engine.gpuMemoryUtilization below 1.0: vLLM refuses to "
+                "start when less than that fraction of the GPU is free, and its own CUDA "
+                "context takes some"
+            ),
+            check=lambda e: e.runtime != "vllm" or e.gpu_memory_utilization < 1.0,
+            field_path=".gpuMemoryUtilization",
+        ),
         # vLLM's SchedulerConfig refuses it at start ("must be greater than or equal to
         # max_num_seqs"): every running sequence takes at least one token of a step.
         Rule(

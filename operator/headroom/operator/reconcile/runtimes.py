@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from headroom.contract.ports import ENGINE_PORT
 from headroom.operator.crd.models import HEADROOM_IMAGE, RUNTIME_IMAGES, InferenceDeploymentSpec
-from headroom.operator.reconcile.sizing import Sizing, served_model_name
+from headroom.operator.reconcile.sizing import Sizing, model_arch, served_model_name
 
 STARTUP_PERIOD_SECONDS = 10
 SGLANG_KV_DTYPE = {"auto": "auto", "fp8": "fp8_e4m3"}
@@ -136,6 +136,13 @@ def vllm_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> En
         "--gpu-memory-utilization",
         str(e.gpu_memory_utilization),
     ]
+    arch = model_arch(spec.model, sizing.max_model_len)
+    if 0 < arch.num_sliding_window_layers < arch.num_layers:
+        # With sliding-window and full layers (Gemma 2) vLLM's hybrid KV manager pages them as
+        # two groups whose blocks hold half the layers each, so the override's N blocks would
+        # be half the planned bytes and each sequence would take blocks in both groups: half
+        # the planned sequences. Unified, a block holds every layer, as the plan prices it.
+        args.append("--disable-hybrid-kv-cache-manager")
     return EngineCommand(
         command=["vllm", "serve", spec.model.path],
         args=args,

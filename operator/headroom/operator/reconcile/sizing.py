@@ -22,6 +22,7 @@ from headroom.contract.budget import (
     gpu_preset,
     model_preset,
     plan,
+    tp_split_error,
 )
 from headroom.operator.crd.models import Budget, InferenceDeploymentSpec, ModelSpec
 
@@ -128,6 +129,9 @@ def plan_input(spec: InferenceDeploymentSpec) -> PlanInput:
             gpu_memory_utilization=spec.engine.gpu_memory_utilization,
             max_num_seqs=spec.engine.max_num_seqs,
             max_num_batched_tokens=spec.engine.max_num_batched_tokens,
+            # vLLM's BlockPool keeps block 0 as its null block (`free_block_queue.popleft()`):
+            # of --num-gpu-blocks-override N, sequences get N - 1.
+            reserved_blocks=1 if spec.engine.runtime == "vllm" else 0,
         )
     except ValidationError as exc:
         first = exc.errors()[0]
@@ -149,23 +153,6 @@ class Sizing:
         return self.plan.replicas or 1
 
 
-def tp_heads_error(arch: ModelArch, tp: int) -> str | None:
-    """Why vLLM and SGLang would refuse to shard `arch` `tp` ways, or None: the attention heads
-    must split evenly, and the KV heads either split or replicate evenly (MLA has one latent)."""
-    if arch.num_attention_heads % tp:
-        return (
-            f"gpu.tensorParallel {tp} does not divide {arch.name}'s {arch.num_attention_heads} "
-            "attention heads (vLLM and SGLang refuse to start); pick a divisor"
-        )
-    kv = arch.num_kv_heads
-    if arch.kv_lora_rank is None and kv % tp and tp % kv:
-        return (
-            f"gpu.tensorParallel {tp} neither divides nor is a multiple of {arch.name}'s {kv} "
-            "KV heads (vLLM and SGLang refuse to start)"
-        )
-    return None
-
-
 def size(spec: InferenceDeploymentSpec) -> Sizing:
     """Plan the deployment and decide whether the engine can start with this spec."""
     if spec.engine.runtime != "headroom" and spec.model.path == "tiny":
@@ -174,7 +161,7 @@ def size(spec: InferenceDeploymentSpec) -> Sizing:
             "built-in test model: set model.path to a weights directory (or a Hugging Face id)"
         )
     inp = plan_input(spec)
-    if (heads := tp_heads_error(inp.model, inp.tp)) is not None:
+    if (heads := tp_split_error(inp.model, inp.tp, "gpu.tensorParallel")) is not None:
         raise SpecError(heads)
     result = plan(inp)
     mml = max_model_len(spec)
@@ -193,7 +180,7 @@ def size(spec: InferenceDeploymentSpec) -> Sizing:
                 f"engine.maxModelLen {mml} exceeds {arch.name}'s max_position_embeddings "
                 f"{arch.max_position_embeddings}"
             )
-        elif result.kv_blocks_per_pod < need_blocks:
+        elif result.kv_blocks_per_pod - inp.reserved_blocks < need_blocks:
             need = need_blocks * result.block_size * result.kv_bytes_per_token_per_gpu
             reason = (
                 f"one {mml}-token sequence (engine.maxModelLen) needs {need / GIB:.2f} GiB of "
@@ -202,6 +189,11 @@ def size(spec: InferenceDeploymentSpec) -> Sizing:
                 f"{result.activation_reserve_bytes_per_gpu / GIB:.1f} GiB; lower maxModelLen "
                 f"or add GPUs per pod"
             )
+            if inp.reserved_blocks:
+                reason += (
+                    f" ({result.kv_blocks_per_pod:,} blocks, {inp.reserved_blocks} of them the "
+                    "engine's own)"
+                )
     return Sizing(plan=result, feasible=reason is None, reason=reason, max_model_len=mml)
 
 
