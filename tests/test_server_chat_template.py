@@ -1,17 +1,27 @@
-"""Chat template rendering: the built-in template and a model directory's own."""
+"""Chat template rendering: the built-in template and a model directory's own, and chat
+prompts token for token against transformers' `apply_chat_template`."""
 
 from __future__ import annotations
 
 import json
+import string
 from pathlib import Path
+from typing import Any
 
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
 
+from headroom.engine.model.tokenizer import HFTokenizer
+from headroom.engine.server.chat import _chat_prompt
 from headroom.engine.server.chat_template import (
+    ChatTemplate,
     ChatTemplateError,
     default_template,
     load_chat_template,
 )
+from headroom.engine.server.protocol import ChatCompletionRequest
+from headroom.engine.server.state import ServerSettings, ServerState
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -97,3 +107,91 @@ def test_sandbox_blocks_attribute_escapes(tmp_path: Path) -> None:
     )
     with pytest.raises(ChatTemplateError):
         load_chat_template(tmp_path).render(MESSAGES)
+
+
+def test_generation_block_renders_its_body() -> None:
+    # transformers' AssistantTracker tag (TRL's assistant-only loss); it did not compile, so a
+    # model shipping such a template never became ready.
+    tmpl = ChatTemplate(
+        "{% for m in messages %}{% if m.role == 'assistant' %}"
+        "{% generation %}[{{ m.content }}]{% endgeneration %}"
+        "{% else %}{{ m.content }}{% endif %}{% endfor %}",
+        "test",
+    )
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    assert tmpl.render(messages) == "hi[ok]"
+
+
+def test_tojson_forwards_every_option_as_transformers_does() -> None:
+    value = {"b": "é<", "a": [1, 2]}
+
+    def render(args: str) -> str:
+        return ChatTemplate("{{ messages[0] | tojson(" + args + ") }}", "test").render([value])
+
+    assert render("sort_keys=True, separators=(',', ':')") == '{"a":[1,2],"b":"é<"}'
+    assert render("") == json.dumps(value, ensure_ascii=False)
+    assert render("ensure_ascii=True, indent=2") == json.dumps(value, indent=2)
+
+
+# --- chat prompts against transformers -------------------------------------------------------
+
+CHAT = [
+    {"role": "system", "content": "Be terse."},
+    {"role": "user", "content": 'Hi "there"', "name": "bob"},
+    {"role": "assistant", "content": "ok"},
+    {"role": "user", "content": "again"},
+]
+HF_TEMPLATES = {
+    # No bos_token in the template while the tokenizer's post-processor prepends one
+    # (Llama/Mistral tokenizers): transformers and vLLM add none, nor may the engine.
+    "no_bos": "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
+    "writes_bos": "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}"
+    "{{ eos_token }}{% endfor %}",
+    "name": "{% for m in messages %}{{ m.role }}{% if m.name is defined %}({{ m.name }})"
+    "{% endif %}: {{ m.content }}\n{% endfor %}",
+    "tojson": "{% for m in messages %}{{ m | tojson(sort_keys=True, separators=(',', ':')) }}"
+    "{% endfor %}",
+    "generation": "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+    "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}",
+}
+
+
+def _save_hf_tokenizer(root: Path, template: str) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer whose post-processor prepends BOS, saved with `template`."""
+    chars = sorted(set(string.printable) | {"é"})
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2} | {c: i + 3 for i, c in enumerate(chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(root / "tokenizer.json"))
+    hf = PreTrainedTokenizerFast(
+        tokenizer_file=str(root / "tokenizer.json"),
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+    hf.chat_template = template
+    hf.save_pretrained(root)
+    return hf
+
+
+def _hf_ids(hf: PreTrainedTokenizerFast, messages: list[dict[str, Any]]) -> list[int]:
+    out: Any = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    # transformers 5 returns a BatchEncoding, 4.x the id list.
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+@pytest.mark.parametrize("name", sorted(HF_TEMPLATES))
+def test_chat_prompt_ids_match_transformers_apply_chat_template(tmp_path: Path, name: str) -> None:
+    hf = _save_hf_tokenizer(tmp_path, HF_TEMPLATES[name])
+    st = ServerState(
+        settings=ServerSettings(served_model_name="m"),
+        tokenizer=HFTokenizer(tmp_path / "tokenizer.json"),
+        chat_template=load_chat_template(tmp_path),
+    )
+    ids = _chat_prompt(st, ChatCompletionRequest.model_validate({"messages": CHAT}))
+    assert ids == _hf_ids(hf, CHAT)
+    assert ids[0] != 0 or name == "writes_bos"  # BOS only where the template writes it
+    assert ids.count(0) <= 1

@@ -110,6 +110,27 @@ def test_neutral_values_of_unsupported_settings_pass() -> None:
     assert req.n == 1
 
 
+def test_any_completion_logprobs_is_refused_naming_the_field() -> None:
+    # OpenAI and vLLM answer logprobs=0 with the chosen tokens' logprobs; the server used to
+    # accept it and answer `logprobs: null`.
+    for value in (0, 1):
+        message, param = _error(CompletionRequest, {"prompt": "x", "logprobs": value})
+        assert param == "logprobs" and "not supported" in message, message
+
+
+def test_chat_logprobs_are_refused_naming_the_field_and_neutral_values_pass() -> None:
+    msgs = [{"role": "user", "content": "a"}]
+    message, param = _error(ChatCompletionRequest, {"messages": msgs, "logprobs": True})
+    assert param == "logprobs" and "not supported" in message, message
+    message, param = _error(ChatCompletionRequest, {"messages": msgs, "top_logprobs": 2})
+    assert param == "top_logprobs" and "not supported" in message, message
+    # top_logprobs=0 without logprobs=true asks for nothing (vLLM accepts it too).
+    req = ChatCompletionRequest.model_validate(
+        {"messages": msgs, "logprobs": False, "top_logprobs": 0}
+    )
+    assert req.top_logprobs == 0
+
+
 def test_chat_message_parts_and_max_tokens_alias() -> None:
     req = ChatCompletionRequest.model_validate(
         {

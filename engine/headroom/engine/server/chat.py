@@ -3,6 +3,8 @@ engine request (x `n` choices), answered as one response or one SSE stream."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 
 from headroom.engine.sampling import SamplingParams
@@ -25,6 +27,7 @@ from headroom.engine.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatMessage,
     Usage,
     new_id,
     now,
@@ -35,18 +38,27 @@ from headroom.engine.server.state import ServerState, state_of
 
 def _chat_prompt(st: ServerState, req: ChatCompletionRequest) -> list[int]:
     assert st.chat_template is not None and st.tokenizer is not None
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text}
-        for m in req.messages
-    ]
     try:
-        text = st.chat_template.render(messages, add_generation_prompt=req.add_generation_prompt)
+        text = st.chat_template.render(
+            [_template_message(m) for m in req.messages],
+            add_generation_prompt=req.add_generation_prompt,
+        )
     except ChatTemplateError as e:
         raise APIError(400, str(e), param="messages", code="chat_template_error") from e
-    # Templates that write BOS themselves must not get a second one from the tokenizer.
-    bos = st.chat_template.bos_token
-    add_special = not (bos and text.startswith(bos))
-    return list(st.tokenizer.encode(text, add_special_tokens=add_special))
+    # The template owns BOS (transformers and vLLM encode chat text without special tokens):
+    # a tokenizer that prepends BOS would otherwise add one the model never saw in training.
+    return list(st.tokenizer.encode(text, add_special_tokens=False))
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    """A message as the template sees it; `name` only when set, so `is defined` tests hold."""
+    message: dict[str, Any] = {
+        "role": "system" if m.role == "developer" else m.role,
+        "content": m.text,
+    }
+    if m.name is not None:
+        message["name"] = m.name
+    return message
 
 
 async def handle_chat(request: web.Request) -> web.StreamResponse:

@@ -4,8 +4,9 @@ A model directory's own template wins: `chat_template.jinja` beside the weights,
 `chat_template` key of `tokenizer_config.json` (a string, or a list of named templates of which
 "default" is used). It is rendered the way Hugging Face renders it: a sandboxed Jinja
 environment with `trim_blocks`/`lstrip_blocks`, `raise_exception`, `strftime_now`, the
-`tojson` filter, and the tokenizer's special tokens (`bos_token`, `eos_token`, ...) as
-variables.
+`tojson` filter, the `{% generation %}` block, and the tokenizer's special tokens (`bos_token`,
+`eos_token`, ...) as variables. The rendered text is the whole prompt: BOS appears only where
+the template writes it, as in transformers' `apply_chat_template` and vLLM.
 
 The built-in `tiny` model (and a directory without a template) uses DEFAULT_TEMPLATE, which
 renders each message as a role header line and its content, then opens the assistant turn::
@@ -22,11 +23,15 @@ Role headers are plain text, so the byte-level tiny tokenizer needs no special t
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 DEFAULT_TEMPLATE = (
@@ -50,8 +55,33 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **_: Any) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' signature: Jinja's own tojson escapes HTML characters and takes no options.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+class _GenerationBlock(Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` (AssistantTracker): it marks
+    assistant text for training masks (TRL); serving only needs the body rendered."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it a plain set)
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        # A call block, as in transformers, so `{% set %}` inside keeps the same scope.
+        return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Callable[[], str]) -> str:
+        return caller()
 
 
 def _token_text(value: Any) -> str | None:
@@ -68,7 +98,9 @@ class ChatTemplate:
 
     def __init__(self, source_text: str, source: str, tokens: dict[str, str] | None = None):
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"],
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
@@ -84,7 +116,7 @@ class ChatTemplate:
     def bos_token(self) -> str | None:
         return self.tokens.get("bos_token") or None
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages`; raises ChatTemplateError on a rejected conversation."""
         try:
             return self._template.render(
@@ -92,7 +124,7 @@ class ChatTemplate:
             )
         except ChatTemplateError:
             raise
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError) as e:  # TypeError: e.g. tojson of a bad value
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
 

@@ -122,10 +122,18 @@ class CompletionRequest(_SamplingFields):
                 raise ValueError("token ids must be >= 0")
         return v
 
+    @field_validator("logprobs")
+    @classmethod
+    def _check_logprobs(cls, v: int | None) -> int | None:
+        # Any integer, 0 included, asks for the chosen tokens' logprobs (OpenAI, vLLM), which
+        # the engine does not compute: only leaving it out (or null) is neutral.
+        if v is not None:
+            raise ValueError(f"logprobs={v!r} is not supported by this server (only null)")
+        return v
+
     @model_validator(mode="after")
     def _unsupported_completion(self) -> CompletionRequest:
         _neutral("echo", self.echo, False)
-        _neutral("logprobs", self.logprobs, 0)
         _neutral("suffix", self.suffix, "")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} is not supported (only best_of == n)")
@@ -170,11 +178,19 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
 
-    @model_validator(mode="after")
-    def _unsupported_chat(self) -> ChatCompletionRequest:
-        _neutral("logprobs", self.logprobs, False)
-        _neutral("top_logprobs", self.top_logprobs, 0)
-        return self
+    @field_validator("logprobs")
+    @classmethod
+    def _check_logprobs(cls, v: bool | None) -> bool | None:
+        # True asks for the chosen tokens' logprobs, which the engine does not compute.
+        _neutral("logprobs", v, False)
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, v: int | None) -> int | None:
+        # 0 asks for no alternatives, and without logprobs=true nothing is returned (vLLM).
+        _neutral("top_logprobs", v, 0)
+        return v
 
     @property
     def requested_max_tokens(self) -> int | None:
