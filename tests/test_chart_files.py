@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from headroom.contract import metric_names
+
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "headroom"
 GENERATED_CRD = REPO / "crds" / "inferencedeployment.yaml"
@@ -131,7 +133,10 @@ def _exported_metric_names() -> set[str]:
         REPO / "sidecar" / "headroom" / "sidecar" / "collector.py",
         REPO / "operator" / "headroom" / "operator" / "scaling" / "exporter.py",
     ):
-        names.update(re.findall(r'"(headroom_[a-z_]+)"', src.read_text()))
+        text = src.read_text()
+        names.update(re.findall(r'"(headroom_[a-z_]+)"', text))
+        # ... and those it names through the contract's constants (`names_.KV_DEMAND`).
+        names.update(getattr(metric_names, c) for c in re.findall(r"names_\.([A-Z_]+)", text))
     return names
 
 

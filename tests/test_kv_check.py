@@ -8,6 +8,7 @@ cached under $HEADROOM_CACHE/models (about 10-25 minutes on 2 busy cores the fir
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from dataclasses import replace
@@ -29,6 +30,7 @@ from headroom.engine.attention.kv_scales import (
 from headroom.engine.config import EngineConfig
 from headroom.engine.engine import Engine
 from headroom.engine.kv_check import check, metrics, needle
+from headroom.engine.kv_check import cli as kv_cli
 from headroom.engine.kv_check import retrieval_model as rm
 from headroom.engine.kv_check.calibrate import MARGIN, calibrate
 from headroom.engine.kv_check.cli import parse_contexts
@@ -77,6 +79,13 @@ def test_needles_are_seeded_and_scored_on_the_leading_value() -> None:
     assert needle.answered(" 472 . the", "472")
     assert not needle.answered(" 47 2", "472")
     assert not needle.answered("the 472", "472")
+
+
+def test_a_longer_number_does_not_answer_the_needle() -> None:
+    for text, value in ((" 1234.", "123"), (" 472.5", "472"), (" 4720 . the", "472")):
+        assert not needle.answered(text, value), text
+    for text in (" 472", " 472.", "472. The", " 472 . the", "472,", "472\n\nQ"):
+        assert needle.answered(text, "472"), text
 
 
 def test_metrics_of_identical_and_different_logits() -> None:
@@ -255,6 +264,37 @@ def test_bad_options_exit_2_with_the_reason(
     rc = headroom(_args(untrained, untrained / "documents.jsonl", *extra, "--quiet"))
     assert rc == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_needle_answer_counts_against_max_position_embeddings() -> None:
+    loaded = load_model("tiny")
+    limit = loaded.config.max_position_embeddings
+    needle_tokens = check.longest_needle_tokens(loaded.tokenizer)
+    assert needle_tokens > 2
+
+    def validate(context: int) -> check.CheckConfig:
+        args = argparse.Namespace(
+            contexts=str(context), num_prompts=1, depths="0.5", positions=1, greedy_tokens=1,
+            seed=0, calibrate=False, kv_cache_dtype="int8",
+        )  # fmt: skip
+        return kv_cli._validate(args, loaded)
+
+    with pytest.raises(kv_cli.UsageError, match=f"plus {needle_tokens} generated tokens"):
+        validate(limit - 2)  # room for the greedy and teacher-forced tokens, not the needle's
+    assert validate(limit - needle_tokens).contexts == (limit - needle_tokens,)
+
+
+def test_calibrate_without_a_place_for_the_scales_exits_2_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    docs = tmp_path / "docs.txt"
+    docs.write_text("the quick brown fox jumps over the lazy dog. " * 50)
+    rc = headroom(_args("tiny", docs, "--kv-cache-dtype", "fp8", "--calibrate", "--contexts",
+                        "160", "--num-prompts", "1", "--depths", "0.5"))  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "--calibrate needs --scales-out: tiny is not a model directory" in err
+    assert "loading" not in err and "calibrating" not in err
 
 
 def test_a_model_the_engine_cannot_load_exits_2(

@@ -178,12 +178,11 @@ def test_a_200_that_is_not_an_event_stream_is_not_a_served_request(
 
 
 def test_a_run_where_every_request_failed_writes_strict_json(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    web_page: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "run.json"
-    code = _load("--url", f"http://127.0.0.1:{free_port()}", "--model", "m",
-                 "--tokens-per-word", "1", "-n", "2", "-c", "1", "--no-stats", "--json",
-                 str(out))  # fmt: skip
+    code = _load("--url", web_page, "--model", "m", "--tokens-per-word", "1", "-n", "2",
+                 "-c", "1", "--no-stats", "--json", str(out))  # fmt: skip
     assert code == 1
 
     def no_nan(constant: str) -> None:
@@ -193,6 +192,119 @@ def test_a_run_where_every_request_failed_writes_strict_json(
     assert summary["errors"] == 2 and summary["ttft"]["p50"] is None
     capsys.readouterr()
     # A run too short to send anything measured nothing: not a success.
-    assert _load("--url", f"http://127.0.0.1:{free_port()}", "--model", "m",
-                 "--tokens-per-word", "1", "--duration", "1e-9", "--no-stats") == 1  # fmt: skip
+    assert _load("--url", web_page, "--model", "m", "--tokens-per-word", "1",
+                 "--duration", "1e-9", "--no-stats") == 1  # fmt: skip
     assert "no request was sent" in capsys.readouterr().err
+
+
+def test_an_unreachable_server_or_a_bad_port_exits_2_before_the_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for port in ("0", "65536", "99999", "x"):
+        assert _load("--url", f"http://127.0.0.1:{port}", "--model", "m", "-n", "1") == 2
+        assert "--url: the port must be a number from 1 to 65535" in capsys.readouterr().err
+    closed = f"http://127.0.0.1:{free_port()}"
+    for model in (["--model", "m", "--tokens-per-word", "1"], []):
+        code = _load("--url", closed, *model, "-n", "50", "--no-stats", "--json", "-")
+        captured = capsys.readouterr()
+        assert code == 2, model
+        assert f"cannot reach {closed}/v1/models" in captured.err
+        assert captured.out == ""  # no run, so no report
+
+
+class Scripted:
+    """A server whose /v1/completions answers `body` as `content_type`, whatever was asked."""
+
+    def __init__(self) -> None:
+        self.body, self.content_type = b"", "text/event-stream"
+        scripted = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self._answer(b'{"object": "list", "data": [{"id": "m"}]}', "application/json")
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self._answer(scripted.body, scripted.content_type)
+
+            def _answer(self, body: bytes, content_type: str) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+@pytest.fixture
+def scripted() -> Iterator[Scripted]:
+    srv = Scripted()
+    threading.Thread(target=srv.server.serve_forever, daemon=True).start()
+    yield srv
+    srv.server.shutdown()
+
+
+def _events(*events: str) -> bytes:
+    return b"".join(f"data: {e}\n\n".encode() for e in (*events, "[DONE]"))
+
+
+@pytest.mark.parametrize(
+    "events",
+    [
+        ("[1, 2]",),
+        ('"text"',),
+        ('{"choices": ["hi"]}',),
+        ('{"choices": {"text": "hi"}}',),
+        ('{"choices": [{"delta": "hi"}]}',),
+        ('{"choices": [{"text": "hi"}]}', '{"choices": [], "usage": {"total_tokens": 4}}'),
+        ('{"choices": [{"text": "hi"}]}',
+         '{"choices": [], "usage": {"completion_tokens": "n/a", "prompt_tokens": 3}}'),
+        ('{"choices": [{"text": "hi"}]}',
+         '{"usage": {"completion_tokens": 1.5, "prompt_tokens": 3}}'),
+    ],
+)  # fmt: skip
+def test_a_garbled_stream_fails_its_own_request_and_the_run_goes_on(
+    scripted: Scripted, capsys: pytest.CaptureFixture[str], events: tuple[str, ...]
+) -> None:
+    scripted.body = _events(*events)
+    code = _load("--url", scripted.url, "--model", "m", "--tokens-per-word", "1", "-n", "3",
+                 "-c", "2", "--no-stats", "--json", "-")  # fmt: skip
+    assert code == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["summary"]["errors_by_type"] == {"bad_response": 3}
+    assert sorted(r["index"] for r in data["records"]) == [0, 1, 2]
+    assert all(r["error_message"] for r in data["records"])
+
+
+def test_a_stream_with_its_usage_counts_is_a_served_request(
+    scripted: Scripted, capsys: pytest.CaptureFixture[str]
+) -> None:
+    usage = '{"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}'
+    scripted.body = _events('{"choices": [{"text": "a"}]}', '{"choices": [{"text": "b"}]}', usage)
+    assert _load("--url", scripted.url, "-n", "1", "--tokens-per-word", "1", "--no-stats",
+                 "--json", "-") == 0  # fmt: skip
+    (rec,) = json.loads(capsys.readouterr().out)["records"]
+    assert (rec["prompt_tokens"], rec["output_tokens"]) == (5, 2)
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b"[]", "usage.prompt_tokens is not a token count"),
+        (b"not json", "usage.prompt_tokens is not a token count"),
+        (b'{"usage": {"total_tokens": 3}}', "usage.prompt_tokens is not a token count"),
+        (b'{"usage": {"prompt_tokens": "7"}}', "usage.prompt_tokens is not a token count"),
+        (b'{"usage": {"prompt_tokens": 7}}', "no more than the 16-word prompt's 7"),
+    ],
+)
+def test_a_calibration_answer_without_a_usable_count_exits_2_with_the_reason(
+    scripted: Scripted, capsys: pytest.CaptureFixture[str], body: bytes, says: str
+) -> None:
+    scripted.body, scripted.content_type = body, "application/json"
+    assert _load("--url", scripted.url, "--model", "m", "-n", "1", "--no-stats") == 2
+    err = capsys.readouterr().err
+    assert says in err and "give --tokens-per-word" in err and "Traceback" not in err, err

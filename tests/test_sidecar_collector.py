@@ -8,6 +8,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from synthetic_engine import SyntheticEngine
 
+from headroom.contract import metric_names
 from headroom.contract.stats import TTFT_BUCKETS_S
 from headroom.sidecar.collector import SidecarCollector, make_registry
 from headroom.sidecar.config import IdentityLabels, SidecarConfig
@@ -168,3 +169,28 @@ def test_unknown_labels_are_left_off() -> None:
     fams = _families(state, cfg, clock)
     sample = fams["headroom_kv_block_occupancy_ratio"].samples[0]
     assert sample.labels == {}
+
+
+def test_the_demand_help_names_the_configured_window_and_stays_put_between_scrapes() -> None:
+    eng, state, cfg, clock = _setup()
+    helps = []
+    for _ in range(2):  # the span measured grows from 4 s to 9 s between the scrapes
+        _drive(eng, state, clock)
+        clock.t += 1.0
+        helps.append(_families(state, cfg, clock)["headroom_kv_demand_blocks"].documentation)
+    assert helps[0] == helps[1]
+    assert f"over the last {cfg.window:g} s" in helps[0]
+
+
+def test_every_exported_family_is_a_contract_name() -> None:
+    eng, state, _, clock = _setup()
+    cfg = SidecarConfig(engine_url="http://127.0.0.1:1", planned_blocks=1024)
+    _drive(eng, state, clock)
+    exported = {m.name for m in SidecarCollector(state, cfg, clock).collect()}
+    assert "headroom_kv_blocks_planned" in exported
+    contract = {
+        v.removesuffix("_total")
+        for k, v in vars(metric_names).items()
+        if k.isupper() and isinstance(v, str)
+    }
+    assert exported <= contract, exported - contract

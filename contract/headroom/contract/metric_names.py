@@ -6,6 +6,7 @@ from __future__ import annotations
 ENGINE_UP = "headroom_engine_up"
 KV_BLOCKS = "headroom_kv_blocks"  # label state = free / used / cached
 KV_BLOCKS_CAPACITY = "headroom_kv_blocks_capacity"
+KV_BLOCKS_PLANNED = "headroom_kv_blocks_planned"  # only with the sidecar's --planned-blocks
 KV_OCCUPANCY = "headroom_kv_block_occupancy_ratio"
 KV_BYTES_PER_TOKEN = "headroom_kv_bytes_per_token"
 PREFIX_QUERIES = "headroom_prefix_cache_queries_tokens_total"

@@ -126,7 +126,7 @@ def render(fig: Figures, cfg: SidecarConfig) -> Iterator[Metric]:
         yield gauge("headroom_kv_blocks_capacity", "Total blocks in the KV pool", r.capacity_blocks)
     if cfg.planned_blocks is not None:  # beside the capacity, so the two share their labels
         yield gauge(
-            "headroom_kv_blocks_planned",
+            names_.KV_BLOCKS_PLANNED,
             "KV pool blocks planned for this pod (--planned-blocks)",
             cfg.planned_blocks,
         )
@@ -194,9 +194,9 @@ def render(fig: Figures, cfg: SidecarConfig) -> Iterator[Metric]:
     if fig.demand is not None and fig.demand.demand_blocks is not None:
         yield gauge(
             names_.KV_DEMAND,
-            f"Arrival rate x block-seconds per departed request over the last "
-            f"{fig.demand.window_seconds:.0f} s (Little's law): the KV the current traffic "
-            "holds at steady state",
+            # The configured window, not the span measured: HELP must not change per scrape.
+            f"Arrival rate x block-seconds per departed request over the last {cfg.window:g} s "
+            "(Little's law): the KV the current traffic holds at steady state",
             fig.demand.demand_blocks,
         )
     if fig.eta_seconds is not None:

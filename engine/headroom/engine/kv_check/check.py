@@ -95,9 +95,19 @@ def needle_prompts(
             ids = hay.with_bos(
                 needle.insert_at_depth(hay.window(i, room, cfg.num_prompts), fact, ask, depth)
             )
-            answer = len(tokenizer.encode(" " + nd.value, add_special_tokens=False))
-            trials.append((ids, nd, answer + 2))
+            trials.append((ids, nd, needle_tokens(tokenizer, nd.value)))
     return trials
+
+
+def needle_tokens(tokenizer: Tokenizer, value: str) -> int:
+    """Greedy tokens generated after a needle's question: the value's, and two to see where
+    the number ends."""
+    return len(tokenizer.encode(" " + value, add_special_tokens=False)) + 2
+
+
+def longest_needle_tokens(tokenizer: Tokenizer) -> int:
+    """The most `needle_tokens` any value can take: what a needle generates past its context."""
+    return max(needle_tokens(tokenizer, v) for v in needle.VALUES)
 
 
 def _run(

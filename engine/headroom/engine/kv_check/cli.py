@@ -172,7 +172,8 @@ def _validate(args: argparse.Namespace, loaded: LoadedModel) -> check.CheckConfi
         seed=args.seed,
     )
     limit = loaded.config.max_position_embeddings
-    longest = max(cfg.contexts) + max(cfg.positions, cfg.greedy_tokens)
+    generated = max(cfg.positions, cfg.greedy_tokens, check.longest_needle_tokens(loaded.tokenizer))
+    longest = max(cfg.contexts) + generated
     if longest > limit:
         raise UsageError(
             f"context {check.short_context(max(cfg.contexts))} plus {longest - max(cfg.contexts)} "
@@ -200,10 +201,11 @@ def _run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UsageError("--threads must be at least 1")
         torch.set_num_threads(args.threads)
+    scales_path = _scales_path(args) if args.calibrate and args.kv_cache_dtype == "fp8" else None
     for bad in (
         chart_error(args.plot, "--plot") if args.plot is not None else None,
         output_error(args.json, "--json") if args.json is not None else None,
-        output_error(args.scales_out, "--scales-out") if args.scales_out is not None else None,
+        output_error(scales_path, "--scales-out") if scales_path is not None else None,
     ):
         if bad is not None:  # before the check's minutes, not after
             raise UsageError(bad)
@@ -223,10 +225,9 @@ def _run(args: argparse.Namespace) -> int:
             f"note: the documents hold {hay.num_tokens} tokens; longer contexts repeat them"
         )
     settings = [KVSetting("auto", "auto")]
-    scales_path = None
-    if args.kv_cache_dtype == "fp8" and args.calibrate:
+    if scales_path is not None:
         scales = _calibrate(args, loaded, backend, device, hay, cfg, progress)
-        scales_path = _write_scales(args, scales)
+        _write_scales(scales_path, scales)
         progress.say(f"calibrated fp8 scales written to {scales_path}")
         settings += [
             KVSetting("fp8 (scale 1.0)", "fp8"),
@@ -280,18 +281,24 @@ def _calibrate(
     )
 
 
-def _write_scales(args: argparse.Namespace, scales: KVScales) -> Path:
-    path: Path | None = args.scales_out
-    if path is None:
-        model_dir = Path(args.model).expanduser()
-        if not model_dir.is_dir():
-            raise UsageError("--calibrate on a built-in model needs --scales-out")
-        path = model_dir / SCALES_FILE
+def _scales_path(args: argparse.Namespace) -> Path:
+    """Where --calibrate writes: --scales-out, else the model directory (resolved up front)."""
+    if args.scales_out is not None:
+        return Path(args.scales_out)
+    model_dir = Path(args.model).expanduser()
+    if not model_dir.is_dir():
+        raise UsageError(
+            f"--calibrate needs --scales-out: {args.model} is not a model directory to write "
+            f"{SCALES_FILE} into"
+        )
+    return model_dir / SCALES_FILE
+
+
+def _write_scales(path: Path, scales: KVScales) -> None:
     try:
         write_scales(scales, path)
     except OSError as exc:
         raise UsageError(f"cannot write the scales to {path}: {exc} (use --scales-out)") from None
-    return path
 
 
 def _write(path: Path, text: str) -> None:

@@ -3,7 +3,7 @@
 The fact and the question are plain sentences (`NEEDLE`, `QUESTION`), so any tokenizer reads
 them; keys are common nouns and values three-digit numbers, drawn from a seeded generator so
 two runs (auto and quantized KV) ask exactly the same questions. A continuation scores 1 when
-its text starts with the value.
+its text starts with the value as a whole number ("4720" or "472.5" do not answer 472).
 """
 
 from __future__ import annotations
@@ -60,5 +60,10 @@ def insert_at_depth(
 
 
 def answered(continuation: str, value: str) -> bool:
-    """True when the generated text starts with the value (spacing and a final period aside)."""
-    return continuation.strip().startswith(value)
+    """True when the generated text starts with the value and the number ends there (spacing
+    and a final period aside): a digit, or a period before a digit, would make it another."""
+    text = continuation.strip()
+    if not text.startswith(value):
+        return False
+    rest = text[len(value) :]
+    return not (rest[:1].isdigit() or (rest[:1] == "." and rest[1:2].isdigit()))

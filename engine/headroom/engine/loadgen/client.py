@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import Callable
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -37,6 +38,12 @@ class Target(BaseModel):
         scheme, sep, rest = url.partition("://")
         if not sep or scheme not in ("http", "https") or not rest.strip("/"):
             raise ValueError(f"must be an http:// or https:// URL with a host, got {url!r}")
+        try:
+            port = urlsplit(url).port
+        except ValueError:  # not a number, or past 65535
+            port = -1
+        if port is not None and not 1 <= port <= 65535:
+            raise ValueError(f"the port must be a number from 1 to 65535, got {url!r}")
         return url
 
     @property
@@ -150,6 +157,28 @@ def _chunk_has_token(chunk: dict[str, Any]) -> bool:
     return False
 
 
+def _parse_chunk(data: bytes) -> dict[str, Any]:
+    """One stream event: an object whose `choices` are objects (ValueError for anything else,
+    so a garbled stream fails its own request, not the run)."""
+    chunk = json.loads(data)
+    if not isinstance(chunk, dict):
+        raise ValueError(f"a stream event is not a JSON object: {data[:80]!r}")
+    choices = chunk.get("choices") or []
+    if not isinstance(choices, list) or not all(
+        isinstance(c, dict) and isinstance(c.get("delta") or {}, dict) for c in choices
+    ):
+        raise ValueError(f"a stream event's choices are not a list of objects: {data[:80]!r}")
+    return chunk
+
+
+def _token_count(usage: Any, key: str) -> int:
+    """`usage[key]` as a token count (ValueError when missing or not a whole number >= 0)."""
+    value = usage.get(key) if isinstance(usage, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"usage.{key} is not a token count: {usage!r}"[:200])
+    return value
+
+
 async def send_request(
     session: aiohttp.ClientSession,
     target: Target,
@@ -170,7 +199,7 @@ async def send_request(
     )
     token_times: list[float] = []
     first: float | None = None
-    usage: dict[str, Any] | None = None
+    usage: tuple[int, int] | None = None  # (prompt, completion) tokens
     chunks, done = 0, False
     try:
         async with session.post(target.api + path, json=body, headers=target.headers()) as resp:
@@ -192,7 +221,7 @@ async def send_request(
                 if data == b"[DONE]":
                     done = True
                     break
-                chunk = json.loads(data)
+                chunk = _parse_chunk(data)
                 chunks += 1
                 if "error" in chunk:
                     rec.error = "stream_error"
@@ -201,7 +230,7 @@ async def send_request(
                 now = time.perf_counter()
                 for choice in chunk.get("choices") or []:
                     if choice.get("finish_reason"):
-                        rec.finish_reason = choice["finish_reason"]
+                        rec.finish_reason = str(choice["finish_reason"])
                 if _chunk_has_token(chunk):
                     token_times.append(now)
                     if first is None:
@@ -213,14 +242,15 @@ async def send_request(
                     rec.output_tokens = len(token_times)
                     return rec
                 if chunk.get("usage"):
-                    usage = chunk["usage"]
+                    u = chunk["usage"]
+                    usage = (_token_count(u, "prompt_tokens"), _token_count(u, "completion_tokens"))
     except TimeoutError:
         rec.error, rec.error_message = "timeout", f"no answer within {target.timeout_s:g}s"
         return rec
     except aiohttp.ClientError as e:
         rec.error, rec.error_message = type(e).__name__, str(e)[:200]
         return rec
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
         rec.error, rec.error_message = "bad_response", str(e)[:200]
         return rec
     if not done:
@@ -236,8 +266,7 @@ async def send_request(
     end = time.perf_counter()
     rec.ok = True
     rec.e2e_s = end - t0
-    rec.output_tokens = int(usage["completion_tokens"]) if usage else len(token_times)
-    rec.prompt_tokens = int(usage["prompt_tokens"]) if usage else None
+    rec.prompt_tokens, rec.output_tokens = usage if usage else (None, len(token_times))
     if first is not None:
         rec.ttft_s = first - t0
         if rec.output_tokens > 1 and token_times:
@@ -247,17 +276,32 @@ async def send_request(
     return rec
 
 
+# How long the reachability probe before a run waits: a server that cannot answer a model
+# list in this time would not serve the run either.
+PROBE_TIMEOUT_S = 30.0
+
+
 async def resolve_model(session: aiohttp.ClientSession, target: Target) -> str:
-    """The model to ask for: `target.model`, else the first one `/v1/models` lists."""
-    if target.model:
-        return target.model
-    async with session.get(target.api + "/models", headers=target.headers()) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"GET {target.api}/models answered {resp.status}: give --model")
-        try:
-            data = await resp.json(content_type=None)
-        except ValueError:
-            data = None
+    """The model to ask for: `target.model`, else the first one `/v1/models` lists.
+
+    `/v1/models` is asked either way, so an unreachable server fails here, before the run
+    (RuntimeError); with `target.model` given its answer is not read."""
+    timeout = aiohttp.ClientTimeout(total=min(target.timeout_s, PROBE_TIMEOUT_S))
+    try:
+        async with session.get(
+            target.api + "/models", headers=target.headers(), timeout=timeout
+        ) as resp:
+            if target.model:
+                return target.model
+            if resp.status != 200:
+                raise RuntimeError(f"GET {target.api}/models answered {resp.status}: give --model")
+            try:
+                data = await resp.json(content_type=None)
+            except ValueError:
+                data = None
+    except (aiohttp.ClientError, TimeoutError) as e:
+        reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise RuntimeError(f"cannot reach {target.api}/models: {reason}"[:300]) from None
     models = data.get("data") if isinstance(data, dict) else None
     if not isinstance(models, list) or not all(isinstance(m, dict) and "id" in m for m in models):
         raise RuntimeError(f"{target.api}/models is not an OpenAI model list: give --model")
@@ -270,7 +314,8 @@ async def calibrate_tokens_per_word(
     session: aiohttp.ClientSession, target: Target, model: str
 ) -> float:
     """Tokens per prompt word on this server, from `usage.prompt_tokens` of two 1-token
-    requests of different lengths (the difference cancels BOS and any chat template)."""
+    requests of different lengths (the difference cancels BOS and any chat template).
+    RuntimeError, naming --tokens-per-word, for an answer without a usable count."""
     counts: list[int] = []
     lengths = (16, 80)
     for n in lengths:
@@ -283,13 +328,28 @@ async def calibrate_tokens_per_word(
             body["prompt"] = text
             path = "/completions"
         async with session.post(target.api + path, json=body, headers=target.headers()) as resp:
-            data = await resp.json(content_type=None)
-            if resp.status != 200 or not data.get("usage"):
-                raise RuntimeError(
-                    f"calibration request answered {resp.status} without usage: "
-                    f"{_error_message(data, str(data))}; give --tokens-per-word"
-                )
-            counts.append(int(data["usage"]["prompt_tokens"]))
+            status, raw = resp.status, await resp.text(errors="replace")
+        try:
+            data: Any = json.loads(raw)
+        except ValueError:
+            data = None
+        usage = data.get("usage") if isinstance(data, dict) else None
+        if status != 200:
+            raise RuntimeError(
+                f"calibration request answered {status}: {_error_message(data, raw)}; "
+                "give --tokens-per-word"
+            )
+        try:
+            counts.append(_token_count(usage, "prompt_tokens"))
+        except ValueError as e:
+            raise RuntimeError(
+                f"calibration request: {e} (body {raw[:120]!r}); give --tokens-per-word"
+            ) from None
+    if counts[1] <= counts[0]:
+        raise RuntimeError(
+            f"calibration: the {lengths[1]}-word prompt counted {counts[1]} tokens, no more "
+            f"than the {lengths[0]}-word prompt's {counts[0]}; give --tokens-per-word"
+        )
     return max(0.05, (counts[1] - counts[0]) / (lengths[1] - lengths[0]))
 
 
