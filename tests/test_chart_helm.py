@@ -195,6 +195,38 @@ def test_more_replicas_need_peering(helm: Path) -> None:
     assert "operator.replicas > 1 needs operator.peering" in out.stderr
 
 
+def test_peering_renders_the_peering_object_kopf_waits_for(helm: Path) -> None:
+    # kopf treats a named peering as mandatory: every replica stays paused until the peering
+    # object exists, and the operator peers through one ClusterKopfPeering in every mode.
+    assert "ClusterKopfPeering" not in kinds(render(helm))
+    for sets in [(), ("operator.watchNamespaces={team-a}",), ("operator.watchNamespaces={t-*}",)]:
+        objs = render(helm, "operator.peering=hr", "operator.replicas=2", *sets)
+        peering = one(objs, "ClusterKopfPeering")
+        assert peering["apiVersion"] == "kopf.dev/v1" and peering["metadata"]["name"] == "hr"
+        (c,) = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
+        assert "--peering=hr" in c["args"]
+        # No --priority: each replica draws its own, so no two tie.
+        assert not any(a.startswith("--priority") for a in c["args"])
+    # Its CRD ships in crds/, as the RBAC rule names it.
+    crd = yaml.safe_load((CHART / "crds" / "kopf-peering.yaml").read_text())
+    assert crd["spec"]["scope"] == "Cluster"
+    assert (crd["spec"]["group"], crd["spec"]["names"]["kind"]) == (
+        "kopf.dev",
+        "ClusterKopfPeering",
+    )
+    (version,) = crd["spec"]["versions"]
+    assert version["name"] == "v1" and version["served"] and version["storage"]
+    (rule,) = [r for r in cluster_role_rules(peering=True) if r["apiGroups"] == ["kopf.dev"]]
+    assert rule["resources"] == [crd["spec"]["names"]["plural"]]
+
+
+def test_the_rate_window_reaches_the_operator(helm: Path) -> None:
+    (c,) = one(render(helm), "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert "--prometheus-rate-window=1m" in c["args"]
+    dep = one(render(helm, "operator.prometheusRateWindow=4m"), "Deployment")
+    assert "--prometheus-rate-window=4m" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
 def test_own_service_account_needs_a_name(helm: Path) -> None:
     out = _run(
         helm, "template", "x", str(CHART), "--set", "serviceAccount.create=false", check=False

@@ -74,6 +74,48 @@ def test_a_kubeconfig_that_is_not_one_is_exit_2_before_anything_starts(
         assert f"--kubeconfig {path}:" in err and says in err and "Traceback" not in err, err
 
 
+def test_a_kubeconfig_that_is_not_yaml_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = tmp_path / "kubeconfig"
+    broken.write_text("apiVersion: v1\nkind: Config\nclusters: [\n")
+    args = parser().parse_args(["operator", "--kubeconfig", str(broken), "--metrics-port", "0"])
+    assert cli.run_operator(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"headroom operator: --kubeconfig {broken}: ") and "Traceback" not in err
+    assert err.count("\n") == 1, err
+
+
+def test_peering_priority_and_rate_window_flags() -> None:
+    args = parser().parse_args(["operator", "--peering", "p", "--priority", "5"])
+    assert (args.peering, args.priority) == ("p", 5)
+    args = parser().parse_args(["operator"])
+    assert args.priority is None and args.prometheus_rate_window == "1m"
+    args = parser().parse_args(["operator", "--prometheus-rate-window", "4m"])
+    assert args.prometheus_rate_window == "4m"
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--priority", "5"], "--priority: Value error, a peering priority needs --peering"),
+        (["--peering", "p", "--priority", "-1"], "--priority:"),
+        (["--prometheus-rate-window", "60"], "--prometheus-rate-window: Value error, '60' is not"),
+        (
+            ["--prometheus-rate-window", "0s"],
+            "--prometheus-rate-window: Value error, 0s is outside",
+        ),
+        (["--prometheus-rate-window", "2h"], "--prometheus-rate-window:"),
+    ],
+)
+def test_a_priority_or_rate_window_that_cannot_work_is_exit_2(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = parser().parse_args(["operator", *argv])
+    assert cli.run_operator(args) == 2
+    assert says in capsys.readouterr().err
+
+
 def test_conditions_keep_transition_time_until_status_flips() -> None:
     conds = set_condition(None, "Ready", "False", "ReplicasNotReady", "0/2", generation=1, now=100)
     conds = set_condition(conds, "Feasible", "True", "Sized", "ok", generation=1, now=100)

@@ -85,3 +85,35 @@ def test_what_the_crd_refuses_now_fails_for_good_on_the_api_server(
     assert errors, f"{case}: every child applied"
     for exc in errors:
         assert permanent_apply_error(exc.status, exc.message), f"{case}: {exc}"
+
+
+def test_a_deployment_apply_from_a_stale_read_is_refused_not_applied(
+    cluster: Cluster, cluster_namespace: str
+) -> None:
+    # What the reconcile relies on to never undo a scale it did not see: server-side apply
+    # takes metadata.resourceVersion as a precondition and answers 409.
+    from headroom.operator.reconcile.loop import StaleRead, _apply_read
+    from headroom.operator.status import SCALING_MANAGER
+
+    spec = InferenceDeploymentSpec.model_validate(VALID)
+    owner = Owner("raced", cluster_namespace, "00000000-0000-0000-0000-000000000003")
+    kube = _kube(cluster)
+    dep = render(owner, spec, size(spec), 0)[0]
+    del dep["metadata"]["ownerReferences"]  # the made-up owner would have it collected
+    kube.apply(dep)
+    read = kube.get("apps/v1", "Deployment", cluster_namespace, "raced")
+    kube.scale(cluster_namespace, "raced", 2, field_manager=SCALING_MANAGER)  # the tick
+    with pytest.raises(StaleRead):
+        _apply_read(kube, dep, read)
+    live = kube.get("apps/v1", "Deployment", cluster_namespace, "raced")
+    assert live is not None and live["spec"]["replicas"] == 2
+    for _ in range(5):  # the Deployment controller writes status too: read again until it lands
+        fresh = kube.get("apps/v1", "Deployment", cluster_namespace, "raced")
+        try:
+            out = _apply_read(kube, {**dep, "spec": {**dep["spec"], "replicas": 2}}, fresh)
+            break
+        except StaleRead:
+            continue
+    else:
+        pytest.fail("a fresh read never applied")
+    assert out["spec"]["replicas"] == 2

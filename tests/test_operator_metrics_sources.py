@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import shutil
 import socket
@@ -30,6 +31,7 @@ from headroom.operator.scaling.metrics_sources import (
     parse_prometheus,
     pod_info,
     promql,
+    rate_window_seconds,
     sample_from_report,
     usable,
 )
@@ -235,6 +237,83 @@ async def test_prometheus_source_without_url_or_server() -> None:
         port = free_port()
         with pytest.raises(MetricsError, match="unreachable"):
             await PrometheusSource(http, f"http://127.0.0.1:{port}", timeout=2).sample(TARGET, [])
+
+
+def test_rate_windows_are_promql_durations_within_reason() -> None:
+    assert [rate_window_seconds(w) for w in ("1m", "90s", "1m30s", "4m", "1h")] == [
+        60, 90, 90, 240, 3600,
+    ]  # fmt: skip
+    for bad in ("", "60", "1.5m", "m", "500ms", "0s", "2h", "1m 30s"):
+        with pytest.raises(ValueError):
+            rate_window_seconds(bad)
+
+
+async def test_prometheus_source_asks_over_its_rate_window_and_says_so_in_the_demand() -> None:
+    asked: list[str] = []
+
+    async def query(request: web.Request) -> web.Response:
+        asked.append(str((await request.post())["query"]))
+        rates = [vec("chat-0", "occupancy", "0.5"), vec("chat-0", "up", "1"),
+                 vec("chat-0", "arrivals", "2"), vec("chat-0", "departures", "2"),
+                 vec("chat-0", "block_seconds", "50")]  # fmt: skip
+        doc = {"status": "success", "data": {"resultType": "vector", "result": rates}}
+        return web.Response(text=json.dumps(doc), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/api/v1/query", query)
+    async with TestServer(app, host="127.0.0.1") as srv, aiohttp.ClientSession() as http:
+        src = PrometheusSource(http, f"http://127.0.0.1:{srv.port}", rate_window="4m")
+        got = await src.sample(TARGET, [PodInfo("chat-0", "10.0.0.1", True, 0.0)])
+    (q,) = asked
+    assert q.count("[4m])") == 4 and "[1m]" not in q
+    demand = got["chat-0"].demand
+    assert demand is not None and demand.window_seconds == 240.0  # decide() looks ahead by half
+
+
+RATES = ("arrivals", "block_seconds", "departures", "preempt")
+
+
+def _rates_come_back(window: str, scrape: str, tmp_path: Path) -> bool:
+    """Whether Prometheus' own engine (promtool) answers `promql()` over `window` with every
+    rate series, for a target scraped every `scrape` (the query 30 s after a scrape)."""
+    promtool = shutil.which("promtool")
+    assert promtool is not None, "promtool is not installed: make tools installs Debian's"
+    labels = 'namespace="llm",inferencedeployment="chat",pod="chat-0"'
+    series = [
+        {"series": f"{name}{{{labels}}}", "values": values}
+        for name, values in (
+            ("headroom_engine_up", "1x40"), ("headroom_kv_block_occupancy_ratio", "0.5x40"),
+            ("headroom_preemptions_total", "0+5x40"),
+            ("headroom_requests_arrived_total", "0+10x40"),
+            ("headroom_requests_departed_total", "0+10x40"),
+            ("headroom_kv_block_seconds_total", "0+900x40"),
+        )
+    ]  # fmt: skip
+    wanted = " or ".join(f'label_replace(vector(1), "q", "{q}", "", "")' for q in RATES)
+    test = {
+        "interval": scrape,
+        "input_series": series,
+        "promql_expr_test": [{
+            "expr": f"count by (q) ({promql(TARGET, window)}) and on (q) ({wanted})",
+            "eval_time": "10m30s",
+            "exp_samples": [{"labels": f'{{q="{q}"}}', "value": 1} for q in RATES],
+        }],
+    }  # fmt: skip
+    path = tmp_path / "rates.yaml"
+    path.write_text(json.dumps({"rule_files": [], "evaluation_interval": "1m", "tests": [test]}))
+    out = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True)
+    return out.returncode == 0
+
+
+def test_a_rate_window_of_4x_the_scrape_interval_gets_rates_where_1m_gets_none(
+    tmp_path: Path,
+) -> None:
+    # Prometheus' default scrape interval is 60 s: one sample per minute, and rate() needs two
+    # inside its window. The default 1m suits 15 s scrapes only; --prometheus-rate-window fixes
+    # the rest.
+    assert _rates_come_back("1m", "15s", tmp_path)
+    assert not _rates_come_back("1m", "60s", tmp_path)
+    assert _rates_come_back("4m", "60s", tmp_path)
 
 
 # ----------------------------------------------------------------------------- end to end

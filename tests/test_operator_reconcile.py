@@ -23,7 +23,8 @@ NOW = 1_700_000_000.0
 
 
 class FakeKube:
-    """Enough of the API server: apply merges and tracks who owns spec.replicas."""
+    """Enough of the API server: apply merges and tracks who owns spec.replicas; every write
+    moves the object's resourceVersion, which an apply may name as its precondition."""
 
     def __init__(self, monitoring: frozenset[str] = frozenset()) -> None:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -35,6 +36,7 @@ class FakeKube:
         self.ready = 0
         self.scales: list[tuple[str, int, str]] = []
         self.statuses: list[tuple[str, dict[str, Any]]] = []
+        self.version = 0
 
     def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> Any:
         obj = self.objects.get((kind, namespace or "", name))
@@ -57,8 +59,13 @@ class FakeKube:
             raise self.fail.pop(0)
         if obj["kind"] in self.fail_kinds:
             raise self.fail_kinds[obj["kind"]]
-        self.applies.append((obj["kind"], field_manager, copy.deepcopy(obj)))
         key = (obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
+        precondition = obj["metadata"].get("resourceVersion")
+        if precondition is not None and precondition != self.objects.get(key, {}).get(
+            "metadata", {}).get("resourceVersion"):  # fmt: skip
+            raise KubeError(409, "Conflict", "the object has been modified; please apply your "
+                            "changes to the latest version and try again")  # fmt: skip
+        self.applies.append((obj["kind"], field_manager, copy.deepcopy(obj)))
         live = self.objects.setdefault(key, {"metadata": {"managedFields": []}})
         owners = {e["manager"] for e in live["metadata"]["managedFields"] if e.get("replicas")} - {
             field_manager
@@ -82,6 +89,7 @@ class FakeKube:
              "fieldsV1": owned}
         )  # fmt: skip
         meta["managedFields"] = fields
+        meta["resourceVersion"] = self._bump()
         live["metadata"] = meta
         return self.get("", obj["kind"], key[1], key[2])
 
@@ -89,8 +97,14 @@ class FakeKube:
         if self.fail:
             raise self.fail.pop(0)
         self.scales.append((name, replicas, field_manager))
-        self.objects[("Deployment", namespace, name)]["spec"]["replicas"] = replicas
+        dep = self.objects[("Deployment", namespace, name)]
+        dep["spec"]["replicas"] = replicas
+        dep["metadata"]["resourceVersion"] = self._bump()
         return replicas
+
+    def _bump(self) -> str:
+        self.version += 1
+        return str(self.version)
 
     def apply_status(
         self, owner: Any, status: dict[str, Any], *, field_manager: str
@@ -659,3 +673,57 @@ async def test_a_tick_that_ends_after_its_resource_was_deleted_publishes_nothing
     assert 'inferencedeployment="chat"' not in generate_latest(ctx.metrics.registry).decode()
     await _tick(ctx, b, parse(b["spec"]), Memory())
     assert 'inferencedeployment="chat"' in generate_latest(ctx.metrics.registry).decode()
+
+
+async def test_a_scale_between_the_reconciles_read_and_its_apply_is_not_undone() -> None:
+    # The scaling daemon and a reconcile run at once, in worker threads: the reconcile reads
+    # the Deployment (4 replicas), the tick scales it to 9, then the reconcile applies.
+    kube, b = await created(SPEC)
+    read = kube.get
+
+    def get(api_version: str, kind: str, namespace: str | None, name: str) -> Any:
+        out = read(api_version, kind, namespace, name)
+        if kind == "Service" and not kube.scales:  # the ownership check, after the read
+            kube.scale("ns", "chat", 9, field_manager=SCALING_MANAGER)
+        return out
+
+    kube.get = get  # type: ignore[method-assign]
+    edited = body({**SPEC, "engine": {"prefixCaching": False}}, status=b["status"], gen=2)
+    out = reconcile(kube, edited, NOW + 1)
+    assert kube.objects[("Deployment", "ns", "chat")]["spec"]["replicas"] == 9
+    deployments = [o for k, _, o in kube.applies if k == "Deployment"]
+    assert [d["spec"]["replicas"] for d in deployments] == [9]
+    assert out.status["replicas"] == out.status["desiredReplicas"] == 9
+
+
+def test_a_deployment_that_keeps_changing_is_retried_later_not_overwritten() -> None:
+    kube = FakeKube()
+    reconcile(kube, body(SPEC), NOW)
+    read = kube.get
+
+    def get(api_version: str, kind: str, namespace: str | None, name: str) -> Any:
+        out = read(api_version, kind, namespace, name)
+        if kind == "Service":  # every read is stale by the time the apply lands
+            kube.scale("ns", "chat", 3 + len(kube.scales), field_manager=SCALING_MANAGER)
+        return out
+
+    kube.get = get  # type: ignore[method-assign]
+    kube.applies.clear()
+    with pytest.raises(KubeError) as caught:
+        reconcile(kube, body(SPEC), NOW)
+    assert caught.value.status == 409 and caught.value.transient  # kopf runs it again soon
+    assert kube.applies == []
+    assert kube.objects[("Deployment", "ns", "chat")]["spec"]["replicas"] == 2 + len(kube.scales)
+
+
+async def test_a_refused_scale_is_reported_by_the_tick_not_raised() -> None:
+    kube, b = await created(SPEC)
+    kube.fail = [KubeError(403, "Forbidden", 'cannot patch resource "deployments/scale"')]
+    res = await tick(kube, FakeSource(0.6, arrivals=2.0), b, parse(b["spec"]), NOW)
+    assert res.decision is not None and res.decision.replicas > 4 and kube.scales == []
+    st = res.outcome.status
+    assert st["replicas"] == res.current == 4 and st["desiredReplicas"] == res.decision.replicas
+    assert [(e.type, e.reason) for e in res.outcome.events] == [("Warning", "ScaleFailed")]
+    assert cond(st, "ScalingLimited")["reason"] == "ScaleFailed"
+    assert "lastDecisions" in st and not any(r["applied"] for r in st["lastDecisions"])
+    assert res.memory.last_up is None

@@ -84,7 +84,7 @@ app.kubernetes.io/component: operator
   verbs: [list, watch]
 {{- if .Values.operator.peering }}
 - apiGroups: [kopf.dev]
-  resources: [clusterkopfpeerings, kopfpeerings]
+  resources: [clusterkopfpeerings]
   verbs: [get, list, watch, patch]
 {{- end }}
 {{- end }}

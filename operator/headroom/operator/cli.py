@@ -53,9 +53,22 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "--prometheus-url", help="Prometheus base URL for scaling.metricsSource: prometheus"
     )
     op.add_argument(
+        "--prometheus-rate-window",
+        default="1m",
+        metavar="DURATION",
+        help="range of the rate() queries to Prometheus (a PromQL duration such as 2m; at least "
+        "4x Prometheus' scrape interval, or every rate series comes back empty)",
+    )
+    op.add_argument(
         "--sidecar-port", type=int, default=SIDECAR_PORT, help="sidecar /saturation port"
     )
     op.add_argument("--peering", help="kopf peering name to run several replicas (HA)")
+    op.add_argument(
+        "--priority",
+        type=int,
+        help="kopf peering priority; the highest live one is active, the others stand by "
+        "(default with --peering: drawn at random at startup, so replicas never tie)",
+    )
     op.add_argument("--log-format", choices=["json", "text"], default="json")
     op.add_argument("--verbose", "-v", action="store_true", help="debug logs")
     op.set_defaults(func=run_operator)
@@ -80,6 +93,7 @@ def run_crd(args: argparse.Namespace) -> int:
 def run_operator(args: argparse.Namespace) -> int:
     """Run the operator in the foreground until SIGINT/SIGTERM."""
     import kopf
+    import yaml
     from kubernetes.config import ConfigException
 
     from headroom.operator.handlers import Options, operate
@@ -91,12 +105,14 @@ def run_operator(args: argparse.Namespace) -> int:
             namespaces=args.namespaces or [],
             kubeconfig=args.kubeconfig,
             prometheus_url=args.prometheus_url,
+            prometheus_rate_window=args.prometheus_rate_window,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
             liveness_port=args.liveness_port,
             liveness_host=args.liveness_host,
             sidecar_port=args.sidecar_port,
             peering=args.peering,
+            priority=args.priority,
         )
     except ValidationError as exc:
         first = exc.errors()[0]
@@ -105,10 +121,12 @@ def run_operator(args: argparse.Namespace) -> int:
         return 2
     try:
         kube = Kube.connect(options.kubeconfig)
-    except (ConfigException, OSError, TypeError, ValueError) as exc:
-        # A missing, unreadable or malformed kubeconfig: the library's own text, one line.
+    except (ConfigException, OSError, TypeError, ValueError, yaml.YAMLError) as exc:
+        # A missing, unreadable or malformed kubeconfig (not YAML at all: the client lets
+        # PyYAML's error through): the library's own text, one line.
         where = f"--kubeconfig {options.kubeconfig}" if options.kubeconfig else "kubeconfig"
-        print(f"headroom operator: {where}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        text = " ".join(str(exc).split())  # PyYAML's message spans lines, with a caret
+        print(f"headroom operator: {where}: {type(exc).__name__}: {text}", file=sys.stderr)
         return 2
     kopf.configure(
         verbose=args.verbose,

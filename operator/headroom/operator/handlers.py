@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from ipaddress import IPv4Address
@@ -26,19 +27,25 @@ from typing import Any, cast
 
 import aiohttp
 import kopf
-from pydantic import BaseModel, ConfigDict, Field, IPvAnyAddress
+from pydantic import BaseModel, ConfigDict, Field, IPvAnyAddress, ValidationInfo, field_validator
 
 from headroom.contract.ports import SIDECAR_PORT
 from headroom.operator.crd.models import GROUP, KIND, PLURAL, VERSION
 from headroom.operator.kube import Kube, KubeError, owner_of, with_retries
 from headroom.operator.reconcile.apply_errors import namespace_terminating, permanent_apply_error
-from headroom.operator.reconcile.children import SELECTOR_LABEL, render
+from headroom.operator.reconcile.children import SELECTOR_LABEL, Owner, render
 from headroom.operator.reconcile.loop import apply_failed, reconcile
 from headroom.operator.reconcile.sizing import Parsed, parse
 from headroom.operator.scaling.decide import Memory
 from headroom.operator.scaling.exporter import OperatorMetrics
 from headroom.operator.scaling.loop import tick
-from headroom.operator.scaling.metrics_sources import MetricsSource, PrometheusSource, SidecarSource
+from headroom.operator.scaling.metrics_sources import (
+    DEFAULT_RATE_WINDOW,
+    MetricsSource,
+    PrometheusSource,
+    SidecarSource,
+    rate_window_seconds,
+)
 from headroom.operator.status import (
     RECONCILE_MANAGER,
     SCALING_MANAGER,
@@ -51,6 +58,9 @@ FINALIZER = f"{GROUP}/finalizer"
 SourceFactory = Callable[[str, "Context"], MetricsSource]
 LOOPBACK = IPv4Address("127.0.0.1")
 REGISTRY = kopf.OperatorRegistry()
+# Priorities drawn for peering replicas lie below this: an operator started by hand with
+# `--priority` at or above it outranks (and pauses) every replica, kopf's way to debug live.
+DRAWN_PRIORITIES = 1_000_000_000
 
 
 class Options(BaseModel):
@@ -61,6 +71,9 @@ class Options(BaseModel):
     namespaces: list[str] = Field(default_factory=list, description="empty: all namespaces")
     kubeconfig: str | None = None
     prometheus_url: str | None = None
+    prometheus_rate_window: str = Field(
+        default=DEFAULT_RATE_WINDOW, description="rate() range; at least 4x the scrape interval"
+    )
     metrics_port: int = Field(default=8080, ge=0, le=65535, description="0 disables /metrics")
     metrics_host: IPvAnyAddress = Field(default=LOOPBACK, description="/metrics bind address")
     liveness_port: int = Field(default=0, ge=0, le=65535, description="0 disables /healthz")
@@ -69,7 +82,38 @@ class Options(BaseModel):
     peering: str | None = Field(
         default=None, description="kopf peering name for HA; else standalone"
     )
+    priority: int | None = Field(
+        default=None, ge=0, description="kopf peering priority; None: drawn at startup"
+    )
     max_workers: int = Field(default=8, ge=1, le=64)
+
+    @field_validator("prometheus_rate_window")
+    @classmethod
+    def _a_promql_duration(cls, value: str) -> str:
+        rate_window_seconds(value)  # ValueError says what is wrong
+        return value
+
+    @field_validator("priority")
+    @classmethod
+    def _only_with_peering(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("peering"):
+            raise ValueError("a peering priority needs --peering (standalone has no peers)")
+        return value
+
+
+def peering_priority(options: Options, draw: Callable[[int], int] = secrets.randbelow) -> int:
+    """This process's kopf peering priority: the one asked for, else one drawn at startup.
+
+    kopf pauses every operator that sees a live peer of its own priority, so replicas at the
+    default 0 would all stand still. Each replica draws its own out of a billion: two tie with
+    odds of one in a billion, and a tie is undone by the next restart, which draws again (a
+    priority hashed from the pod name would keep the tie, since a container restarts in the
+    same pod; drawing also needs nothing from the pod spec). The highest live one works and the
+    others stand by; when it stops renewing its peering record (kopf's 60 s lifetime), the next
+    highest takes over. Standalone, the priority is never read."""
+    if options.priority is not None:
+        return options.priority
+    return draw(DRAWN_PRIORITIES) if options.peering else 0
 
 
 class Context:
@@ -88,6 +132,7 @@ class Context:
         self.metrics = metrics or OperatorMetrics()
         self.source_factory = source_factory
         self.clock = clock
+        self.priority = peering_priority(options)  # drawn once: kopf reads it at every event
         self.http: aiohttp.ClientSession | None = None
         # The last spec generation of each owned Deployment: a newer one that renders
         # differently is drift (kubectl set image, an edit) to undo.
@@ -99,7 +144,11 @@ class Context:
             return self.source_factory(kind, self)
         assert self.http is not None, "the HTTP session opens at operator startup"
         if kind == "prometheus":
-            return PrometheusSource(self.http, self.options.prometheus_url)
+            return PrometheusSource(
+                self.http,
+                self.options.prometheus_url,
+                rate_window=self.options.prometheus_rate_window,
+            )
         return SidecarSource(self.http, port=self.options.sidecar_port)
 
 
@@ -110,13 +159,20 @@ def _ctx(memo: kopf.Memo) -> Context:
 
 async def _write(ctx: Context, body: dict[str, Any], outcome: Outcome, manager: str) -> None:
     """Apply the loop's status (its own fields only) and post its Events, each also one
-    structured log line."""
+    structured log line. The Events go out even when the status apply fails: they tell of
+    what was done (a scale) or refused, and that happened either way."""
     owner = owner_of(body)
-    if outcome.status:
-        await asyncio.to_thread(
-            with_retries,
-            lambda: ctx.kube.apply_status(owner, outcome.status, field_manager=manager),
-        )
+    try:
+        if outcome.status:
+            await asyncio.to_thread(
+                with_retries,
+                lambda: ctx.kube.apply_status(owner, outcome.status, field_manager=manager),
+            )
+    finally:
+        _post(body, owner, outcome)
+
+
+def _post(body: dict[str, Any], owner: Owner, outcome: Outcome) -> None:
     for ev in outcome.events:
         kopf.event(
             kopf.Body(cast(kopf.RawBody, body)),
@@ -173,6 +229,11 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.peering.standalone = ctx.options.peering is None
     if ctx.options.peering:
         settings.peering.name = ctx.options.peering
+        settings.peering.priority = ctx.priority
+        # One ClusterKopfPeering whatever --namespace says (kopf would use a KopfPeering in each
+        # watched namespace): one object to create, and namespace globs need none per match.
+        settings.peering.clusterwide = True
+        log.info("peering %r at priority %d", ctx.options.peering, ctx.priority)
     ctx.http = aiohttp.ClientSession()
 
 
@@ -221,7 +282,6 @@ async def _tick(
     try:
         source = ctx.source(parsed.spec.scaling.metrics_source)
         result = await tick(ctx.kube, source, body, parsed, ctx.clock(), memory)
-        await _write(ctx, body, result.outcome, SCALING_MANAGER)
     except KubeError as exc:
         # One line, no traceback: the API server is down or refusing; the next tick retries.
         log.warning("scaling %s/%s: %s", meta["namespace"], meta["name"], exc)
@@ -231,6 +291,15 @@ async def _tick(
         # backoff with the decision memory lost. Logged with the traceback; the next tick runs.
         log.exception("scaling %s/%s: the decision failed", meta["namespace"], meta["name"])
         return memory
+    # From here the decision stands (and in auto mode its scale is applied): a status write
+    # that fails must not hand the next tick the old memory, which would forget the scale and
+    # its stabilization window and scale again.
+    try:
+        await _write(ctx, body, result.outcome, SCALING_MANAGER)
+    except KubeError as exc:
+        log.warning("scaling %s/%s: status not written: %s", meta["namespace"], meta["name"], exc)
+    except Exception:
+        log.exception("scaling %s/%s: status not written", meta["namespace"], meta["name"])
     if stopped:
         # Deleted while the tick ran: kopf stops the daemon, then runs `forget`, which may
         # already have dropped the series this would bring back.
@@ -359,6 +428,7 @@ async def operate(
         namespaces=options.namespaces,
         standalone=options.peering is None,
         peering_name=options.peering,
+        priority=ctx.priority,
         liveness_endpoint=liveness,
         stop_flag=stop_flag,
         ready_flag=ready_flag,

@@ -257,13 +257,17 @@ def with_retries(
     attempts: int = 4,
     base_delay: float = 0.25,
     sleep: Callable[[float], None] = time.sleep,
+    conflicts: bool = True,
 ) -> T:
-    """Call `fn`, retrying transient KubeErrors with exponential backoff and jitter."""
+    """Call `fn`, retrying transient KubeErrors with exponential backoff and jitter.
+    `conflicts=False` raises a 409 at once: a write whose resourceVersion precondition failed
+    fails again until the caller reads the object anew."""
     for attempt in range(attempts):
         try:
             return fn()
         except KubeError as exc:
-            if not exc.transient or attempt == attempts - 1:
+            retry = exc.transient and (conflicts or exc.status != 409)
+            if not retry or attempt == attempts - 1:
                 raise
             delay = base_delay * 2**attempt * (0.5 + random.random())
             log.debug("transient API error, retrying", extra={"error": str(exc), "delay": delay})

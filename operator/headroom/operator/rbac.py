@@ -84,10 +84,11 @@ PEERING_RULES: tuple[tuple[Rule, str], ...] = (
     (
         {
             "apiGroups": ["kopf.dev"],
-            "resources": ["clusterkopfpeerings", "kopfpeerings"],
+            "resources": ["clusterkopfpeerings"],
             "verbs": ["get", "list", "watch", "patch"],
         },
-        "only with --peering: kopf's leader election between operator replicas",
+        "only with --peering: kopf's leader election between operator replicas, through one "
+        "ClusterKopfPeering (also when the operator watches only some namespaces)",
     ),
 )
 

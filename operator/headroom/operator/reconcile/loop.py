@@ -39,6 +39,9 @@ HANDOFF_MANAGER = "headroom-operator-handoff"
 CONFLICT_RETRY_SECONDS = 30.0
 MONITORING_GV = "monitoring.coreos.com/v1"
 MONITORING_KINDS = frozenset({"ServiceMonitor", "PrometheusRule"})
+# Reads of the Deployment one reconcile makes when it keeps changing between read and apply;
+# past that, kopf runs the handler again a few seconds later.
+STALE_READ_ATTEMPTS = 3
 
 
 def replicas_to_apply(
@@ -68,6 +71,31 @@ class NameConflict(Exception):
     """A child's name is taken by an object this InferenceDeployment does not own."""
 
 
+class StaleRead(Exception):
+    """The Deployment changed after it was read (the scaling loop scaled it): its replicas, and
+    the precondition that guards them, must be read again."""
+
+
+def _apply_read(kube: KubeAPI, obj: dict[str, Any], read: dict[str, Any] | None,
+                **kw: Any) -> dict[str, Any]:  # fmt: skip
+    """Apply `obj`, derived from `read` (the object as last read), only if the object is still
+    that one. The replicas a reconcile applies are the live count it read; the scaling loop may
+    scale the Deployment through /scale before the apply lands (several round trips later), and
+    a forced apply of the count read would undo that scale unseen. Server-side apply takes
+    `metadata.resourceVersion` as a precondition and answers 409 Conflict when the object has
+    moved on; then the caller reads again. (A lock between the two loops would cover only this
+    process, and leaving replicas out of the apply would hand them to no one: reset to 1.)"""
+    version = ((read or {}).get("metadata") or {}).get("resourceVersion")
+    if version:
+        obj = {**obj, "metadata": {**obj["metadata"], "resourceVersion": version}}
+    try:
+        return with_retries(partial(kube.apply, obj, **kw), conflicts=not version)
+    except KubeError as exc:
+        if version and exc.status == 409:
+            raise StaleRead(exc.message) from None
+        raise
+
+
 def check_ownership(
     kube: KubeAPI, owner: Owner, children: list[dict[str, Any]], live: dict[str, Any] | None
 ) -> None:
@@ -93,7 +121,8 @@ def apply_children(
     live: dict[str, Any] | None,
 ) -> tuple[dict[str, Any], list[Event]]:
     """Server-side apply every child; returns the applied Deployment and any warnings.
-    Raises NameConflict, having applied nothing, when a child's name is taken."""
+    Raises NameConflict, having applied nothing, when a child's name is taken, and StaleRead,
+    having applied nothing but maybe the replicas handoff, when `live` is out of date."""
     events: list[Event] = []
     kinds = monitoring_kinds(kube)
     children = render(owner, spec, sizing, replicas, monitoring=kinds)
@@ -113,11 +142,14 @@ def apply_children(
             "metadata": {"name": owner.name, "namespace": owner.namespace},
             "spec": {"replicas": current},
         }
-        with_retries(partial(kube.apply, handoff, field_manager=HANDOFF_MANAGER))
+        live = _apply_read(kube, handoff, live, field_manager=HANDOFF_MANAGER)
     applied_deployment: dict[str, Any] = {}
     for obj in children:
         try:
-            out = with_retries(partial(kube.apply, obj))
+            if obj["kind"] == "Deployment":
+                out = _apply_read(kube, obj, live)
+            else:
+                out = with_retries(partial(kube.apply, obj))
         except KubeError as exc:
             if obj["kind"] in MONITORING_KINDS and exc.status in (403, 404):
                 events.append(
@@ -151,6 +183,27 @@ def apply_failed(body: dict[str, Any], exc: KubeError, now: float) -> Outcome:
     out.events.append(Event("Warning", "ApplyFailed", message))
     set_status_condition(body, out.status, "Ready", "False", "ApplyFailed", message, now)
     return out
+
+
+def _apply_fresh(
+    kube: KubeAPI,
+    owner: Owner,
+    spec: InferenceDeploymentSpec,
+    sizing: Sizing,
+    live: dict[str, Any] | None,
+) -> tuple[int | None, dict[str, Any], list[Event]]:
+    """apply_children with the replicas of the Deployment as it is when the apply lands: read
+    again after each StaleRead; a 409 once the attempts are spent (kopf retries soon)."""
+    for _ in range(STALE_READ_ATTEMPTS):
+        replicas = replicas_to_apply(spec, sizing, live)
+        try:
+            applied, warnings = apply_children(kube, owner, spec, sizing, replicas, live)
+        except StaleRead:
+            live = kube.get("apps/v1", "Deployment", owner.namespace, owner.name)
+            continue
+        return replicas, applied, warnings
+    raise KubeError(409, "Conflict", f"Deployment {owner.name} kept changing between read "
+                    f"and apply ({STALE_READ_ATTEMPTS} reads)")  # fmt: skip
 
 
 def reconcile(kube: KubeAPI, body: dict[str, Any], now: float) -> Outcome:
@@ -196,9 +249,8 @@ def reconcile(kube: KubeAPI, body: dict[str, Any], now: float) -> Outcome:
             set_status_condition(body, st, "Ready", *last_feasible_ready(live), now)
         return out
 
-    replicas = replicas_to_apply(spec, sizing, live)
     try:
-        applied, warnings = apply_children(kube, owner, spec, sizing, replicas, live)
+        replicas, applied, warnings = _apply_fresh(kube, owner, spec, sizing, live)
     except NameConflict as exc:
         message = str(exc)
         if condition_changed(body, "Ready", "False", "NameConflict"):

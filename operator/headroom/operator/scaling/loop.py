@@ -286,6 +286,7 @@ async def tick(
     auto = spec.scaling.mode == "auto"
     records = list(status.get("lastDecisions") or [])
     applied_replicas = current
+    scale_failed: str | None = None
     if d.replicas != current and auto:
         try:
             applied_replicas = await asyncio.to_thread(
@@ -294,8 +295,11 @@ async def tick(
                                    field_manager=SCALING_MANAGER),
             )  # fmt: skip
         except KubeError as exc:
-            out.events.append(Event("Warning", "ScaleFailed", f"{current} -> {d.replicas}: {exc}"))
-            raise
+            # Reported, not raised: the tick's status and a Warning say the Deployment stayed
+            # at `current` and why (an RBAC denial, an admission webhook), and the decision's
+            # memory records no change.
+            scale_failed = f"could not scale {current} -> {d.replicas}: {exc}"
+    if scale_failed is None and d.replicas != current and auto:
         live = {**live, "spec": {**live.get("spec", {}), "replicas": applied_replicas}}
         verb = "ScaledOut" if d.replicas > current else "ScaledIn"
         out.events.append(Event("Normal", verb, f"{current} -> {d.replicas}: {d.message}"))
@@ -327,7 +331,7 @@ async def tick(
     if d.figures.pod_start_seconds is not None and (starts or "podStartSeconds" in status):
         st["podStartSeconds"] = round(d.figures.pod_start_seconds, 1)
         st["podStartsObserved"] = max(len(starts), int(status.get("podStartsObserved") or 0))
-    _conditions(body, st, d, auto, current, now, out)
+    _conditions(body, st, d, auto, current, now, out, scale_failed)
     if not reconcile_failed(body):
         set_status_condition(body, st, "Ready", *ready_condition(live), now)
     set_status_condition(
@@ -389,6 +393,7 @@ def _conditions(
     current: int,
     now: float,
     out: Outcome,
+    scale_failed: str | None = None,
 ) -> None:
     f = d.figures
     if d.metrics == "missing":
@@ -408,7 +413,9 @@ def _conditions(
         )
         set_status_condition(body, st, "KVSaturated", "False", "WithinCapacity", msg, now)
 
-    if d.limited:
+    if scale_failed is not None:
+        reason, msg = "ScaleFailed", scale_failed
+    elif d.limited:
         reason, msg = (
             d.limited,
             f"{d.limited_message}: {d.message}" if d.limited_message else d.message,

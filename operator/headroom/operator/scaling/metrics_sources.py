@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -208,8 +209,10 @@ class SidecarSource:
 # ---------------------------------------------------------------------------- prometheus
 
 # One instant query per InferenceDeployment: each series is tagged with `q` so that `or`
-# (which matches label sets, ignoring the metric name) keeps them all apart.
-# The demand rates use the sidecar's default window (1m), as its own gauge does.
+# (which matches label sets, ignoring the metric name) keeps them all apart. `{w}` is the rate
+# window (`--prometheus-rate-window`): rate() needs two samples inside it, so a window shorter
+# than about 4x the scrape interval returns no series at all (then a pod's preemption rate
+# reads as 0, and its first decision has no demand rates).
 _SERIES = (
     ("occupancy", m.KV_OCCUPANCY + "{%s}"),
     ("eta", m.SATURATION_ETA + "{%s}"),
@@ -220,25 +223,47 @@ _SERIES = (
     ("used", m.KV_BLOCKS + '{%s,state="used"}'),
     ("waiting", m.REQUESTS + '{%s,state="waiting"}'),
     ("running", m.REQUESTS + '{%s,state="running"}'),
-    ("preempt", f"rate({m.PREEMPTIONS}{{%s}}[1m])"),
-    ("arrivals", f"rate({m.REQUESTS_ARRIVED}{{%s}}[1m])"),
-    ("departures", f"rate({m.REQUESTS_DEPARTED}{{%s}}[1m])"),
-    ("block_seconds", f"rate({m.KV_BLOCK_SECONDS}{{%s}}[1m])"),
+    ("preempt", f"rate({m.PREEMPTIONS}{{%s}}[{{w}}])"),
+    ("arrivals", f"rate({m.REQUESTS_ARRIVED}{{%s}}[{{w}}])"),
+    ("departures", f"rate({m.REQUESTS_DEPARTED}{{%s}}[{{w}}])"),
+    ("block_seconds", f"rate({m.KV_BLOCK_SECONDS}{{%s}}[{{w}}])"),
     ("arrived_total", m.REQUESTS_ARRIVED + "{%s}"),
     ("departed_total", m.REQUESTS_DEPARTED + "{%s}"),
     ("block_seconds_total", m.KV_BLOCK_SECONDS + "{%s}"),
     ("restarts", m.SIDECAR_ENGINE_RESTARTS + "{%s}"),
 )
+DEFAULT_RATE_WINDOW = "1m"  # the sidecar's own demand window
+# PromQL's duration units, largest first, as a range selector accepts them (`1m30s`).
+_UNITS = (("y", 365 * 86400.0), ("w", 7 * 86400.0), ("d", 86400.0), ("h", 3600.0),
+          ("m", 60.0), ("s", 1.0), ("ms", 0.001))  # fmt: skip
+_DURATION = re.compile("".join(rf"(?:(\d+){u})?" for u, _ in _UNITS))
+MIN_RATE_WINDOW_SECONDS, MAX_RATE_WINDOW_SECONDS = 1.0, 3600.0
+
+
+def rate_window_seconds(window: str) -> float:
+    """A PromQL duration (`1m`, `90s`, `1m30s`) in seconds; ValueError when it is none, or
+    outside 1 s to 1 h (a longer window averages away the ramps the loop exists to catch)."""
+    match = _DURATION.fullmatch(window)
+    if not window or match is None:
+        raise ValueError(f"{window!r} is not a PromQL duration such as 1m, 90s or 2m30s")
+    seconds = sum(int(n) * f for n, (_, f) in zip(match.groups(), _UNITS, strict=True) if n)
+    if not MIN_RATE_WINDOW_SECONDS <= seconds <= MAX_RATE_WINDOW_SECONDS:
+        raise ValueError(f"{window} is outside 1s..1h")
+    return seconds
 
 
 def _quote(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"')
 
 
-def promql(target: ScrapeTarget) -> str:
-    """The PromQL that fetches every per-pod figure of one InferenceDeployment."""
+def promql(target: ScrapeTarget, rate_window: str = DEFAULT_RATE_WINDOW) -> str:
+    """The PromQL that fetches every per-pod figure of one InferenceDeployment, its rates over
+    `rate_window`."""
     sel = f'namespace="{_quote(target.namespace)}",inferencedeployment="{_quote(target.name)}"'
-    parts = [f'label_replace({expr % sel}, "q", "{q}", "", "")' for q, expr in _SERIES]
+    parts = [
+        f'label_replace({(expr % sel).replace("{w}", rate_window)}, "q", "{q}", "", "")'
+        for q, expr in _SERIES
+    ]
     return " or ".join(parts)
 
 
@@ -260,9 +285,10 @@ def _point(series: Any) -> tuple[str, str, float, float] | None:
         return None
 
 
-def parse_prometheus(doc: Any) -> dict[str, PodSample]:
-    """An `/api/v1/query` response for `promql()` as samples keyed by pod; raises MetricsError
-    when it is not a vector answer at all (a series that is malformed is skipped)."""
+def parse_prometheus(doc: Any, window_seconds: float = 60.0) -> dict[str, PodSample]:
+    """An `/api/v1/query` response for `promql()` as samples keyed by pod (`window_seconds`:
+    the rate window the query used); raises MetricsError when it is not a vector answer at all
+    (a series that is malformed is skipped)."""
     if not isinstance(doc, dict):
         raise MetricsError(f"Prometheus answered {type(doc).__name__}, not a query result")
     if doc.get("status") != "success":
@@ -303,7 +329,7 @@ def parse_prometheus(doc: Any) -> dict[str, PodSample]:
             used_blocks=count("used"),
             capacity_blocks=count("capacity"),
             engine_up=fig.get("up", 0.0) >= 1.0,
-            demand=_demand(fig),
+            demand=_demand(fig, window_seconds),
             counters=_counters(fig),
         ))  # fmt: skip
         if sample is not None:
@@ -326,12 +352,13 @@ def _counters(fig: dict[str, float]) -> CounterSample | None:
     )
 
 
-def _demand(fig: dict[str, float]) -> DemandRates | None:
+def _demand(fig: dict[str, float], window_seconds: float) -> DemandRates | None:
     values = [fig.get(k) for k in ("arrivals", "departures", "block_seconds")]
     if any(v is None for v in values):  # usable() refuses what is not a number
         return None
     arrivals, departures, block_seconds = (float(v) for v in values if v is not None)
-    return DemandRates(arrivals, departures, block_seconds, window_seconds=60.0)
+    # The window the rates average over: decide() looks ahead by half of it.
+    return DemandRates(arrivals, departures, block_seconds, window_seconds=window_seconds)
 
 
 class PrometheusSource:
@@ -342,10 +369,13 @@ class PrometheusSource:
         session: aiohttp.ClientSession,
         default_url: str | None = None,
         timeout: float = 5.0,
+        rate_window: str = DEFAULT_RATE_WINDOW,
     ) -> None:
         self.session = session
         self.default_url = default_url
         self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.rate_window = rate_window
+        self.window_seconds = rate_window_seconds(rate_window)
 
     async def sample(self, target: ScrapeTarget, pods: list[PodInfo]) -> dict[str, PodSample]:
         """Samples for the pods Prometheus has series for, restricted to `pods`."""
@@ -358,7 +388,7 @@ class PrometheusSource:
         url = base.rstrip("/") + "/api/v1/query"
         try:
             async with self.session.post(
-                url, data={"query": promql(target)}, timeout=self.timeout
+                url, data={"query": promql(target, self.rate_window)}, timeout=self.timeout
             ) as resp:
                 doc = await resp.json(content_type=None)
                 status = resp.status
@@ -366,7 +396,7 @@ class PrometheusSource:
             raise MetricsError(f"Prometheus at {base} unreachable: {exc}") from None
         if status != 200 and not isinstance(doc, dict):
             raise MetricsError(f"Prometheus at {base} answered HTTP {status}")
-        samples = parse_prometheus(doc)
+        samples = parse_prometheus(doc, self.window_seconds)
         names = {p.name for p in pods}
         return {k: v for k, v in samples.items() if k in names}
 

@@ -1,0 +1,142 @@
+"""The kopf handlers' shells: peering settings, and what a scaling tick writes when the API
+refuses part of it (the loops themselves: test_operator_reconcile.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from typing import Any
+
+import kopf
+import pytest
+from test_operator_reconcile import NOW, SPEC, FakeSource, created, pods
+
+from headroom.operator.handlers import (
+    DRAWN_PRIORITIES,
+    Context,
+    Options,
+    _tick,
+    configure,
+    peering_priority,
+)
+from headroom.operator.kube import KubeError
+from headroom.operator.reconcile.sizing import parse
+from headroom.operator.status import SCALING_MANAGER, get_condition
+
+# ----------------------------------------------------------------------------- peering
+
+
+async def _configured(options: Options) -> tuple[Context, kopf.OperatorSettings]:
+    settings = kopf.OperatorSettings()
+    ctx = Context(options, kube=None)  # type: ignore[arg-type]
+    await configure(settings=settings, memo=kopf.Memo(ctx=ctx))
+    assert ctx.http is not None
+    await ctx.http.close()
+    return ctx, settings
+
+
+async def _paused(me: str, settings: kopf.OperatorSettings, peers: dict[str, int]) -> bool:
+    """Whether kopf's own peering logic pauses the operator `me` among `peers` (all alive)."""
+    from kopf._cogs.aiokits import aiotoggles
+    from kopf._core.engines import peering
+
+    settings.peering.mandatory = True  # what kopf.operator(peering_name=...) adds
+    now = datetime.datetime.now(datetime.UTC).isoformat()
+    status = {who: {"priority": p, "lifetime": 60, "lastseen": now} for who, p in peers.items()}
+    raw = {"type": "MODIFIED", "object": {"metadata": {"name": settings.peering.name},
+                                          "status": status}}  # fmt: skip
+    paused = aiotoggles.Toggle(False)
+    pressure = asyncio.Event()
+    pressure.set()
+    await peering.process_peering_event(
+        raw_event=raw, namespace=None, resource=None, identity=peering.Identity(me),  # type: ignore[arg-type]
+        settings=settings, autoclean=False, stream_pressure=pressure, conflicts_found=paused,
+    )  # fmt: skip
+    return paused.is_on()
+
+
+async def test_peering_replicas_get_distinct_priorities_so_kopf_runs_the_highest() -> None:
+    # kopf pauses every operator that sees a live peer of its own priority: two replicas at
+    # the default 0 would both stand still.
+    (a, sa), (b, sb) = [await _configured(Options(peering="headroom")) for _ in range(2)]
+    assert sa.peering.priority == a.priority and sb.peering.priority == b.priority
+    assert a.priority != b.priority
+    assert 0 <= min(a.priority, b.priority) < DRAWN_PRIORITIES
+    peers = {"pod-a": a.priority, "pod-b": b.priority}
+    paused = [await _paused("pod-a", sa, peers), await _paused("pod-b", sb, peers)]
+    # One works, the other stands by.
+    assert sorted(paused) == [False, True]
+    assert paused[0] == (a.priority < b.priority)
+    # Peering is cluster-wide also for an operator of a few namespaces: one object to create.
+    _, sn = await _configured(Options(peering="headroom", namespaces=["team-a"]))
+    assert sn.peering.clusterwide and sn.peering.name == "headroom"
+
+
+async def test_an_explicit_priority_wins_and_standalone_needs_none() -> None:
+    ctx, settings = await _configured(Options(peering="p", priority=7))
+    assert ctx.priority == settings.peering.priority == 7
+    assert peering_priority(Options(peering="p"), draw=lambda n: n - 1) == DRAWN_PRIORITIES - 1
+    assert peering_priority(Options()) == 0
+    _, settings = await _configured(Options())
+    assert settings.peering.standalone
+    with pytest.raises(ValueError, match="needs --peering"):
+        Options(priority=3)
+
+
+# ----------------------------------------------------------------------------- scaling tick
+
+
+@pytest.fixture
+def posted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
+    """Events kopf.event would post (it needs a running operator)."""
+    out: list[tuple[str, str, str]] = []
+
+    def event(body: Any, *, type: str, reason: str, message: str) -> None:
+        out.append((type, reason, message))
+
+    monkeypatch.setattr(kopf, "event", event)
+    return out
+
+
+async def test_a_scale_whose_status_write_fails_is_remembered_and_its_events_posted(
+    posted: list[tuple[str, str, str]],
+) -> None:
+    spec = {**SPEC, "scaling": {"scaleUpStabilizationSeconds": 300, "maxScaleUpPods": 1}}
+    kube, b = await created(spec)
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise KubeError(422, "Invalid", "status.kv: Invalid value")
+
+    kube.apply_status = refused  # type: ignore[method-assign,assignment]
+    ctx = Context(Options(), kube, source_factory=lambda kind, c: FakeSource(0.6, arrivals=3.0))  # type: ignore[arg-type,return-value]
+    ctx.clock = lambda: NOW
+    memory = await _tick(ctx, b, parse(b["spec"]), None)
+    assert kube.scales == [("chat", 5, SCALING_MANAGER)]
+    # The scale happened: its memory goes on, and its Event says so though status could not.
+    assert memory is not None and memory.last_up == NOW
+    assert ("Normal", "ScaledOut") in [(t, r) for t, r, _ in posted]
+    # 15 s later the up-stabilization window still holds: no second scale-out.
+    kube.pods = pods(4, 1)
+    ctx.clock = lambda: NOW + 15
+    await _tick(ctx, b, parse(b["spec"]), memory)
+    assert kube.scales == [("chat", 5, SCALING_MANAGER)]
+
+
+async def test_a_refused_scale_is_a_warning_and_a_condition_not_a_lost_tick(
+    posted: list[tuple[str, str, str]],
+) -> None:
+    kube, b = await created(SPEC)
+    kube.fail = [KubeError(403, "Forbidden", 'cannot patch resource "deployments/scale"')]
+    ctx = Context(Options(), kube, source_factory=lambda kind, c: FakeSource(0.6, arrivals=3.0))  # type: ignore[arg-type,return-value]
+    ctx.clock = lambda: NOW
+    memory = await _tick(ctx, b, parse(b["spec"]), None)
+    assert kube.scales == []
+    ((kind, _, message),) = [e for e in posted if e[1] == "ScaleFailed"]
+    assert kind == "Warning" and "4 -> " in message and "403" in message
+    ((manager, status),) = kube.statuses
+    assert manager == SCALING_MANAGER and status["replicas"] == 4
+    limited = get_condition(status["conditions"], "ScalingLimited")
+    assert limited is not None and limited["reason"] == "ScaleFailed"
+    assert "deployments/scale" in limited["message"]
+    # Nothing changed, so nothing starts a stabilization window.
+    assert memory is not None and memory.last_up is None
