@@ -4,6 +4,7 @@ loop never stops, and an SGLang restart is read with the new server's pool from 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -316,3 +317,49 @@ async def test_an_sglang_restart_without_server_info_has_no_block_counts() -> No
         await rig.poller.poll_once()
         reading = figures(rig.state, rig.cfg, 11.0).reading
         assert reading is not None and reading.capacity_blocks == 7168
+
+
+@pytest.mark.parametrize("key", [None, "wrong", "s3cret"])
+async def test_sglang_server_info_behind_its_api_key_is_read_with_the_pods_key(
+    key: str | None,
+) -> None:
+    """SGLang's --api-key guards its server info (not /metrics): the operator hands the sidecar
+    the engine's key in HEADROOM_API_KEY, and the sidecar must send it there, and only there."""
+    sg, auth = Sglang(), {}
+
+    async def route(request: web.Request) -> web.Response:
+        auth[request.path] = request.headers.get("Authorization")
+        if request.path == "/metrics":
+            return web.Response(body=sg.metrics(), content_type="text/plain")
+        if request.headers.get("Authorization") != "Bearer s3cret":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return web.Response(body=sg.info(), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/{path:.*}", route)
+    async with TestServer(app) as server, ClientSession() as session:
+        cfg = SidecarConfig(engine_url=str(server.make_url("/")), source="sglang", api_key=key)
+        state = PollState(horizon=61.0)
+        await Poller(cfg, state, session, Clock()).poll_once()
+        reading = figures(state, cfg, 0.0).reading
+    assert reading is not None and state.last_poll_ok
+    assert reading.capacity_blocks == (14336 if key == "s3cret" else None)
+    assert auth["/get_server_info"] == (f"Bearer {key}" if key else None)
+    assert auth["/metrics"] is None  # the key goes only where it is needed
+    assert "s3cret" not in repr(cfg)  # and never into a log line of the config
+
+
+def test_the_sidecar_reads_the_key_the_operator_gives_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from headroom.operator.reconcile.runtimes import SIDECAR_API_KEY_ENV
+    from headroom.sidecar.cli import config_from_args, configure_parser
+    from headroom.sidecar.config import API_KEY_ENV
+
+    assert API_KEY_ENV == SIDECAR_API_KEY_ENV
+    parser = argparse.ArgumentParser()
+    configure_parser(parser)
+    args = parser.parse_args(["--engine-url", "http://127.0.0.1:1", "--source", "sglang"])
+    monkeypatch.setenv(API_KEY_ENV, " s3cret\n")
+    key = config_from_args(args).api_key
+    assert key is not None and key.get_secret_value() == "s3cret"
+    monkeypatch.setenv(API_KEY_ENV, "")
+    assert config_from_args(args).api_key is None

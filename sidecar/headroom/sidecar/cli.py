@@ -14,7 +14,7 @@ import sys
 from pydantic import ValidationError
 
 from headroom.contract.ports import SIDECAR_PORT
-from headroom.sidecar.config import IdentityLabels, SidecarConfig
+from headroom.sidecar.config import API_KEY_ENV, IdentityLabels, SidecarConfig
 
 log = logging.getLogger("headroom.sidecar")
 
@@ -101,6 +101,8 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         source=args.source,
         page_size=args.page_size,
         planned_blocks=args.planned_blocks,
+        # From the environment only: a flag would put the key in the pod's command line.
+        api_key=os.environ.get(API_KEY_ENV, "").strip() or None,
         host=args.host,
         port=args.port,
         interval=args.interval,

@@ -5,11 +5,14 @@ from __future__ import annotations
 from typing import Self
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from headroom.contract.ports import SIDECAR_PORT
 from headroom.contract.report import SourceKind
 
+# The variable the operator puts the engine's key in for the sidecar (runtimes.py's
+# SIDECAR_API_KEY_ENV; a test keeps them equal).
+API_KEY_ENV = "HEADROOM_API_KEY"
 DEFAULT_PATHS: dict[str, str] = {"headroom": "/stats", "vllm": "/metrics", "sglang": "/metrics"}
 
 
@@ -42,6 +45,11 @@ class SidecarConfig(BaseModel):
         ge=1,
         description="the KV pool the operator planned for this pod, in blocks; exported as "
         "headroom_kv_blocks_planned beside the running pool's capacity",
+    )
+    api_key: SecretStr | None = Field(
+        default=None,
+        description=f"bearer token for the engine's guarded routes (SGLang's server info under "
+        f"--api-key), from ${API_KEY_ENV}",
     )
     host: str = "0.0.0.0"
     port: int = Field(default=SIDECAR_PORT, ge=0, le=65535)

@@ -95,11 +95,14 @@ class Poller:
         self._server_info_due = clock()
         self._server_info_error: str | None = None
 
-    async def _get(self, url: str) -> bytes:
-        """One GET within the poll timeout; raises PollFailed."""
+    async def _get(self, url: str, guarded: bool = False) -> bytes:
+        """One GET within the poll timeout (with the engine's key on a `guarded` route);
+        raises PollFailed."""
+        key = self.cfg.api_key
+        headers = {"Authorization": f"Bearer {key.get_secret_value()}"} if guarded and key else {}
         try:
             async with asyncio.timeout(self.cfg.timeout):
-                async with self._session.get(url) as resp:
+                async with self._session.get(url, headers=headers) as resp:
                     if resp.status != 200:
                         raise PollFailed("http_status", f"HTTP {resp.status}")
                     return await _read_limited(resp, MAX_BODY_BYTES)
@@ -144,7 +147,8 @@ class Poller:
         for path in SERVER_INFO_PATHS:
             try:
                 self.server_info = parse_sglang_server_info(
-                    await self._get(self.cfg.engine_route(path))
+                    # SGLang's --api-key guards its server info (not /metrics).
+                    await self._get(self.cfg.engine_route(path), guarded=True)
                 )
             except (PollFailed, GarbageError) as exc:
                 errors.append(f"{path}: {exc}")
