@@ -532,3 +532,17 @@ def test_vllm_pages_a_hybrid_model_as_the_plan_prices_it(preset: str, unified: b
              gpu={"type": "h100-80gb", "countPerPod": 2, "tensorParallel": 2})  # fmt: skip
     args = vllm_command(s, size(s), "chat").args
     assert ("--disable-hybrid-kv-cache-manager" in args) is unified
+
+
+@pytest.mark.parametrize("runtime", ["headroom", "vllm", "sglang"])
+def test_every_cache_the_engine_writes_is_on_a_writable_mount(runtime: str) -> None:
+    # The root filesystem is read-only: the headroom engine writes its compiled CUDA kernels
+    # under $HEADROOM_CACHE, which the image sets under /home (on the read-only root), so a GPU
+    # pod could compile but never load a kernel.
+    s = spec({"runtime": runtime})
+    e = containers(deployment(OWNER, s, size(s), replicas=1))["engine"]
+    env = {v["name"]: v.get("value") for v in e["env"]}
+    writable = [m["mountPath"] for m in e["volumeMounts"] if not m.get("readOnly")]
+    for var in ("HOME", "XDG_CACHE_HOME", "HEADROOM_CACHE"):
+        assert any(env[var] == w or env[var].startswith(w + "/") for w in writable), var
+    assert e["securityContext"]["readOnlyRootFilesystem"]

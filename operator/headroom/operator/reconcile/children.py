@@ -109,6 +109,8 @@ def _engine_container(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) 
         # The root filesystem is read-only: caches (torch, Triton, Hugging Face) go to /tmp.
         {"name": "HOME", "value": "/tmp"},
         {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+        # headroom's compiled CUDA kernels: the image's own cache dir is on the read-only root.
+        {"name": "HEADROOM_CACHE", "value": "/tmp/.cache/headroom"},
     ]
     env += [{"name": k, "value": v} for k, v in run.env.items()]
     if run.api_key_env:
