@@ -4,9 +4,15 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 VENV := .venv
 PY := $(VENV)/bin/python
-CACHE ?= $(HOME)/.cache/headroom
+HEADROOM_CACHE ?= $(HOME)/.cache/headroom
+CACHE ?= $(HEADROOM_CACHE)
 export HEADROOM_CACHE := $(CACHE)
 export PYTHONUNBUFFERED := 1
+# Loopback never goes through a proxy: curl and urllib would send 127.0.0.1 to $$http_proxy.
+comma := ,
+LOOPBACK := 127.0.0.1,localhost,::1
+export no_proxy := $(if $(no_proxy),$(no_proxy)$(comma))$(LOOPBACK)
+export NO_PROXY := $(if $(NO_PROXY),$(NO_PROXY)$(comma))$(LOOPBACK)
 
 .PHONY: help venv lock demo test lint unit bench crd tools e2e image
 help:

@@ -7,11 +7,17 @@ debian_install() {
   echo "headroom: installing $packages from Debian" >&2
   export DEBIAN_FRONTEND=noninteractive
   [ "$(id -u)" = 0 ] || sudo_cmd=sudo
-  $sudo_cmd apt-get update -qq >/dev/null
+  # Another clone installing at the same time holds dpkg's lock: wait for it, not fail.
+  local wait=(-o DPkg::Lock::Timeout=600)
+  $sudo_cmd apt-get "${wait[@]}" update -qq >/dev/null
   # shellcheck disable=SC2086  # word splitting is the list
-  $sudo_cmd apt-get install -y -qq --no-install-recommends $packages >/dev/null
+  $sudo_cmd apt-get "${wait[@]}" install -y -qq --no-install-recommends $packages >/dev/null
   for svc in $services; do
     $sudo_cmd systemctl disable --now "$svc" >/dev/null 2>&1 || true
-    $sudo_cmd pkill -x "$svc" >/dev/null 2>&1 || true
+    # Without systemd the package's daemon runs as its own system user: stop only that one,
+    # never a same-named process of ours (a concurrent clone's test Prometheus).
+    if id -u "$svc" >/dev/null 2>&1; then
+      $sudo_cmd pkill -u "$svc" -x "$svc" >/dev/null 2>&1 || true
+    fi
   done
 }

@@ -11,6 +11,9 @@ command -v g++ >/dev/null || need+=(g++)
 if [ ${#need[@]} -gt 0 ]; then
   # shellcheck source=scripts/debian.sh
   . "$(dirname "$0")/debian.sh"
-  # The prometheus package starts a system service by default; the tests start their own.
-  debian_install "${need[*]}" prometheus
+  # The prometheus package starts a system service by default; the tests start their own. Only
+  # a run that installs it stops that service: one that adds curl leaves the host's alone.
+  services=""
+  [[ " ${need[*]} " == *" prometheus "* ]] && services=prometheus
+  debian_install "${need[*]}" "$services"
 fi

@@ -53,8 +53,10 @@ exec 9>"$lock"
 if ! flock -n 9; then
   log "another build holds $lock; waiting for it"
   flock 9
-  if [[ -f "$HR_BIN_DIR/.complete" ]]; then echo "$HR_BIN_DIR"; exit 0; fi
 fi
+# Checked again under the lock, also when it came at once: a build may have finished between
+# the check above and the lock, and rebuilding would replace binaries its tests are using.
+if [[ -f "$HR_BIN_DIR/.complete" ]]; then echo "$HR_BIN_DIR"; exit 0; fi
 
 start=$(date +%s)
 # "cold" only when the Go build cache starts empty; otherwise it is a rebuild on a warm cache.

@@ -14,7 +14,8 @@ HR_BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl 
 
 HR_CACHE="${HEADROOM_CACHE:-$HOME/.cache/headroom}"
 _hr_here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-_hr_key="$(cd "$_hr_here/go" && cat go.mod go.sum $(find cmd -name '*.go' | sort) \
+# LC_ALL=C: the key must not follow the shell's collation (en_US sorts kubectl before kube-*).
+_hr_key="$(cd "$_hr_here/go" && cat go.mod go.sum $(find cmd -name '*.go' | LC_ALL=C sort) \
   | sha256sum | cut -c1-10)"
 HR_BIN_DIR="$HR_CACHE/bin/k8s-${HR_K8S_VERSION}_etcd-${HR_ETCD_VERSION}_kwok-${HR_KWOK_VERSION}_helm-${HR_HELM_VERSION}_${_hr_key}"
 unset _hr_here _hr_key
