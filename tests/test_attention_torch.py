@@ -184,3 +184,38 @@ def test_a_gpu_whose_kernels_do_not_fit_the_model_is_refused_at_start(
         with pytest.raises(BackendUnavailable, match=re.escape(says)):
             select_backend("cuda", "cuda", head_dim, block_size)
         assert isinstance(select_backend("auto", "cuda", head_dim, block_size), TorchBackend)
+
+
+def test_a_float32_model_gets_torch_under_auto_and_a_clear_refusal_under_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The kernels take bf16/fp16 caches only; a float32 model (--dtype float32, or auto with a
+    # float32 checkpoint) used to get CudaBackend and fail its first write_kv with TypeError.
+    monkeypatch.setattr(attention, "_cuda_backend_status", lambda dev: None)  # a GPU, CuPy
+    says = "take bfloat16 or float16 models, the model runs in float32; use --dtype bfloat16"
+    assert cuda_shape_reason(128, 16, torch.float32) is not None
+    with pytest.raises(BackendUnavailable, match=re.escape(says)):
+        select_backend("cuda", "cuda", 128, 16, torch.float32)
+    assert isinstance(select_backend("auto", "cuda", 128, 16, torch.float32), TorchBackend)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert cuda_shape_reason(128, 16, dtype) is None
+
+
+def test_the_engine_passes_the_models_dtype_when_it_picks_a_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A float32 model on a GPU must get torch under `auto`: the engine used to leave the
+    # model's dtype out of the choice, so only the head size and block size were checked.
+    import headroom.engine.engine as engine_module
+    from headroom.engine.config import EngineConfig
+
+    seen: list[torch.dtype | None] = []
+
+    def spy(*args: object) -> attention.AttentionBackend:
+        seen.append(args[4] if len(args) > 4 else None)  # type: ignore[arg-type]
+        return TorchBackend()
+
+    monkeypatch.setattr(engine_module, "select_backend", spy)
+    cfg = EngineConfig(model="tiny", num_blocks=16, max_model_len=64, num_threads=1)
+    engine = engine_module.Engine.from_config(cfg)
+    assert seen == [torch.float32] and isinstance(engine.runner.backend, TorchBackend)

@@ -37,6 +37,7 @@ import torch
 
 from headroom.engine.attention import cuda_backend as cb
 from headroom.engine.attention.base import LayerKVCache, allocate_layer_cache
+from headroom.engine.attention.torch_backend import TorchBackend
 from headroom.engine.kernels import compile as kc
 
 _SIGNATURES = {
@@ -478,6 +479,44 @@ def test_decode_matches_fp32_reference(runner: Runner, case: tuple[Any, ...]) ->
     if names is not None:
         assert names[0].startswith("paged_attention_decode_")
         assert (len(names) == 2) == (part > 0)  # split context adds the reduce launch
+
+
+@pytest.mark.parametrize("v_std", [1.0, 1e-3, 1e-5, 1e-6, 3e4, "mixed"], ids=str)
+@pytest.mark.parametrize("part", [0, 32])
+def test_int8_values_of_any_magnitude_match_the_torch_backend(
+    runner: Runner, v_std: float | str, part: int
+) -> None:
+    # The int8 V scales once went through f16: |v| ~ 1e-5 lost precision, ~ 1e-6 read as 0 and
+    # |v| >= 65520 gave inf/NaN. The torch backend dequantises in fp32, so must the kernel;
+    # "mixed" alternates 1e-4 and 1e2 rows inside every 16-token tile.
+    gen = torch.Generator().manual_seed(7)
+    bs, hkv, group, d, n = 16, 2, 4, 128, 80
+    cache = allocate_layer_cache(8, bs, hkv, d, torch.bfloat16, "int8")
+    if v_std == "mixed":
+        std = torch.tensor([1e-4, 1e2]).repeat(n // 2)[:, None, None]
+    else:
+        std = torch.tensor(float(v_std))
+    key = torch.randn(n, hkv, d, generator=gen).bfloat16()
+    value = (torch.randn(n, hkv, d, generator=gen) * std).bfloat16()
+    slots = torch.arange(n, dtype=torch.int64)
+    table = torch.randperm(8, generator=gen).to(torch.int32)[None, : -(-n // bs)]
+    slots = (table[0].long()[slots // bs] * bs + slots % bs).contiguous()
+    query = torch.randn(1, hkv * group, d, generator=gen).bfloat16()
+    lens = torch.tensor([n], dtype=torch.int32)
+    scale = 1 / math.sqrt(d)
+    TorchBackend().write_kv(key, value, cache, slots)
+    got = cb.paged_decode(
+        runner.t(query),
+        runner.cache(cache),
+        runner.t(lens),
+        runner.t(table),
+        scale,
+        partition_size=part,
+        runtime=runner.runtime,
+    ).cpu()
+    ref = TorchBackend().decode(query, cache, lens, table, scale)
+    assert torch.isfinite(got).all()
+    assert rel_err(got, ref) < 2e-3, (rel_err(got, ref), float(ref.float().abs().max()))
 
 
 def test_decode_with_strided_query(runner: Runner) -> None:

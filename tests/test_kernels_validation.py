@@ -220,6 +220,37 @@ def test_partition_heuristic() -> None:
         cb.choose_partition_size(num_ctas=0, max_context=10, slots=slots)
 
 
+class NoLaunches:
+    """A `KernelRuntime` that must never launch (the call is refused before any launch)."""
+
+    def function(self, variant: object, device: torch.device) -> object:
+        return variant
+
+    def launch(self, *args: object, **kwargs: object) -> None:
+        raise AssertionError("launched")
+
+    def resident_slots(self, fn: object, device: torch.device) -> int:
+        return 4
+
+
+def test_an_explicit_partition_size_past_max_partitions_is_refused() -> None:
+    # 16-token partitions of a 17,600-token context: 1,100 partitions, past the reduce kernel's
+    # MAX_PARTITIONS (its shared weights; grid.z also stops at 65,535).
+    cache = cache_of(blocks=1100)
+    query = torch.zeros(1, 8, cache.head_dim, dtype=torch.bfloat16)
+    seq_lens = torch.tensor([1100 * 16], dtype=torch.int32)
+    tables = torch.arange(1100, dtype=torch.int32)[None]
+    with pytest.raises(ValueError, match=r"1100 partitions, more than the 1024 .* at least 32"):
+        cb.paged_decode(
+            query, cache, seq_lens, tables, 0.125, partition_size=16, runtime=NoLaunches()
+        )
+    assert cb.validate_partition_size(32, 1100 * 16) == 550
+    assert cb.validate_partition_size(16, 1024 * 16) == cb.MAX_PARTITIONS
+    assert cb.validate_partition_size(0, 10**6) == 1
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cb.validate_partition_size(24, 100)
+
+
 def test_backend_names_itself_and_refuses_cpu_tensors() -> None:
     backend = cb.CudaBackend()
     assert backend.name == "cuda"

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import headroom.engine.attention as attention
 from headroom.contract.cli import main as headroom
 from headroom.engine.attention import TorchBackend
 from headroom.engine.attention.kv_scales import (
@@ -29,6 +30,7 @@ from headroom.engine.attention.kv_scales import (
 )
 from headroom.engine.config import EngineConfig
 from headroom.engine.engine import Engine
+from headroom.engine.kernels import compile as kc
 from headroom.engine.kv_check import check, metrics, needle
 from headroom.engine.kv_check import cli as kv_cli
 from headroom.engine.kv_check import retrieval_model as rm
@@ -310,6 +312,34 @@ def test_a_model_the_engine_cannot_load_exits_2(
     assert "no tokenizer.json" in capsys.readouterr().err
     assert headroom(_args(untrained, tmp_path / "none.jsonl", "--kv-cache-dtype", "fp8")) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ((), "the model runs in float32"),  # --dtype auto is float32 on CPU
+        (("--dtype", "bfloat16"), "head_dim (128,), the model has 64"),
+    ],
+)
+def test_a_cuda_backend_the_model_does_not_fit_exits_2_before_the_check(
+    untrained: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    extra: tuple[str, ...],
+    message: str,
+) -> None:
+    # As on a GPU host with CuPy; kernels built for head_dim 128 only. The model's head_dim and
+    # dtype reach select_backend, so the refusal is not left to the first kernel launch.
+    monkeypatch.setattr(attention, "_cuda_backend_status", lambda dev: None)
+    monkeypatch.setattr(kc, "HEAD_DIMS", (128,))
+
+    def no_check(*_: object, **__: object) -> None:
+        raise AssertionError("the check ran on a backend that cannot run the model")
+
+    monkeypatch.setattr(check, "run_check", no_check)
+    args = _args(untrained, untrained / "documents.jsonl", "--kv-cache-dtype", "int8", *extra)
+    assert headroom([*args, "--attention-backend", "cuda", "--quiet"]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_kv_check_runs_end_to_end_and_writes_json_and_png(

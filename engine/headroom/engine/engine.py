@@ -82,7 +82,9 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         loaded = load_model(config.model, config.dtype, device)
         cfg = loaded.config
-        backend = select_backend(config.attention_backend, device, cfg.head_dim, config.block_size)
+        backend = select_backend(
+            config.attention_backend, device, cfg.head_dim, config.block_size, loaded.dtype
+        )
         storage = kv_cache_dtype(config.kv_cache_dtype, str(loaded.dtype))
         per_block = kv_bytes_per_token(cfg, storage) * config.block_size
         num_blocks = config.num_blocks

@@ -43,12 +43,21 @@ def _cuda_backend_status(device: torch.device) -> str | None:
     return None
 
 
-def cuda_shape_reason(head_dim: int | None, block_size: int | None) -> str | None:
-    """None when the CUDA kernels are compiled for this head size and block size, else why
-    not (checked at start-up: the kernels' own check runs only at the first request)."""
-    from headroom.engine.attention.cuda_validate import TILE_TOKENS
+def cuda_shape_reason(
+    head_dim: int | None, block_size: int | None, dtype: torch.dtype | None = None
+) -> str | None:
+    """None when the CUDA kernels are compiled for this head size, block size and model dtype,
+    else why not (checked at start-up: the kernels' own check runs only at the first request,
+    after the model has loaded)."""
+    from headroom.engine.attention.cuda_validate import _QUERY_DTYPES, TILE_TOKENS
     from headroom.engine.kernels.compile import HEAD_DIMS
 
+    if dtype is not None and dtype not in _QUERY_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        return (
+            f"the cuda attention kernels take bfloat16 or float16 models, the model runs in "
+            f"{name}; use --dtype bfloat16 or --attention-backend torch"
+        )
     if head_dim is not None and head_dim not in HEAD_DIMS:
         return f"the cuda attention kernels take head_dim {HEAD_DIMS}, the model has {head_dim}"
     if block_size is not None and block_size % TILE_TOKENS != 0:
@@ -61,15 +70,18 @@ def select_backend(
     device: torch.device | str,
     head_dim: int | None = None,
     block_size: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """The backend for `name` on `device`: "auto" picks cuda when a GPU and CuPy are present
-    and its kernels fit the model's head size and the block size, else torch."""
+    and its kernels fit the model's head size, the block size and the model's dtype (`dtype`,
+    the weights' and so the KV cache's), else torch; "cuda" where they do not fit raises
+    `BackendUnavailable` saying why."""
     dev = torch.device(device)
     if name == "torch":
         return TorchBackend()
     if name not in ("auto", "cuda"):
         raise ValueError(f"attention backend must be auto, torch or cuda, got {name!r}")
-    reason = _cuda_backend_status(dev) or cuda_shape_reason(head_dim, block_size)
+    reason = _cuda_backend_status(dev) or cuda_shape_reason(head_dim, block_size, dtype)
     if reason is None:
         from headroom.engine.attention.cuda_backend import CudaBackend
 

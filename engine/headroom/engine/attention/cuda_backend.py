@@ -1,10 +1,10 @@
 """The GPU attention backend: headroom's CUDA kernels launched through CuPy on torch tensors.
 
-Tensors never leave torch: the launchers pass `data_ptr()` addresses to `cupy.RawModule`
+Tensors never leave torch: the launchers pass `data_ptr()` addresses to CuPy kernel
 functions on torch's current stream (`cupy.cuda.ExternalStream`), so there are no copies and
 no extra synchronisation. Kernels are compiled by NVRTC for the device's exact `sm_XY` on
-first use and kept as CUBINs under `$HEADROOM_CACHE/kernels` (keyed by source, flags and
-NVRTC version).
+first use and kept as CUBINs under `$HEADROOM_CACHE/kernels` (keyed by source, headers, flags
+and NVRTC version) when that directory can be written.
 
 Its rooms: cuda_validate (checks and launch geometry, pure), cuda_runtime (CuPy and the CUBIN
 cache), cuda_launch (the launchers); this module is the `AttentionBackend` over them and
@@ -43,6 +43,7 @@ from headroom.engine.attention.cuda_validate import (
     validate_cache,
     validate_copy,
     validate_decode,
+    validate_partition_size,
     validate_prefill,
     validate_write,
 )
@@ -162,6 +163,7 @@ __all__ = [
     "validate_cache",
     "validate_copy",
     "validate_decode",
+    "validate_partition_size",
     "validate_prefill",
     "validate_write",
     "write_kv",

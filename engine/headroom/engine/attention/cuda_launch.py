@@ -15,7 +15,6 @@ from headroom.engine.attention.cuda_validate import (
     COPY_THREADS,
     DECODE_THREADS,
     MAX_GRID_Y,
-    TILE_TOKENS,
     _dtype_name,
     _geometry,
     _require,
@@ -25,10 +24,10 @@ from headroom.engine.attention.cuda_validate import (
     _validate_query,
     _validate_seq_lens,
     choose_partition_size,
-    num_partitions,
     validate_cache,
     validate_copy,
     validate_decode,
+    validate_partition_size,
     validate_write,
 )
 from headroom.engine.kernels import compile as kc
@@ -109,11 +108,7 @@ def paged_decode(
     if partition_size is None:
         slots = rt.resident_slots(fn, device)
         partition_size = choose_partition_size(geo.ctas_per_partition, geo.max_context, slots)
-    _require(
-        partition_size >= 0 and partition_size % TILE_TOKENS == 0,
-        f"partition_size must be 0 or a positive multiple of {TILE_TOKENS}",
-    )
-    parts = num_partitions(geo.max_context, partition_size)
+    parts = validate_partition_size(partition_size, geo.max_context)
     part_out = part_max = part_sum = None
     if partition_size > 0:
         part_out = torch.empty(

@@ -1,11 +1,17 @@
 """Where the CUDA kernels come from and how they run: NVRTC-compiled CUBINs cached under
-`$HEADROOM_CACHE/kernels` (keyed by source, flags and NVRTC version), loaded with
-`cupy.RawModule` and launched on torch's current stream; `KernelRuntime` is the seam the CPU
-emulator fills in tests."""
+`$HEADROOM_CACHE/kernels` (keyed by source, headers, flags and NVRTC version), loaded from
+memory and launched on torch's current stream; `KernelRuntime` is the seam the CPU emulator
+fills in tests.
+
+The disk cache only saves compile time: a directory that cannot be created or written (a
+read-only root filesystem) is logged once and the kernels are compiled in memory instead.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import os
 from functools import cache
 from pathlib import Path
@@ -35,9 +41,54 @@ def cuda_available() -> bool:
     return True
 
 
+log = logging.getLogger("headroom.engine.attention")
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("HEADROOM_CACHE") or str(Path.home() / ".cache" / "headroom")
     return Path(root) / "kernels"
+
+
+def cubin_path(variant: kc.KernelVariant, arch: str) -> Path:
+    """Where the CUBIN of `variant` for `arch` is cached: keyed by the program text, every
+    kernel source and header it may include, the NVRTC flags and NVRTC's version."""
+    parts = [kc.program_source([variant]), kc.sources_digest(), *kc.nvrtc_options(arch)]
+    digest = hashlib.sha256("\0".join([*parts, repr(kc.nvrtc_version())]).encode())
+    return _cache_dir() / f"{variant.name}-{arch}-{digest.hexdigest()[:24]}.cubin"
+
+
+def cubin_bytes(variant: kc.KernelVariant, arch: str) -> bytes:
+    """The CUBIN of `variant` for `arch`: from the disk cache, else compiled (and cached
+    when the cache directory is writable)."""
+    path = cubin_path(variant, arch)
+    try:
+        return path.read_bytes()
+    except OSError:  # not cached yet (or unreadable): compile it
+        pass
+    result = kc.compile_program(kc.program_source([variant]), arch, name=variant.source)
+    assert result.cubin is not None
+    _store(path, result.cubin)
+    return result.cubin
+
+
+_UNWRITABLE: set[Path] = set()  # cache directories already reported
+
+
+def _store(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        tmp.replace(path)  # atomic: concurrent workers never read half a file
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if path.parent not in _UNWRITABLE:
+            _UNWRITABLE.add(path.parent)
+            log.warning(
+                "kernel cache not writable; compiling kernels in memory",
+                extra={"dir": str(path.parent), "error": str(exc)},
+            )
 
 
 class KernelRuntime(Protocol):
@@ -70,9 +121,46 @@ def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+class LoadedKernel:
+    """One kernel of a CUBIN loaded from memory (`cuModuleLoadData` through CuPy's `Module`):
+    called like a `cupy.RawKernel`, with the register and static shared-memory counts the
+    occupancy estimate reads."""
+
+    __slots__ = ("function", "num_regs", "shared_size_bytes")
+
+    def __init__(self, function: Any, num_regs: int, shared_size_bytes: int) -> None:
+        self.function = function  # holds its Module, so the CUBIN stays loaded
+        self.num_regs = num_regs
+        self.shared_size_bytes = shared_size_bytes
+
+    def __call__(
+        self,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: tuple[Any, ...],
+        shared_mem: int = 0,
+    ) -> None:
+        self.function(grid, block, args, shared_mem=shared_mem)
+
+
+def load_kernel(cubin: bytes, name: str) -> LoadedKernel:
+    """Kernel `name` of `cubin`, loaded on the current CuPy device."""
+    from cupy.cuda.function import Module
+    from cupy_backends.cuda.api import driver
+
+    module = Module()
+    module.load(cubin)
+    fn = module.get_function(name)
+    return LoadedKernel(
+        fn,
+        int(driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_NUM_REGS, fn.ptr)),
+        int(driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn.ptr)),
+    )
+
+
 class CupyRuntime:
-    """NVRTC-compiled CUBINs (cached on disk) loaded with `cupy.RawModule`, launched on
-    torch's current stream through `cupy.cuda.ExternalStream`."""
+    """NVRTC-compiled CUBINs (cached on disk when it can be written) loaded from memory,
+    launched on torch's current stream through `cupy.cuda.ExternalStream`."""
 
     def __init__(self) -> None:
         self._functions: dict[tuple[str, int], Any] = {}
@@ -90,21 +178,9 @@ class CupyRuntime:
         import cupy
 
         major, minor = torch.cuda.get_device_capability(index)
-        arch = f"sm_{major}{minor}"
-        source = kc.program_source([variant])
-        digest = hashlib.sha256(
-            "\0".join([source, *kc.nvrtc_options(arch), repr(kc.nvrtc_version())]).encode()
-        ).hexdigest()[:24]
-        path = _cache_dir() / f"{variant.name}-{arch}-{digest}.cubin"
-        if not path.is_file():
-            result = kc.compile_program(source, arch, name=variant.source)
-            assert result.cubin is not None
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_bytes(result.cubin)
-            tmp.replace(path)  # atomic: concurrent workers never read half a file
+        cubin = cubin_bytes(variant, f"sm_{major}{minor}")
         with cupy.cuda.Device(index):
-            return cupy.RawModule(path=str(path)).get_function(variant.name)
+            return load_kernel(cubin, variant.name)
 
     def launch(
         self,

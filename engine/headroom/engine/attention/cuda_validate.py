@@ -19,9 +19,12 @@ TILE_TOKENS = 16  # tokens per warp iteration; block sizes and partitions are mu
 HEADS_PER_CTA = 16  # query heads sharing one pass over a kv head's blocks
 MIN_PARTITION_TOKENS = 512
 PARTITION_ROUNDING = 256
-MAX_PARTITIONS = 1024
+MAX_PARTITIONS = 1024  # grid.z, and one fp32 weight each in the reduce's shared memory
 TARGET_WAVES = 8  # split a context until the grid fills the GPU this many times over
 MAX_GRID_Y = 65535
+MAX_GRID_Z = 65535
+MAX_DYNAMIC_SHARED_BYTES = 48 * 1024  # without opting in to more per kernel
+assert MAX_PARTITIONS <= MAX_GRID_Z and 4 * MAX_PARTITIONS <= MAX_DYNAMIC_SHARED_BYTES
 
 _QUERY_DTYPES: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _QUANT_STORAGE: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
@@ -401,6 +404,25 @@ def choose_partition_size(num_ctas: int, max_context: int, slots: int) -> int:
 def num_partitions(max_context: int, partition_size: int) -> int:
     """Grid depth of a split-context launch (1 for a single pass)."""
     return 1 if partition_size == 0 else max(1, -(-max_context // partition_size))
+
+
+def validate_partition_size(partition_size: int, max_context: int) -> int:
+    """The partition count (grid depth) of a decode with `partition_size` tokens per partition
+    (0: a single pass), refused unless it is a multiple of TILE_TOKENS that splits
+    `max_context` into at most MAX_PARTITIONS partitions."""
+    _require(
+        partition_size >= 0 and partition_size % TILE_TOKENS == 0,
+        f"partition_size must be 0 or a positive multiple of {TILE_TOKENS}",
+    )
+    parts = num_partitions(max_context, partition_size)
+    smallest = -(-max_context // (MAX_PARTITIONS * TILE_TOKENS)) * TILE_TOKENS
+    _require(
+        parts <= MAX_PARTITIONS,
+        f"partition_size {partition_size} splits a {max_context}-token context into {parts} "
+        f"partitions, more than the {MAX_PARTITIONS} the reduce kernel takes; use 0 or at "
+        f"least {smallest}",
+    )
+    return parts
 
 
 def prefill_rows(

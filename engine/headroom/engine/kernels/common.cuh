@@ -93,11 +93,6 @@ __device__ __forceinline__ u32 int8x2_to_f16x2(u32 offset_binary, u32 selector) 
   return *reinterpret_cast<u32*>(&r);
 }
 
-__device__ __forceinline__ u32 hmul2_u32(u32 a, __half2 b) {
-  __half2 r = __hmul2(*reinterpret_cast<__half2*>(&a), b);
-  return *reinterpret_cast<u32*>(&r);
-}
-
 // D = A(16x16, row) * B(16x8, col) + D with fp32 accumulation, the sm_80+ warp-level MMA.
 // Fragment ownership (lane = 4 * g + t): A regs {(g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..),
 // (g+8, 2t+8..)}, B regs {(k 2t..2t+1, n g), (k 2t+8.., n g)}, D {(g, 2t), (g, 2t+1),

@@ -20,6 +20,7 @@ one line naming both (uv.lock holds all three, and torch's CUDA, to the same rel
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -120,6 +121,16 @@ def program_source(variants: list[KernelVariant]) -> str:
     text = (KERNEL_DIR / sources.pop()).read_text()
     lines = [v.instantiation() for v in variants if v.macro]
     return text + "\n" + "\n".join(lines) + "\n"
+
+
+def sources_digest() -> str:
+    """A sha256 of every kernel source and header beside this module (`*.cu*`): what any
+    program may `#include`, so a compile cache keyed by it never serves a kernel built from
+    an older `common.cuh`."""
+    h = hashlib.sha256()
+    for path in sorted(KERNEL_DIR.glob("*.cu*")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def group_by_source(variants: list[KernelVariant]) -> dict[str, list[KernelVariant]]:

@@ -15,8 +15,11 @@
 //
 // KV dequantisation stays in registers: fp8 e4m3 and int8 convert exactly to f16, the fp8
 // per-head scales fold into the score scale and the output, int8 per-token scales into the
-// scores (K) and the V operand (V). Softmax and accumulation are fp32; P enters the second
-// MMA as bf16 (bf16 cache) or f16 (all other caches), like FlashAttention.
+// scores (K) and P (V). Softmax and accumulation are fp32; P enters the second MMA as bf16
+// (bf16 cache) or f16 (all other caches), like FlashAttention. int8 V scales never pass through
+// f16, which cannot hold them (|v| ~ 1e-6 underflows) or their products with the codes
+// (|v| >= 65520 overflows): each tile multiplies P in fp32 by scale / (the tile's largest
+// scale), a factor in [0, 1], and its PV product by that largest scale, in fp32.
 #include "common.cuh"
 
 namespace headroom {
@@ -233,8 +236,11 @@ __device__ __forceinline__ void decode_impl(
 
     u32 vraw[4][C::kVUnits][C::kVWords];
     load_v_tile<C>(vraw, v_cache + slot0 * token_bytes + head_bytes, token_bytes, valid, g, t);
+    // Per token s of the lane (token (s & 1) + 2t + (s >> 1) * 8, the same 4 tokens in P's A
+    // fragment and V's B fragment): the K scale and the V scale relative to the tile's largest.
     float ksc[4];
-    __half2 vsc[2];
+    float vrel[4];
+    float v_tile = 1.0f;
     if constexpr (KV == KV_INT8) {
       float vs[4];
 #pragma unroll
@@ -244,11 +250,16 @@ __device__ __forceinline__ void decode_impl(
         ksc[s] = tok < valid ? __ldg(k_scale + idx) : 0.0f;
         vs[s] = tok < valid ? __ldg(v_scale + idx) : 0.0f;
       }
-      vsc[0] = __floats2half2_rn(vs[0], vs[1]);
-      vsc[1] = __floats2half2_rn(vs[2], vs[3]);
+      v_tile = fmaxf(fmaxf(vs[0], vs[1]), fmaxf(vs[2], vs[3]));
+      v_tile = fmaxf(v_tile, __shfl_xor_sync(kFullMask, v_tile, 1));  // lanes t hold all 16
+      v_tile = fmaxf(v_tile, __shfl_xor_sync(kFullMask, v_tile, 2));
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        vrel[s] = v_tile > 0.0f ? vs[s] / v_tile : 0.0f;  // IEEE division: exact at the max
+      }
     } else {
       ksc[0] = ksc[1] = ksc[2] = ksc[3] = 1.0f;
-      vsc[0] = vsc[1] = __floats2half2_rn(1.0f, 1.0f);
+      vrel[0] = vrel[1] = vrel[2] = vrel[3] = 1.0f;
     }
 
     // S^T for 16 heads x 16 tokens: s[nb] holds (head g | g+8, token nb*8 + 2t | 2t+1).
@@ -309,7 +320,17 @@ __device__ __forceinline__ void decode_impl(
       }
     }
 
-    // P as the A operand: its C layout of the first MMA is the A layout of the second.
+    // P as the A operand: its C layout of the first MMA is the A layout of the second. For
+    // int8, P times the relative V scale of its token (s[nb][r] is token nb * 8 + 2t + (r & 1)).
+    if constexpr (KV == KV_INT8) {
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          s[nb][r] *= vrel[nb * 2 + (r & 1)];
+        }
+      }
+    }
     const u32 pa[4] = {pack2<BF>(s[0][0], s[0][1]), pack2<BF>(s[0][2], s[0][3]),
                        pack2<BF>(s[1][0], s[1][1]), pack2<BF>(s[1][2], s[1][3])};
 
@@ -332,25 +353,23 @@ __device__ __forceinline__ void decode_impl(
         const u32 sel = k | ((4u + k) << 4) | ((k + 1u) << 8) | ((5u + k) << 12);
         u32 x01 = byte_perm(vraw[0][u][e / 4], vraw[1][u][e / 4], sel);
         u32 x23 = byte_perm(vraw[2][u][e / 4], vraw[3][u][e / 4], sel);
-        u32 b0e;
-        u32 b1e;
-        u32 b0o;
-        u32 b1o;
         if constexpr (KV == KV_FP8) {
-          b0e = fp8x2_to_f16x2(x01);
-          b1e = fp8x2_to_f16x2(x23);
-          b0o = fp8x2_to_f16x2(x01 >> 16);
-          b1o = fp8x2_to_f16x2(x23 >> 16);
+          mma_16816<BF>(acc[j], pa, fp8x2_to_f16x2(x01), fp8x2_to_f16x2(x23));
+          mma_16816<BF>(acc[j + 1], pa, fp8x2_to_f16x2(x01 >> 16), fp8x2_to_f16x2(x23 >> 16));
         } else {
+          // The int8 codes as exact f16; the tile's V scale multiplies their product in fp32.
           x01 ^= 0x80808080u;
           x23 ^= 0x80808080u;
-          b0e = hmul2_u32(int8x2_to_f16x2(x01, 0x4140u), vsc[0]);
-          b1e = hmul2_u32(int8x2_to_f16x2(x23, 0x4140u), vsc[1]);
-          b0o = hmul2_u32(int8x2_to_f16x2(x01, 0x4342u), vsc[0]);
-          b1o = hmul2_u32(int8x2_to_f16x2(x23, 0x4342u), vsc[1]);
+          float pv_e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          float pv_o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          mma_16816<BF>(pv_e, pa, int8x2_to_f16x2(x01, 0x4140u), int8x2_to_f16x2(x23, 0x4140u));
+          mma_16816<BF>(pv_o, pa, int8x2_to_f16x2(x01, 0x4342u), int8x2_to_f16x2(x23, 0x4342u));
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            acc[j][c] += pv_e[c] * v_tile;
+            acc[j + 1][c] += pv_o[c] * v_tile;
+          }
         }
-        mma_16816<BF>(acc[j], pa, b0e, b1e);
-        mma_16816<BF>(acc[j + 1], pa, b0o, b1o);
       }
     }
 

@@ -24,7 +24,7 @@ from headroom.engine.attention.kv_scales import SCALES_FILE, KVScales, write_sca
 from headroom.engine.kv_check import check, report
 from headroom.engine.kv_check.calibrate import calibrate
 from headroom.engine.kv_check.prompts import Haystacks, PromptsError, read_documents
-from headroom.engine.kv_check.session import KVSetting
+from headroom.engine.kv_check.session import BLOCK, KVSetting
 from headroom.engine.model.loader import LoadedModel, load_failure, load_model
 
 # Calibration prefills each prompt at the largest context, but no longer than this: the
@@ -215,7 +215,9 @@ def _run(args: argparse.Namespace) -> int:
     loaded = _load(args, device)
     cfg = _validate(args, loaded)
     try:
-        backend = select_backend(args.attention_backend, device)
+        backend = select_backend(
+            args.attention_backend, device, loaded.config.head_dim, BLOCK, loaded.dtype
+        )
     except (BackendUnavailable, ValueError) as exc:
         raise UsageError(str(exc)) from None
     tok = loaded.tokenizer
