@@ -147,30 +147,35 @@ def build_emulated(source: str, kernel_dir: Path = kc.KERNEL_DIR) -> ctypes.CDLL
     if shutil.which("g++") is None:
         pytest.skip("needs g++ for the host emulation")
     dirs = list(dict.fromkeys([kernel_dir, kc.KERNEL_DIR]))
-    inputs = source + "".join(p.read_text() for d in dirs for p in sorted(d.glob("*.cu*")))
+    flags = ["-std=c++17", "-O1", "-shared", "-fPIC", "-DHEADROOM_HOST_EMULATION"]
+    compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True, check=True)
+    # Everything the library depends on is in its key: sources, flags and the compiler.
+    inputs = "\0".join(
+        [
+            source,
+            *flags,
+            compiler.stdout,
+            *(p.read_text() for d in dirs for p in sorted(d.glob("*.cu*"))),
+        ]
+    )
     digest = hashlib.sha256(inputs.encode()).hexdigest()[:20]
     cache = Path(os.environ.get("HEADROOM_CACHE", Path.home() / ".cache" / "headroom"))
     lib = cache / "emulated-kernels" / f"kernels-{digest}.so"
     if not lib.is_file():
         lib.parent.mkdir(parents=True, exist_ok=True)
-        src = lib.with_suffix(".cpp")
-        src.write_text(source)
+        # Per process, source and library both: a shared .cpp rewritten (truncated first) by a
+        # concurrent run could be compiled half-written into a library cached for good.
+        src = lib.with_suffix(f".{os.getpid()}.cpp")
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [
-            "g++",
-            "-std=c++17",
-            "-O1",
-            "-shared",
-            "-fPIC",
-            "-DHEADROOM_HOST_EMULATION",
-            *[f"-I{d}" for d in dirs],
-            str(src),
-            "-o",
-            str(tmp),
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        tmp.replace(lib)
+        src.write_text(source)
+        cmd = ["g++", *flags, *[f"-I{d}" for d in dirs], str(src), "-o", str(tmp)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            tmp.replace(lib)
+        finally:
+            src.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
     out = ctypes.CDLL(str(lib))
     out.emu_error.restype = ctypes.c_char_p
     out.emu_configure.argtypes = [ctypes.c_ulonglong, ctypes.c_int]
