@@ -200,6 +200,94 @@ def test_malformed_http_gets_a_400_and_one_quiet_log_line(server: ServerProcess,
     assert len(lines[0]) < 400  # the client's bytes are quoted shortened, on one line
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_a_body_that_does_not_decompress_is_a_400_and_at_most_one_quiet_log_line(
+    server: ServerProcess, encoding: str
+) -> None:
+    mark = len(server.lines)
+    headers = AUTH + f"Content-Encoding: {encoding}\r\n".encode()
+    status, err = _status_and_json(_post(server, "/v1/completions", b"0123456789", headers))
+    assert status == 400, err
+    assert err["error"]["type"] == "invalid_request_error"
+    assert err["error"]["code"] == "invalid_body"
+    assert encoding in err["error"]["message"]
+    lines = [ln for ln in _log_since(server, mark) if ln.strip()]
+    assert len(lines) <= 1, lines
+    assert all("WARNING" in ln for ln in lines), lines
+
+
+def test_a_401_before_a_malformed_body_is_read_logs_at_most_one_quiet_line(
+    server: ServerProcess,
+) -> None:
+    """aiohttp reads the unread body after the response and meets the bad gzip there."""
+    mark = len(server.lines)
+    raw = _post(server, "/v1/completions", b"0123456789", b"Content-Encoding: gzip\r\n")
+    status, err = _status_and_json(raw)
+    assert status == 401, err
+    lines = [ln for ln in _log_since(server, mark) if ln.strip()]
+    assert len(lines) <= 1, lines
+    assert not any("Unhandled exception" in ln or "Traceback" in ln for ln in lines), lines
+
+
+# ---- Expect: 100-continue, 405 -------------------------------------------------------------
+
+EXPECT = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\n"
+
+
+@pytest.mark.parametrize(
+    ("headers", "status", "code"),
+    [
+        (b"Content-Length: 5000000\r\n", 401, "invalid_api_key"),
+        (AUTH + b"Content-Length: 5000000000\r\n", 413, "request_too_large"),
+    ],
+    ids=["no key", "too large"],
+)
+def test_expect_100_continue_is_refused_before_the_body_is_invited(
+    server: ServerProcess, headers: bytes, status: int, code: str
+) -> None:
+    with _connect(server) as s:
+        s.sendall(EXPECT + headers + b"\r\n")
+        raw = _read_to_close(s)
+    assert not raw.startswith(b"HTTP/1.1 100"), raw[:200]
+    got, err = _status_and_json(raw)
+    assert got == status, err
+    assert err["error"]["code"] == code
+
+
+def test_expect_100_continue_with_a_good_key_and_size_invites_the_body(
+    server: ServerProcess,
+) -> None:
+    body = b'{"prompt": "a", "max_tokens": 1}'
+    head = b"Content-Length: %d\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    with _connect(server) as s:
+        s.sendall(EXPECT + AUTH + head % len(body) + b"\r\n")
+        interim = b""
+        while b"\r\n\r\n" not in interim:
+            interim += s.recv(4096)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(body)
+        status, out = _status_and_json(_read_to_close(s))
+    assert status == 200, out
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [("GET", "/v1/completions", {"POST"}), ("POST", "/health", {"GET", "HEAD"})],
+)
+def test_a_405_names_the_allowed_methods(
+    server: ServerProcess, method: str, path: str, allowed: set[str]
+) -> None:
+    """RFC 9110 15.5.6: a 405 must carry Allow, also with the OpenAI error body."""
+    request = f"{method} {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
+    raw = _exchange(server, request.encode() + AUTH + b"Content-Length: 0\r\n\r\n")
+    head = raw.partition(b"\r\n\r\n")[0].decode().split("\r\n")
+    fields = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in head[1:])}
+    status, err = _status_and_json(raw)
+    assert status == 405, err
+    assert err["error"]["type"] == "invalid_request_error"
+    assert set(fields.get("allow", "").split(",")) == allowed, head
+
+
 # ---- timeouts -------------------------------------------------------------------------------
 
 

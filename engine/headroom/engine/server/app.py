@@ -2,15 +2,17 @@
 of the async engine, plus the operational endpoints `/health`, `/ready` and `/stats` here.
 
 Request life cycle: the connection comes through listener.Listener (a cap on open connections,
-header and keep-alive timeouts; malformed HTTP is a 400 and one log line, see http_log). The
-body is read up to `max_body_bytes` (413 beyond) within `body_timeout_s` (408 after), parsed
-(400 for malformed or too deeply nested JSON, or text with a lone UTF-16 surrogate, which no
-tokenizer can encode), validated by the pydantic models in `protocol` (400 naming the field),
-tokenized and checked by the engine's own rules (headroom.engine.validation: a 400 whose
-`param` names the field and whose message has the numbers), then each prompt becomes
-one engine request. Engine outputs are merged into one response or one SSE stream. However
-the handler ends (normal finish, error, client disconnect -> handler cancellation), every
-engine request it started is aborted unless finished, so its KV blocks return to the pool.
+header, keep-alive and send timeouts; malformed HTTP is a 400 and one log line, see http_log).
+`Expect: 100-continue` is answered 401 or 413 at once where the headers already decide
+(middleware.expect_handler). The body is read up to `max_body_bytes` (413 beyond) within
+`body_timeout_s` (408 after; 400 when it does not decompress), parsed (400 for malformed or
+too deeply nested JSON, or text with a lone UTF-16 surrogate, which no tokenizer can encode),
+validated by the pydantic models in `protocol` (400 naming the field), tokenized and checked
+by the engine's own rules (headroom.engine.validation: a 400 whose `param` names the field and
+whose message has the numbers), then each prompt becomes one engine request. Engine outputs
+are merged into one response or one SSE stream. However the handler ends (normal finish,
+error, client disconnect or a client that stops reading -> handler cancellation), every engine
+request it started is aborted unless finished, so its KV blocks return to the pool.
 
 Shutdown (`drain`): new `/v1/*` requests get 503 while the engine finishes or aborts the
 running ones within the grace period.
@@ -30,6 +32,7 @@ from headroom.engine.server.middleware import (
     admission_middleware,
     connection_middleware,
     error_middleware,
+    expect_handler,
 )
 from headroom.engine.server.protocol import ModelCard, ModelList
 from headroom.engine.server.state import (
@@ -106,7 +109,7 @@ def create_app(state: ServerState, *, api: bool = True) -> web.Application:
     app[STATE_KEY] = state
     add_ops_routes(app)
     if api:
-        app.router.add_post("/v1/completions", handle_completions)
-        app.router.add_post("/v1/chat/completions", handle_chat)
+        app.router.add_post("/v1/completions", handle_completions, expect_handler=expect_handler)
+        app.router.add_post("/v1/chat/completions", handle_chat, expect_handler=expect_handler)
         app.router.add_get("/v1/models", handle_models)
     return app

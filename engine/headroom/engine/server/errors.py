@@ -19,6 +19,7 @@ _TYPES = {
     405: "invalid_request_error",
     408: "invalid_request_error",
     413: "invalid_request_error",
+    417: "invalid_request_error",
     503: "service_unavailable",
 }
 
@@ -34,6 +35,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         close: bool = False,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -41,6 +43,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.close = close  # end the connection after this response (the request is unfinished)
+        self.headers = headers or {}  # e.g. a 405's Allow, which RFC 9110 requires
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(
@@ -53,7 +56,9 @@ class APIError(Exception):
         )
 
     def response(self) -> web.Response:
-        resp = web.json_response(self.body().model_dump(), status=self.status)
+        resp = web.json_response(
+            self.body().model_dump(), status=self.status, headers=self.headers or None
+        )
         if self.close:
             resp.force_close()
         return resp

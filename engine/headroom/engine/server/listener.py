@@ -9,6 +9,10 @@ handling, so that slow or idle clients cannot exhaust the process.
 - Timeouts: the headers of a request must arrive within `header_timeout_s` of its first byte,
   and a connection with no request in flight is closed after `keepalive_timeout_s` (aiohttp's
   keep-alive timer, which runs from the connection's start and from each response).
+- A client that stops reading a response: once the socket's buffers are full, a write waits
+  (the transport paused writing); if it still cannot go on after `send_timeout_s`, the
+  connection is aborted. That is a disconnect: the handler is cancelled and its engine
+  requests are aborted (generation.Generation), so their KV blocks and the slot come back.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import BaseModel, ConfigDict, Field
 
 from headroom.engine.server.http_log import RateLimit, http_logger
@@ -38,6 +43,12 @@ RESERVED_FDS = 128
 MAX_DEFAULT_CONNECTIONS = 4096
 #: Seconds between accept() attempts while the process is out of file descriptors.
 ACCEPT_RETRY_S = 1.0
+#: Seconds a response may stay stuck on a client that takes none of it (a write waiting for
+#: the socket's full buffers). A reading client never waits this long: it frees the ~64 KiB
+#: above the transport's low-water mark in a moment. As long as the request side's body
+#: timeout (30 s), and within the kubelet's default liveness window (3 probes 10 s apart),
+#: so non-reading clients cannot keep the probe out of a full connection table for longer.
+SEND_TIMEOUT_S = 30.0
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
@@ -48,6 +59,7 @@ class ConnectionLimits(BaseModel):
 
     keepalive_timeout_s: float = Field(default=5.0, gt=0)
     header_timeout_s: float = Field(default=10.0, gt=0)
+    send_timeout_s: float = Field(default=SEND_TIMEOUT_S, gt=0)
     max_connections: int = Field(default=1024, ge=1)
 
 
@@ -64,10 +76,15 @@ def default_max_connections(open_files: int, listeners: int = 1) -> int:
     return max(1, min(MAX_DEFAULT_CONNECTIONS, share))
 
 
+# Slow readers cut off: one line per 10 s at most, however many clients trigger it.
+_SEND_TIMEOUT_LOG = RateLimit(burst=1, per_s=0.1)
+
+
 class ConnectionHandler(web.RequestHandler):
-    """aiohttp's per-connection protocol, plus a deadline for the headers of each request and
-    a callback when the connection ends (the listener's count). `request_started` and
-    `request_finished` are called by the app's outermost middleware."""
+    """aiohttp's per-connection protocol, plus a deadline for the headers of each request, a
+    deadline for a stalled write (`send_timeout_s`), and a callback when the connection ends
+    (the listener's count). `request_started` and `request_finished` are called by the app's
+    outermost middleware."""
 
     def __init__(
         self,
@@ -76,14 +93,17 @@ class ConnectionHandler(web.RequestHandler):
         loop: asyncio.AbstractEventLoop,
         header_timeout_s: float,
         on_lost: Callable[[], None],
+        send_timeout_s: float = SEND_TIMEOUT_S,
         **kwargs: Any,
     ) -> None:
         super().__init__(manager, loop=loop, **kwargs)
         self.hr_loop = loop
         self.hr_header_timeout_s = header_timeout_s
+        self.hr_send_timeout_s = send_timeout_s
         self.hr_on_lost: Callable[[], None] | None = on_lost
         self.hr_in_request = False
         self.hr_header_timer: asyncio.TimerHandle | None = None
+        self.hr_send_timer: asyncio.TimerHandle | None = None
 
     def data_received(self, data: bytes) -> None:
         # The first byte of a request (none in flight) starts its headers' clock.
@@ -113,6 +133,51 @@ class ConnectionHandler(web.RequestHandler):
                       self.hr_header_timeout_s)  # fmt: skip
             self.force_close()
 
+    def pause_writing(self) -> None:
+        # The transport's buffer is over its high-water mark: writes wait from here on.
+        super().pause_writing()
+        if self.hr_send_timer is None:
+            self.hr_send_timer = self.hr_loop.call_later(
+                self.hr_send_timeout_s, self._send_too_slow
+            )
+
+    def resume_writing(self) -> None:
+        self._cancel_send_timer()
+        super().resume_writing()
+
+    def _cancel_send_timer(self) -> None:
+        if self.hr_send_timer is not None:
+            self.hr_send_timer.cancel()
+            self.hr_send_timer = None
+
+    def _send_too_slow(self) -> None:
+        self.hr_send_timer = None
+        if self.transport is None:
+            return
+        allowed, dropped = _SEND_TIMEOUT_LOG.allow()
+        if allowed:
+            more = f" ({dropped} more since the last such line)" if dropped else ""
+            log.warning("closing a connection whose client took no response bytes for %gs "
+                        "(send timeout)%s", self.hr_send_timeout_s, more)  # fmt: skip
+        # abort, not close: close() would wait for the buffer to drain, which is the problem.
+        # connection_lost follows, which cancels the handler (handler_cancellation) and so
+        # aborts its engine requests, as for a client that hung up.
+        self.transport.abort()
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        exc = kw.get("exc_info")
+        cause = exc.__cause__ if isinstance(exc, web.RequestPayloadError) else None
+        if isinstance(cause, HttpProcessingError):
+            # A malformed body (bad gzip, chunk framing) found while aiohttp discards the unread
+            # body of a request already answered, say with a 401. It logs that as an
+            # "Unhandled exception" traceback; the parser error underneath gets the one quiet
+            # line of http_log.QuietBadRequests instead, as malformed HTTP does.
+            peer = self.transport.get_extra_info("peername") if self.transport else None
+            remote = peer[0] if isinstance(peer, tuple) and peer else "?"
+            self.logger.exception("Error handling request from %s", remote, exc_info=cause)
+            return
+        super().log_exception(*args, **kw)
+
     def release(self) -> None:
         """Give the connection's slot back to the listener (once)."""
         on_lost, self.hr_on_lost = self.hr_on_lost, None
@@ -121,6 +186,7 @@ class ConnectionHandler(web.RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_header_timer()
+        self._cancel_send_timer()
         try:
             super().connection_lost(exc)
         finally:
@@ -178,6 +244,7 @@ class Listener:
             self.server,
             loop=asyncio.get_running_loop(),
             header_timeout_s=self.limits.header_timeout_s,
+            send_timeout_s=self.limits.send_timeout_s,
             on_lost=self._release,
             **self.handler_args,
         )

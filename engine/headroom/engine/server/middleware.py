@@ -1,6 +1,7 @@
 """The request pipeline around every handler: OpenAI error bodies for every failure, admission
-(503 while loading, draining or unhealthy), and bounded JSON body parsing (size, time,
-nesting, and text that is valid Unicode)."""
+(503 while loading, draining or unhealthy), `Expect: 100-continue` answered only once the
+key and size checks pass, and bounded JSON body parsing (size, time, nesting, and text that
+is valid Unicode)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from aiohttp import web
+from aiohttp import HttpVersion11, hdrs, web
 from pydantic import BaseModel, ValidationError
 
 from headroom.engine.errors import RequestRejected
+from headroom.engine.server.auth import auth_middleware
 from headroom.engine.server.errors import APIError, from_validation_error, json_path, rejected
+from headroom.engine.server.http_log import one_line
 from headroom.engine.server.listener import ConnectionHandler
 from headroom.engine.server.sse import ClientDisconnected
 from headroom.engine.server.state import state_of
@@ -24,6 +27,8 @@ log = logging.getLogger("headroom.server")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _Req = TypeVar("_Req", bound=BaseModel)
+# An HTTPException's headers that describe its own text body, not the JSON one replacing it.
+_BODY_HEADERS = frozenset({"content-type", "content-length", "content-encoding"})
 
 
 @web.middleware
@@ -52,8 +57,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as e:
         if e.status < 400:
             raise
+        # Headers that belong to the status (a 405's Allow) survive the new body.
+        kept = {k: v for k, v in e.headers.items() if k.lower() not in _BODY_HEADERS}
         return APIError(
-            e.status, e.reason or "error", code=e.reason.lower().replace(" ", "_")
+            e.status, e.reason or "error", code=e.reason.lower().replace(" ", "_"), headers=kept
         ).response()
     except ClientDisconnected as e:
         log.debug("client went away during %s %s", request.method, request.path)
@@ -85,6 +92,43 @@ async def admission_middleware(request: web.Request, handler: Handler) -> web.St
         st.leave()
 
 
+# What `_admitted` hands back, so the expect handler can tell the auth middleware let it by.
+_ADMITTED = web.StreamResponse(status=100)
+
+
+async def _admitted(_: web.Request) -> web.StreamResponse:
+    return _ADMITTED
+
+
+async def expect_handler(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue` (curl sends it for bodies over 1 MiB): a request refused for its
+    headers alone (no or a wrong API key, a Content-Length over the limit) gets its 401 or 413
+    now, before it is invited to send a body it would send in vain. aiohttp calls this before
+    the middlewares; None goes on to them."""
+    if request.version != HttpVersion11:
+        return None  # HTTP/1.0 has no 100 Continue
+    expect = request.headers.get(hdrs.EXPECT, "")
+    if expect.lower() != "100-continue":
+        return APIError(
+            417, f"unsupported Expect header: {expect!r}", code="expectation_failed", close=True
+        ).response()
+    settings = state_of(request).settings
+    refusal: web.StreamResponse | None = None
+    if settings.api_key:
+        # The auth middleware itself decides, so the two answers cannot drift apart.
+        answer = await auth_middleware(settings.api_key)(request, _admitted)
+        refusal = None if answer is _ADMITTED else answer
+    if refusal is None and (request.content_length or 0) > settings.max_body_bytes:
+        refusal = _too_large(settings.max_body_bytes).response()
+    if refusal is not None:
+        # The client may send the body anyway or not at all: no next request can follow.
+        refusal.force_close()
+        return refusal
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # as aiohttp's default: the 100 is not the response's size
+    return None
+
+
 # --- body parsing ------------------------------------------------------------------------
 
 
@@ -113,10 +157,14 @@ def lone_surrogate(body: Any) -> tuple[str, int, str] | None:
     return None
 
 
-async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
-    too_large = APIError(
+def _too_large(limit: int) -> APIError:
+    return APIError(
         413, f"request body exceeds the limit of {limit} bytes", code="request_too_large"
     )
+
+
+async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+    too_large = _too_large(limit)
     if request.content_length is not None and request.content_length > limit:
         raise too_large
     chunks: list[bytes] = []
@@ -136,7 +184,22 @@ async def _read_body(request: web.Request, limit: int, timeout_s: float) -> byte
             code="request_timeout",
             close=True,
         ) from None
+    except web.RequestPayloadError as e:
+        raise _bad_body(request, e) from None
     return b"".join(chunks)
+
+
+def _bad_body(request: web.Request, exc: web.RequestPayloadError) -> APIError:
+    """A 400 for a body aiohttp could not decode (bad gzip or deflate, broken chunk framing):
+    the client's fault, not a 500 with a traceback."""
+    cause = exc.__cause__
+    reason = one_line(getattr(cause, "message", None) or str(cause or exc))
+    # Not logged here: after the response aiohttp reads the rest of the body, meets the same
+    # error, and listener.ConnectionHandler writes its one rate-limited line, as it does for
+    # a body nobody read (a 401).
+    log.debug("malformed request body from %s: %s", request.remote, reason)
+    # The parser is past the point of a clean next request on this connection: close it.
+    return APIError(400, f"malformed request body: {reason}", code="invalid_body", close=True)
 
 
 async def read_json(request: web.Request, limit: int, timeout_s: float = 30.0) -> dict[str, Any]:
