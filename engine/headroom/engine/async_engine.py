@@ -20,12 +20,15 @@ on the engine thread; the event loop only exchanges commands and outputs with it
   still waits for the engine thread, it is never admitted at all.
 - `abort(request_id)` may be called from any thread; the stream then ends with a final output
   whose unfinished completions carry `finish_reason="abort"`.
-- `stats()` returns the snapshot published after the latest step (no waiting on the thread).
+- `stats()` returns the snapshot published after the latest step (no waiting on the thread),
+  or raises `EngineClosed` while a step is stuck: that snapshot is frozen, not current.
 - `shutdown(grace_s)` stops admitting, lets running requests finish for up to `grace_s`
-  seconds, aborts the rest and stops the thread.
+  seconds, aborts the rest and stops the thread. A thread still inside a step
+  `STOP_MARGIN_S` after that is left behind (it is a daemon thread): shutdown returns False.
 - A failed step ends only its own requests' streams, with `RequestFailed`; the engine goes on.
-  `health` (see `headroom.engine.health`) turns unhealthy after a run of failed steps or one
-  device error: new requests then get `EngineClosed`, and the server's probes fail.
+  `health` (see `headroom.engine.health`) turns unhealthy after a run of failed steps, one
+  device error, or while a step runs past its step timeout: new requests then get
+  `EngineClosed`, and the server's probes fail.
 """
 
 from __future__ import annotations
@@ -51,6 +54,13 @@ from headroom.engine.outputs import RequestOutput
 from headroom.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+# Seconds `shutdown` waits, after the grace period, for the thread to finish its current step
+# and abort what is left. A step normally takes far less, so a thread still busy then is
+# most likely hung (in a kernel or a collective): Python cannot interrupt it, and waiting
+# longer only ends in the kubelet's SIGKILL. Grace 30 + 10 + the handlers' 5 s flush stays
+# inside the 60 s terminationGracePeriodSeconds the operator renders.
+STOP_MARGIN_S = 10.0
 
 
 class EngineClosed(RuntimeError):
@@ -97,6 +107,7 @@ class AsyncEngine:
         self._stopped = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
+        self._steps = 0
         self._stats = engine.stats()
 
     @classmethod
@@ -134,6 +145,11 @@ class AsyncEngine:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The engine thread: None before `start` and after a shutdown that stopped it."""
+        return self._thread
 
     async def stream(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -173,22 +189,50 @@ class AsyncEngine:
         self._send(_Abort(request_id))
 
     def stats(self) -> StatsSnapshot:
-        """The latest published snapshot, stamped with the current time."""
+        """The latest published snapshot, stamped with the current time (between steps nothing
+        changes); `EngineClosed` while a step is stuck, since the snapshot is then frozen."""
+        stuck = self.health.stuck_step()
+        if stuck is not None:
+            raise EngineClosed(f"the engine is unhealthy: {stuck}")
         return self._stats.model_copy(update={"time": time.time()})
 
-    async def shutdown(self, grace_s: float = 10.0) -> None:
-        """Stop admitting, wait up to `grace_s` for running requests, abort the rest, stop."""
+    async def shutdown(self, grace_s: float = 10.0, stop_margin_s: float = STOP_MARGIN_S) -> bool:
+        """Stop admitting, wait up to `grace_s` for running requests, abort the rest, stop.
+
+        False when the thread is still in a step `stop_margin_s` after the grace period: it is
+        left running (a daemon thread, so it does not hold the process), since no Python call
+        can interrupt a hung kernel."""
         self._accepting = False
         thread = self._thread
         if thread is None:
-            return
+            return True
         deadline = time.monotonic() + max(0.0, grace_s)
-        while not self._idle.is_set() and time.monotonic() < deadline:
+        # A stuck step finishes nothing: waiting out the grace for it is time lost.
+        while (
+            not self._idle.is_set()
+            and self.health.stuck_step() is None
+            and time.monotonic() < deadline
+        ):
             await asyncio.sleep(0.01)
         self._send(_AbortAll())
         self._commands.put(None)
-        await asyncio.to_thread(thread.join)
+        # Polled, not `to_thread(thread.join)`: a join on an executor thread outlives a timeout
+        # and holds up the interpreter's exit.
+        stop_by = time.monotonic() + max(0.0, stop_margin_s)
+        while thread.is_alive() and time.monotonic() < stop_by:
+            await asyncio.sleep(0.01)
+        if thread.is_alive():
+            reason = self.health.stuck_step() or "still in a model step"
+            log.error("engine thread did not stop; leaving it behind", extra={"reason": reason})
+            # Its streams would wait for outputs that never come: end them here instead. The
+            # thread, stuck in the step, is not touching the sinks.
+            error = EngineClosed(f"the engine thread did not stop: {reason}")
+            for loop, sink in list(self._sinks.values()):
+                with contextlib.suppress(RuntimeError):  # the consumer's loop is gone
+                    loop.call_soon_threadsafe(sink.put_nowait, error)
+            return False
         self._thread = None
+        return True
 
     # -- the engine thread ------------------------------------------------------------------
 
@@ -225,6 +269,8 @@ class AsyncEngine:
                 return
             if engine.has_unfinished():
                 self._idle.clear()
+                self._steps += 1
+                self.health.step_started(self._steps)
                 try:
                     outputs = engine.step()
                 except StepFailed as exc:
@@ -242,6 +288,8 @@ class AsyncEngine:
                     outputs = []
                 else:
                     self.health.record_success()
+                finally:
+                    self.health.step_ended()
                 # Publish first: a consumer that sees a final output also sees it counted.
                 self._publish()
                 for out in outputs:

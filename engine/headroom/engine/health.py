@@ -5,13 +5,29 @@ on. A run of failures, or one error from the device itself (after an illegal mem
 a device-side assert the CUDA context is unusable for the life of the process), means the pod
 must go: the engine turns unhealthy for good, `/ready` and `/health` answer 503, `/stats`
 stops answering (so the sidecar's `headroom_engine_up` reads 0), and Kubernetes restarts it.
+
+A step that never returns (a hung kernel, an NCCL collective waiting on a dead peer) raises
+nothing, so the engine thread reports each step it starts and ends here: while one has run
+longer than `step_timeout_s` the engine is unhealthy the same way, naming the step. That lasts
+only while the step runs; a step that does return ends it.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
+import time
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONSECUTIVE_FAILURES = 3
+
+# Long enough that no legitimate step reaches it: the first step on a GPU compiles its kernels
+# (NVRTC) and warms the allocator, and a CPU prefill of a full `max_num_batched_tokens` batch
+# through a large model takes minutes. A false positive restarts a healthy pod under load, while
+# a late true positive only delays a restart the liveness probe then makes anyway.
+DEFAULT_STEP_TIMEOUT_S = 600.0
 
 # Messages of torch and CuPy errors that poison the CUDA context, not just one launch.
 _DEVICE_MARKERS = (
@@ -47,28 +63,78 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return seen
 
 
-class EngineHealth:
-    """Counts consecutive failed steps; thread-safe (the engine thread writes, HTTP reads)."""
+def _check_step_timeout(step_timeout_s: float) -> float:
+    if not (math.isfinite(step_timeout_s) and step_timeout_s > 0):
+        raise ValueError(f"step_timeout_s must be a positive number, got {step_timeout_s}")
+    return step_timeout_s
 
-    def __init__(self, max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES) -> None:
+
+class EngineHealth:
+    """Counts consecutive failed steps and times the running one; thread-safe (the engine
+    thread writes, HTTP reads)."""
+
+    def __init__(
+        self,
+        max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
+        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+    ) -> None:
         if max_consecutive_failures < 1:
             raise ValueError(
                 f"max_consecutive_failures must be >= 1, got {max_consecutive_failures}"
             )
         self.max_consecutive_failures = max_consecutive_failures
+        self._step_timeout_s = _check_step_timeout(step_timeout_s)
         self._lock = threading.Lock()
         self._consecutive = 0
         self._reason: str | None = None
+        # (step number, monotonic start) of the running step; one assignment, so a reader on
+        # another thread sees a whole tuple without the lock.
+        self._step: tuple[int, float] | None = None
+        self._reported_stuck: int | None = None
         self.failed_steps_total = 0
 
     @property
+    def step_timeout_s(self) -> float:
+        return self._step_timeout_s
+
+    @step_timeout_s.setter
+    def step_timeout_s(self, value: float) -> None:
+        self._step_timeout_s = _check_step_timeout(value)
+
+    @property
     def healthy(self) -> bool:
-        return self._reason is None
+        return self.reason is None
 
     @property
     def reason(self) -> str | None:
         """Why the engine is unhealthy; None while it is healthy."""
-        return self._reason
+        return self._reason or self.stuck_step()
+
+    def step_started(self, step: int) -> None:
+        """The engine thread begins step number `step`."""
+        self._step = (step, time.monotonic())
+
+    def step_ended(self) -> None:
+        """The running step returned (or raised): the watchdog stands down."""
+        self._step = None
+
+    def stuck_step(self, now: float | None = None) -> str | None:
+        """Which step has run past the step timeout, and for how long; None if none has."""
+        running = self._step
+        if running is None:
+            return None
+        step, started = running
+        elapsed = (time.monotonic() if now is None else now) - started
+        if elapsed <= self._step_timeout_s:
+            return None
+        reason = (
+            f"model step {step} stuck: running for {elapsed:.0f} s, over the step timeout of "
+            f"{self._step_timeout_s:g} s (a hung kernel or collective?)"
+        )
+        if self._reported_stuck != step:  # one log line per stuck step, not one per probe
+            self._reported_stuck = step
+            log.error("engine step watchdog fired", extra={"reason": reason})
+        return reason
 
     @property
     def consecutive_failures(self) -> int:

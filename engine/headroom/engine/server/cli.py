@@ -11,10 +11,12 @@ import os
 import re
 import socket
 import sys
+import threading
 
 from pydantic import ValidationError
 
 from headroom.engine.config import EngineConfig
+from headroom.engine.health import DEFAULT_STEP_TIMEOUT_S
 from headroom.engine.server.auth import API_KEY_ENV
 from headroom.engine.server.runner import ListenConfig, serve
 from headroom.engine.server.state import (
@@ -83,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: what the open-files limit allows, at most 4096)")  # fmt: skip
     h.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM")  # fmt: skip
+    h.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
+                   help="seconds one model step may run before the engine counts as hung: "
+                   "/health, /ready and /stats then answer 503")  # fmt: skip
     h.add_argument("--log-level", default="warning",
                    choices=["debug", "info", "warning", "error"])  # fmt: skip
     k = p.add_argument_group("kv cache and batching")
@@ -137,6 +142,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerSetting
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout,
         shutdown_grace_s=args.shutdown_grace,
+        step_timeout_s=args.step_timeout,
     )
     listen = ListenConfig(
         host=args.host,
@@ -154,6 +160,7 @@ def _flag_errors(err: ValidationError) -> str:
     flags = {
         "kv_cache_memory_bytes": "--kv-cache-memory",
         "shutdown_grace_s": "--shutdown-grace",
+        "step_timeout_s": "--step-timeout",
         "served_model_name": "--served-model-name",
         "body_timeout_s": "--body-timeout",
         "keepalive_timeout_s": "--keepalive-timeout",
@@ -191,8 +198,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    left_behind: list[threading.Thread] = []
     try:
-        return asyncio.run(serve(engine, settings, listen))
+        code = asyncio.run(serve(engine, settings, listen, left_behind=left_behind))
     except socket.gaierror as e:  # a host name that does not resolve is a bad flag
         hosts = ", ".join(h for h in (listen.host, listen.stats_host) if h)
         print(f"headroom serve: --host/--stats-host {hosts}: {e}", file=sys.stderr)
@@ -200,6 +208,15 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:  # e.g. the port is taken
         print(f"headroom serve: {e}", file=sys.stderr)
         return 1
+    if any(t.is_alive() for t in left_behind):
+        # A load cut short or an engine thread hung in a kernel: daemon threads, but the
+        # interpreter's teardown (CUDA and NCCL destructors) can still block on what they
+        # hold, so end the process here, past every Python exit hook.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,11 @@ engine, the budget line, and on SIGTERM/SIGINT a graceful drain that exits 0.
 Shutdown order: stop admitting (`/v1/*` -> 503, `/ready` -> 503), let the engine finish or
 abort what runs within the grace period (aborted completions end with finish_reason "abort"),
 wait for the handlers to write their last bytes, then close the listeners.
+
+Threads Python cannot interrupt are left behind rather than waited for: the model load (a
+SIGTERM during it closes the listeners and returns at once) and an engine thread hung in a
+step (after the grace period plus a margin, see `AsyncEngine.shutdown`). `serve` lists them
+in `left_behind`, so the CLI can end the process without waiting on them.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import contextlib
 import logging
 import signal
 import sys
+import threading
 from typing import Any, TextIO
 
 from aiohttp import web
@@ -59,7 +65,18 @@ class ListenConfig(BaseModel):
     def _check(self) -> ListenConfig:
         if self.stats_host is not None and self.stats_port is None:
             raise ValueError("stats_host needs stats_port (the separate listener's port)")
+        if self.stats_port and self.stats_port == self.port and self._hosts_overlap():
+            raise ValueError(
+                f"stats_port {self.stats_port} is also --port: the stats listener needs a port "
+                "of its own (or leave stats_port out to serve /health /ready /stats on --port)"
+            )
         return self
+
+    def _hosts_overlap(self) -> bool:
+        """Whether both listeners would bind one address (a wildcard covers every one)."""
+        stats = self.stats_host if self.stats_host is not None else self.host
+        wildcard = ("", "0.0.0.0", "::")
+        return stats == self.host or stats in wildcard or self.host in wildcard
 
     @property
     def separate_stats(self) -> bool:
@@ -76,9 +93,68 @@ class ListenConfig(BaseModel):
         )
 
 
+LOAD_THREAD = "headroom-load"
+
+
 def build_engine(config: EngineConfig) -> AsyncEngine:
     """Load the model and allocate the pool (blocking; run it off the event loop)."""
     return AsyncEngine.from_config(config)
+
+
+async def _load(config: EngineConfig, left_behind: list[threading.Thread]) -> AsyncEngine:
+    """`build_engine` on a daemon thread of its own, not `asyncio.to_thread`: a load cut short
+    by SIGTERM cannot be interrupted, and the executor's threads are joined by `asyncio.run`
+    and at interpreter exit, which would wait out the load. Cancelling this leaves the thread
+    loading, listed in `left_behind`."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[AsyncEngine] = loop.create_future()
+
+    def settle(engine: AsyncEngine | None, error: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            assert engine is not None
+            done.set_result(engine)
+
+    def run() -> None:
+        engine: AsyncEngine | None = None
+        error: BaseException | None = None
+        try:
+            engine = build_engine(config)
+        except BaseException as e:
+            error = e
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, engine, error)
+
+    thread = threading.Thread(target=run, name=LOAD_THREAD, daemon=True)
+    thread.start()
+    try:
+        return await done
+    except asyncio.CancelledError:
+        left_behind.append(thread)
+        raise
+
+
+async def _unless_stopped(work: asyncio.Future[AsyncEngine], stop: asyncio.Event) -> bool:
+    """Wait for `work` or `stop`, whichever comes first; True when `stop` came first (then
+    `work` is cancelled)."""
+    stopped = asyncio.ensure_future(stop.wait())
+    waiting: set[asyncio.Future[Any]] = {work, stopped}
+    try:
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+    finally:
+        stopped.cancel()
+    if work.done():
+        return False
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    return True
 
 
 async def _listen(
@@ -109,11 +185,15 @@ async def serve(
     *,
     stop: asyncio.Event | None = None,
     out: TextIO | None = None,
+    left_behind: list[threading.Thread] | None = None,
 ) -> int:
-    """Run until `stop` is set (or SIGTERM/SIGINT); 0 after a clean drain, 1 if the model
-    failed to load, 2 if the KV pool cannot hold one max-length sequence."""
+    """Run until `stop` is set (or SIGTERM/SIGINT); 0 after a clean drain (or a stop during
+    the model load), 1 if the model failed to load or the engine thread hung past the grace
+    period, 2 if the KV pool cannot hold one max-length sequence. Threads still running that
+    Python cannot stop (see the module docstring) are appended to `left_behind`."""
     out = out or sys.stdout
     stop = stop or asyncio.Event()
+    left_behind = left_behind if left_behind is not None else []
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(rate_limited_accept_errors())
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -161,9 +241,14 @@ async def serve(
         listeners.append(ops_listener)
         print(f"headroom serve: /health /ready /stats on http://{stats_host}:{sport}", file=out,
               flush=True)  # fmt: skip
+    code = 0
     try:
+        loading = asyncio.ensure_future(_load(config, left_behind))
+        if await _unless_stopped(loading, stop):
+            print("headroom serve: stopped during the model load", file=out, flush=True)
+            return 0
         try:
-            engine = await asyncio.to_thread(build_engine, config)
+            engine = loading.result()
         except (EngineConfigError, BackendUnavailable) as e:
             state.load_error = str(e)  # a flag the engine cannot run with: exit 2
             print(f"headroom serve: {e}", file=sys.stderr, flush=True)
@@ -183,6 +268,7 @@ async def serve(
             state.load_error = str(e)
             print(f"headroom serve: {e}", file=sys.stderr, flush=True)
             return 2
+        engine.health.step_timeout_s = settings.step_timeout_s
         await engine.start()
         template = attach_engine(state, engine, config.model, report.max_model_len)
         print(
@@ -194,7 +280,15 @@ async def serve(
         await stop.wait()
         print("headroom serve: shutting down", file=out, flush=True)
         state.draining = True
-        await engine.shutdown(settings.shutdown_grace_s)
+        if not await engine.shutdown(settings.shutdown_grace_s):
+            assert engine.thread is not None
+            left_behind.append(engine.thread)
+            print(
+                "headroom serve: the engine thread is stuck in a model step; exiting without it",
+                file=sys.stderr,
+                flush=True,
+            )
+            code = 1
         if not await state.wait_idle(HANDLER_FLUSH_S):
             log.warning("handlers still running after drain: %d", state.active)
     finally:
@@ -204,4 +298,4 @@ async def serve(
         for r in reversed(runners):
             await r.cleanup()
     print("headroom serve: stopped", file=out, flush=True)
-    return 0
+    return code

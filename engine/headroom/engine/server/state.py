@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
+from headroom.engine.health import DEFAULT_STEP_TIMEOUT_S
 from headroom.engine.server.chat_template import ChatTemplate
 from headroom.engine.server.protocol import now
 
@@ -31,6 +32,8 @@ class ServerSettings(BaseModel):
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=1024)
     body_timeout_s: float = Field(default=DEFAULT_BODY_TIMEOUT_S, gt=0)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # Past this one model step counts as hung (see headroom.engine.health): probes fail.
+    step_timeout_s: float = Field(default=DEFAULT_STEP_TIMEOUT_S, gt=0, allow_inf_nan=False)
 
 
 @dataclass
@@ -50,8 +53,9 @@ class ServerState:
 
     @property
     def unhealthy(self) -> str | None:
-        """Why the loaded engine can no longer serve (its thread died, or too many failed
-        steps, see headroom.engine.health); None while it can, or while it is loading."""
+        """Why the loaded engine can no longer serve (its thread died, too many failed steps,
+        or one step stuck past the step timeout, see headroom.engine.health); None while it
+        can, or while it is loading."""
         if self.engine is None:
             return None
         if not self.engine.running:

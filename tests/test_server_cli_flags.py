@@ -1,0 +1,44 @@
+"""Bad `headroom serve` flags exit 2 naming the flag, before any port is bound or model loaded:
+the stats listener on the main port, and a step timeout that is not a positive number."""
+
+from __future__ import annotations
+
+import pytest
+from engine_process import free_port
+from pydantic import ValidationError
+
+from headroom.engine.server.cli import main as server_main
+from headroom.engine.server.runner import ListenConfig
+
+
+def test_a_stats_port_equal_to_the_port_is_a_bad_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    port = str(free_port())
+    assert server_main(["--port", port, "--stats-port", port]) == 2
+    err = capsys.readouterr().err
+    assert f"--stats-port {port} is also --port" in err
+    assert "Address already in use" not in err
+
+
+@pytest.mark.parametrize(
+    ("host", "stats_host"),
+    [("127.0.0.1", None), ("127.0.0.1", "127.0.0.1"), ("0.0.0.0", "127.0.0.1"),
+     ("127.0.0.1", "::")],
+)  # fmt: skip
+def test_one_port_for_both_listeners_on_overlapping_addresses_is_refused(
+    host: str, stats_host: str | None
+) -> None:
+    with pytest.raises(ValidationError, match="stats_port 8000 is also --port"):
+        ListenConfig(host=host, port=8000, stats_host=stats_host, stats_port=8000)
+
+
+def test_one_port_on_two_distinct_addresses_and_two_picked_ports_are_fine() -> None:
+    ListenConfig(host="127.0.0.1", port=8000, stats_host="10.0.0.5", stats_port=8000)
+    ListenConfig(port=0, stats_port=0)  # each listener picks its own free port
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
+def test_a_step_timeout_must_be_a_positive_number(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert server_main(["--port", str(free_port()), "--step-timeout", value]) == 2
+    assert "--step-timeout:" in capsys.readouterr().err
