@@ -42,3 +42,23 @@ def test_a_step_timeout_must_be_a_positive_number(
 ) -> None:
     assert server_main(["--port", str(free_port()), "--step-timeout", value]) == 2
     assert "--step-timeout:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_a_send_timeout_must_be_a_positive_number(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert server_main(["--port", str(free_port()), "--send-timeout", value]) == 2
+    assert "--send-timeout:" in capsys.readouterr().err
+
+
+def test_the_send_timeout_reaches_every_listener() -> None:
+    import argparse
+
+    from headroom.engine.server.cli import add_arguments, build_configs
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--send-timeout", "7.5", "--stats-port", "0"])
+    listen = build_configs(args)[2]
+    assert listen.limits().send_timeout_s == 7.5

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from headroom.engine.config import EngineConfig
 from headroom.engine.health import DEFAULT_STEP_TIMEOUT_S
 from headroom.engine.server.auth import API_KEY_ENV
+from headroom.engine.server.listener import SEND_TIMEOUT_S
 from headroom.engine.server.runner import ListenConfig, serve
 from headroom.engine.server.state import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -77,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "each response) until a request's headers are in")  # fmt: skip
     h.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds from the first byte of a request to its last header")  # fmt: skip
+    h.add_argument("--send-timeout", type=float, default=SEND_TIMEOUT_S,
+                   help="seconds a response may wait on a client that reads none of it "
+                   "(then the connection closes and its requests are aborted)")  # fmt: skip
     h.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
                    help="seconds from the end of the headers to the end of the body "
                    "(then 408)")  # fmt: skip
@@ -151,6 +155,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerSetting
         stats_port=args.stats_port,
         keepalive_timeout_s=args.keepalive_timeout,
         header_timeout_s=args.header_timeout,
+        send_timeout_s=args.send_timeout,
         max_connections=args.max_connections,
     )
     return engine, settings, listen
@@ -165,6 +170,7 @@ def _flag_errors(err: ValidationError) -> str:
         "body_timeout_s": "--body-timeout",
         "keepalive_timeout_s": "--keepalive-timeout",
         "header_timeout_s": "--header-timeout",
+        "send_timeout_s": "--send-timeout",
     }
     parts = []
     for e in err.errors(include_url=False):

@@ -34,6 +34,7 @@ from headroom.engine.server.budget_report import budget_report
 from headroom.engine.server.chat_template import ChatTemplate, load_chat_template
 from headroom.engine.server.http_log import rate_limited_accept_errors
 from headroom.engine.server.listener import (
+    SEND_TIMEOUT_S,
     ConnectionLimits,
     Listener,
     default_max_connections,
@@ -59,6 +60,7 @@ class ListenConfig(BaseModel):
     stats_port: int | None = Field(default=None, ge=0, le=65535)
     keepalive_timeout_s: float = Field(default=5.0, gt=0)
     header_timeout_s: float = Field(default=10.0, gt=0)
+    send_timeout_s: float = Field(default=SEND_TIMEOUT_S, gt=0)
     max_connections: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
@@ -89,6 +91,7 @@ class ListenConfig(BaseModel):
         return ConnectionLimits(
             keepalive_timeout_s=self.keepalive_timeout_s,
             header_timeout_s=self.header_timeout_s,
+            send_timeout_s=self.send_timeout_s,
             max_connections=cap,
         )
 
