@@ -101,7 +101,7 @@ CEL_CASES = [
      rule(EngineSpec, "engine.blockSize 16")),
     ("vllm-batched-below-seqs",
      {**VALID, "engine": {"runtime": "vllm", "maxNumBatchedTokens": 256, "maxNumSeqs": 512}},
-     rule(EngineSpec, "runtime vllm needs")),
+     rule(EngineSpec, "runtime vllm needs engine.maxNumBatchedTokens")),
     ("sglang-chunk-not-page-multiple", {**VALID, "engine": {"runtime": "sglang", "blockSize": 48}},
      rule(EngineSpec, "runtime sglang needs")),
     ("stock-runtime-not-headroom-image",
