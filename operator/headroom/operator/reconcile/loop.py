@@ -119,10 +119,13 @@ def apply_children(
     sizing: Sizing,
     replicas: int | None,
     live: dict[str, Any] | None,
+    guarded: bool = True,
 ) -> tuple[dict[str, Any], list[Event]]:
     """Server-side apply every child; returns the applied Deployment and any warnings.
     Raises NameConflict, having applied nothing, when a child's name is taken, and StaleRead,
-    having applied nothing but maybe the replicas handoff, when `live` is out of date."""
+    having applied nothing but maybe the replicas handoff, when `live` is out of date (only
+    `guarded`: the Deployment is applied on `live`'s resourceVersion)."""
+    read = live if guarded else None
     events: list[Event] = []
     kinds = monitoring_kinds(kube)
     children = render(owner, spec, sizing, replicas, monitoring=kinds)
@@ -142,12 +145,13 @@ def apply_children(
             "metadata": {"name": owner.name, "namespace": owner.namespace},
             "spec": {"replicas": current},
         }
-        live = _apply_read(kube, handoff, live, field_manager=HANDOFF_MANAGER)
+        live = _apply_read(kube, handoff, read, field_manager=HANDOFF_MANAGER)
+        read = live if guarded else None
     applied_deployment: dict[str, Any] = {}
     for obj in children:
         try:
             if obj["kind"] == "Deployment":
-                out = _apply_read(kube, obj, live)
+                out = _apply_read(kube, obj, read)
             else:
                 out = with_retries(partial(kube.apply, obj))
         except KubeError as exc:
@@ -193,7 +197,10 @@ def _apply_fresh(
     live: dict[str, Any] | None,
 ) -> tuple[int | None, dict[str, Any], list[Event]]:
     """apply_children with the replicas of the Deployment as it is when the apply lands: read
-    again after each StaleRead; a 409 once the attempts are spent (kopf retries soon)."""
+    again after each StaleRead. A Deployment that moves on at every read (its controller
+    writing status through a rollout moves the resourceVersion too) would never meet the
+    precondition, and its drift would stay: once the attempts are spent it is applied without
+    one, from the freshest read, the race with a scale as narrow as one read and one apply."""
     for _ in range(STALE_READ_ATTEMPTS):
         replicas = replicas_to_apply(spec, sizing, live)
         try:
@@ -202,8 +209,9 @@ def _apply_fresh(
             live = kube.get("apps/v1", "Deployment", owner.namespace, owner.name)
             continue
         return replicas, applied, warnings
-    raise KubeError(409, "Conflict", f"Deployment {owner.name} kept changing between read "
-                    f"and apply ({STALE_READ_ATTEMPTS} reads)")  # fmt: skip
+    replicas = replicas_to_apply(spec, sizing, live)
+    applied, warnings = apply_children(kube, owner, spec, sizing, replicas, live, guarded=False)
+    return replicas, applied, warnings
 
 
 def reconcile(kube: KubeAPI, body: dict[str, Any], now: float) -> Outcome:
