@@ -402,7 +402,9 @@ def test_kv_check_on_the_trained_model_calibrates_fp8_and_finds_the_needles(
     scales = read_scales(model / SCALES_FILE)
     assert scales.num_layers == rm.TrainConfig().layers
     assert report["scales_path"] == str(model / SCALES_FILE)
-    assert rc == (0 if all("safe at every context" in v for v in report["verdicts"]) else 1)
+    calibrated = [v for v in report["verdicts"] if v.startswith("fp8 calibrated")]
+    assert len(calibrated) == 1  # the status follows the cache deployed, not scale 1.0's row
+    assert rc == (0 if "safe at every context" in calibrated[0] else 1)
     assert "verdict: fp8 calibrated" in out
 
 
@@ -438,3 +440,20 @@ def test_on_the_trained_model_saturated_keys_lose_the_needle_and_calibration_fin
     assert score(KVSetting("auto", "auto")) >= 0.9
     assert score(KVSetting("fp8 calibrated", "fp8", scales)) >= 0.9
     assert score(KVSetting("fp8", "fp8")) <= 0.5
+
+
+def test_the_exit_status_grades_only_the_cache_that_is_deployed() -> None:
+    """With --calibrate the engine loads the calibrated scales: an unsafe scale-1.0 row (shown
+    to say what calibration buys) must not fail a run whose calibrated cache is safe."""
+
+    def row(setting: str, needle: float, top1: float) -> check.SettingResult:
+        return check.SettingResult(
+            setting=setting, kv_dtype="fp8", top1_agreement=top1, kl_divergence=0.0,
+            greedy_match_tokens=1.0, greedy_full_match=1.0, needle_score=needle, needle_trials=4,
+        )  # fmt: skip
+
+    rows = [row("auto", 1.0, 1.0), row("fp8 (scale 1.0)", 0.25, 0.5),
+            row("fp8 calibrated", 1.0, 0.99)]  # fmt: skip
+    results = [check.ContextResult(context=c, settings=rows) for c in (256, 1024)]
+    assert check.all_safe(results, "fp8 calibrated")
+    assert not check.all_safe(results, "fp8 (scale 1.0)")

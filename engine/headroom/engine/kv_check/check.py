@@ -195,6 +195,11 @@ def is_safe(row: SettingResult, ref: SettingResult) -> bool:
     return row.needle_score >= ref.needle_score - NEEDLE_DROP and row.top1_agreement >= TOP1_MIN
 
 
+def all_safe(results: Sequence[ContextResult], setting: str, reference: str = "auto") -> bool:
+    """Whether `setting` is safe at every context checked (the exit status's rule)."""
+    return all(is_safe(r.of(setting), r.of(reference)) for r in results)
+
+
 def _why(row: SettingResult, ref: SettingResult) -> str:
     parts = []
     if row.needle_score < ref.needle_score - NEEDLE_DROP:
