@@ -14,6 +14,7 @@ in `left_behind`, so the CLI can end the process without waiting on them.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import signal
@@ -109,32 +110,21 @@ async def _load(config: EngineConfig, left_behind: list[threading.Thread]) -> As
     by SIGTERM cannot be interrupted, and the executor's threads are joined by `asyncio.run`
     and at interpreter exit, which would wait out the load. Cancelling this leaves the thread
     loading, listed in `left_behind`."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[AsyncEngine] = loop.create_future()
-
-    def settle(engine: AsyncEngine | None, error: BaseException | None) -> None:
-        if done.cancelled():
-            return
-        if error is not None:
-            done.set_exception(error)
-        else:
-            assert engine is not None
-            done.set_result(engine)
+    done: concurrent.futures.Future[AsyncEngine] = concurrent.futures.Future()
 
     def run() -> None:
-        engine: AsyncEngine | None = None
-        error: BaseException | None = None
+        if not done.set_running_or_notify_cancel():
+            return
         try:
-            engine = build_engine(config)
+            done.set_result(build_engine(config))
         except BaseException as e:
-            error = e
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-            loop.call_soon_threadsafe(settle, engine, error)
+            done.set_exception(e)
 
     thread = threading.Thread(target=run, name=LOAD_THREAD, daemon=True)
     thread.start()
     try:
-        return await done
+        # wrap_future hands the result to this loop, and drops it once the loop is closed.
+        return await asyncio.wrap_future(done)
     except asyncio.CancelledError:
         left_behind.append(thread)
         raise

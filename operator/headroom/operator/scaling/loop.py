@@ -286,7 +286,7 @@ async def tick(
     auto = spec.scaling.mode == "auto"
     records = list(status.get("lastDecisions") or [])
     applied_replicas = current
-    scale_failed: str | None = None
+    scaled, scale_failed = False, None
     if d.replicas != current and auto:
         try:
             applied_replicas = await asyncio.to_thread(
@@ -294,12 +294,13 @@ async def tick(
                 lambda: kube.scale(owner.namespace, owner.name, d.replicas,
                                    field_manager=SCALING_MANAGER),
             )  # fmt: skip
+            scaled = True
         except KubeError as exc:
             # Reported, not raised: the tick's status and a Warning say the Deployment stayed
             # at `current` and why (an RBAC denial, an admission webhook), and the decision's
             # memory records no change.
             scale_failed = f"could not scale {current} -> {d.replicas}: {exc}"
-    if scale_failed is None and d.replicas != current and auto:
+    if scaled:
         live = {**live, "spec": {**live.get("spec", {}), "replicas": applied_replicas}}
         verb = "ScaledOut" if d.replicas > current else "ScaledIn"
         out.events.append(Event("Normal", verb, f"{current} -> {d.replicas}: {d.message}"))
