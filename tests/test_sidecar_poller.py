@@ -319,6 +319,66 @@ async def test_an_sglang_restart_without_server_info_has_no_block_counts() -> No
         assert reading is not None and reading.capacity_blocks == 7168
 
 
+async def test_an_sglang_restart_after_a_long_outage_forgets_the_dead_servers_pool() -> None:
+    """Down for longer than the info refresh period, the restarted server's first poll has its
+    info due; when that read fails, the dead server's pool must not be kept."""
+    sg, up = Sglang(), {"on": True}
+    engine = sg.engine()
+    metrics = engine.routes["/metrics"]
+
+    def maybe_metrics() -> bytes:
+        if not up["on"]:
+            raise web.HTTPServiceUnavailable()
+        return metrics()
+
+    engine.routes["/metrics"] = maybe_metrics
+    async with _rig(engine, source="sglang") as rig:
+        await rig.poller.poll_once()
+        up["on"] = False
+        for t in range(1, 120):  # two minutes down: the refresh falls due meanwhile
+            rig.clock.t = float(t)
+            await rig.poller.poll_once()
+        assert not rig.state.last_poll_ok
+        up["on"] = True
+        sg.pool, sg.used, sg.requests, sg.info_up = 7168, 3584, 0.0, False
+        for t in (120.0, 125.0):
+            rig.clock.t = t
+            await rig.poller.poll_once()
+            assert rig.state.restarts_total == 1 and rig.state.last_poll_ok
+            reading = figures(rig.state, rig.cfg, t).reading
+            assert reading is not None and reading.capacity_blocks is None
+            assert reading.used_blocks is None and reading.occupancy == pytest.approx(0.5)
+        sg.info_up = True
+        rig.clock.t = 131.0
+        await rig.poller.poll_once()
+        reading = figures(rig.state, rig.cfg, 131.0).reading
+        assert reading is not None and (reading.capacity_blocks, reading.used_blocks) == (
+            7168, 3584,
+        )  # fmt: skip
+
+
+async def test_a_server_info_read_that_raises_costs_only_the_block_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whatever goes wrong reading the optional server info, /metrics was read: the engine is
+    up, and the read is retried later rather than failing every poll."""
+    import headroom.sidecar.poller as poller_mod
+
+    def broken(body: bytes) -> None:
+        raise ValueError("Forbidden control character")
+
+    monkeypatch.setattr(poller_mod, "parse_sglang_server_info", broken)
+    sg = Sglang()
+    async with _rig(sg.engine(), source="sglang") as rig:
+        for t in range(3):
+            rig.clock.t = float(t)
+            await rig.poller.poll_once()
+        assert rig.state.last_poll_ok and rig.state.errors["internal"] == 0
+        reading = figures(rig.state, rig.cfg, 2.0).reading
+        assert reading is not None and reading.capacity_blocks is None
+        assert rig.engine.hits["/get_server_info"] == 1  # not again before the retry is due
+
+
 @pytest.mark.parametrize("key", [None, "wrong", "s3cret"])
 async def test_sglang_server_info_behind_its_api_key_is_read_with_the_pods_key(
     key: str | None,

@@ -174,6 +174,12 @@ def _free_port() -> int:
         (["--engine-url", "http://127.0.0.1:99999"], "engine_url must be http(s)"),
         (["--engine-url", "http://x:1", "--interval", "1", "--timeout", "2"], "must not exceed"),
         (["--engine-url", "http://x:1", "--window", "0"], "window"),
+        # An endless window would keep every sample, and each scrape would walk them all.
+        (["--engine-url", "http://x:1", "--window", "inf"], "finite"),
+        (["--engine-url", "http://x:1", "--forecast-window", "1e308"], "forecast_window"),
+        # Too short to hold the polls a forecast or a rate needs: they would never be exported.
+        (["--engine-url", "http://x:1", "--forecast-window", "0.5"], "must hold 3 polls"),
+        (["--engine-url", "http://x:1", "--window", "0.5"], "at least one poll interval"),
         (["--engine-url", "http://x:1", "--port", "70000"], "port"),
         (["--engine-url", "http://x:1", "--source", "tgi"], "invalid choice"),
     ],
@@ -187,6 +193,17 @@ def test_cli_rejects_bad_flags(
         code = int(exc.code or 0)
     assert code == 2
     assert complaint in capsys.readouterr().err
+
+
+def test_a_key_no_header_can_carry_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A multi-line Secret: aiohttp would refuse the header at every poll, and the engine
+    would read as down for good; the sidecar says so at start instead."""
+    monkeypatch.setenv("HEADROOM_API_KEY", "a\rb\n")
+    assert sidecar_main(["--engine-url", "http://x:1", "--source", "sglang"]) == 2
+    err = capsys.readouterr().err
+    assert "control character" in err and "a\rb" not in err
 
 
 async def test_python_m_headroom_sidecar_serves_metrics() -> None:

@@ -55,8 +55,15 @@ class SidecarConfig(BaseModel):
     port: int = Field(default=SIDECAR_PORT, ge=0, le=65535)
     interval: float = Field(default=1.0, gt=0, le=3600, description="seconds between polls")
     timeout: float = Field(default=0.8, gt=0, description="seconds before a poll is abandoned")
-    window: float = Field(default=60.0, gt=0, description="hit-ratio / rate window, seconds")
-    forecast_window: float = Field(default=30.0, gt=0, description="slope-fit window, seconds")
+    # Finite and bounded: the history kept is as long as the longer window.
+    window: float = Field(
+        default=60.0, gt=0, le=86400, allow_inf_nan=False,
+        description="hit-ratio / rate window, seconds",
+    )  # fmt: skip
+    forecast_window: float = Field(
+        default=30.0, gt=0, le=86400, allow_inf_nan=False,
+        description="slope-fit window, seconds",
+    )  # fmt: skip
     min_forecast_points: int = Field(default=3, ge=2)
     labels: IdentityLabels = IdentityLabels()
 
@@ -69,6 +76,21 @@ class SidecarConfig(BaseModel):
             port = -1
         if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
             raise ValueError(f"engine_url must be http(s)://host:port, got {self.engine_url!r}")
+        key = self.api_key.get_secret_value() if self.api_key else ""
+        if any(ord(c) < 32 or ord(c) == 127 for c in key):
+            # An HTTP header cannot carry it (a multi-line Secret, say).
+            raise ValueError(f"${API_KEY_ENV} holds a control character")
+        if self.window < self.interval:
+            raise ValueError(
+                f"window ({self.window:g} s) must hold at least one poll interval "
+                f"({self.interval:g} s)"
+            )
+        fit = (self.min_forecast_points - 1) * self.interval
+        if self.forecast_window < fit:
+            raise ValueError(
+                f"forecast_window ({self.forecast_window:g} s) must hold "
+                f"{self.min_forecast_points} polls {self.interval:g} s apart (at least {fit:g} s)"
+            )
         if self.timeout > self.interval:
             raise ValueError(
                 f"timeout ({self.timeout} s) must not exceed interval ({self.interval} s): "

@@ -120,15 +120,17 @@ class Poller:
         # A release that exports its pool size in /metrics needs no second request.
         if self.cfg.source != "sglang" or b"sglang:max_total_num_tokens" in body:
             return self._parse(body)
-        fresh_info = await self._refresh_server_info()
+        asked = await self._refresh_server_info()
         reading = self._parse(body)
-        if not fresh_info and self.server_info is not None and self.state.is_restart(reading):
+        if asked is not True and self.server_info is not None and self.state.is_restart(reading):
             # The pool known is the dead instance's, and a restarted server may have another
             # (another --max-total-tokens or --mem-fraction-static, or profiled otherwise):
-            # read the new one's now. Should it not answer, its blocks are unknown, not the old.
+            # read the new one's now. Should it not answer (this poll's refresh failed, or
+            # this one does), its blocks are unknown, not the old.
             self.server_info = None
-            self._server_info_due = self._clock()
-            await self._refresh_server_info()
+            if asked is None:
+                self._server_info_due = self._clock()
+                await self._refresh_server_info()
             reading = self._parse(body)
         return reading
 
@@ -138,11 +140,12 @@ class Poller:
         except GarbageError as exc:
             raise PollFailed("garbage", str(exc)) from exc
 
-    async def _refresh_server_info(self) -> bool:
-        """Read SGLang's server info when due (returns whether it was asked); a failure keeps
-        what was known, and is logged once per change, never counted as a failed poll."""
+    async def _refresh_server_info(self) -> bool | None:
+        """Read SGLang's server info when due: None when not due, else whether it was read.
+        A failure keeps what was known, and is logged once per change, never counted as a
+        failed poll."""
         if self._clock() < self._server_info_due:
-            return False
+            return None
         errors: list[str] = []
         for path in SERVER_INFO_PATHS:
             try:
@@ -152,6 +155,9 @@ class Poller:
                 )
             except (PollFailed, GarbageError) as exc:
                 errors.append(f"{path}: {exc}")
+                continue
+            except Exception as exc:  # the pool size is optional: it must not cost the poll
+                errors.append(f"{path}: {type(exc).__name__}: {exc}")
                 continue
             errors = []
             break
@@ -169,7 +175,7 @@ class Poller:
         elif not error and self._server_info_error and self.server_info:
             log.info("event=server_info pool_tokens=%s", self.server_info.pool_tokens)
         self._server_info_error = error
-        return True
+        return error is None
 
     async def poll_once(self) -> None:
         """Fetch once and record the outcome; never raises (except cancellation)."""
