@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -318,18 +319,13 @@ def main() -> int:
         pod = pod_plan(RAMP[1])
 
         _section("3. sidecar and autoscaler")
-        stack = contextlib.ExitStack()
         sport = _free_port()
         sidecar_url = f"http://127.0.0.1:{sport}"
-        side, _ = stack.enter_context(
-            _process(["-m", "headroom.sidecar", "--engine-url", url, "--host", "127.0.0.1",
-                      "--port", str(sport), "--interval", "0.5",
-                      "--timeout", "0.4", "--forecast-window", "10"])
-        )  # fmt: skip
-        _wait_ready(sidecar_url + "/saturation", side, "headroom sidecar", timeout=30)
-        print(f"  sidecar polling {url}/stats, serving {sidecar_url}/metrics", flush=True)
-
-        with stack:
+        with _process(["-m", "headroom.sidecar", "--engine-url", url, "--host", "127.0.0.1",
+                       "--port", str(sport), "--interval", "0.5",
+                       "--timeout", "0.4", "--forecast-window", "10"]) as (side, _):  # fmt: skip
+            _wait_ready(sidecar_url + "/saturation", side, "headroom sidecar", timeout=30)
+            print(f"  sidecar polling {url}/stats, serving {sidecar_url}/metrics", flush=True)
             _section(f"4. headroom load: ramp {RAMP[0]} -> {RAMP[1]} concurrent over "
                      f"{RAMP_SECONDS:.0f}s, {SHARED_FRACTION:.0%} share a "
                      f"{PREFIX_TOKENS}-token system prompt")  # fmt: skip
@@ -366,5 +362,13 @@ def main() -> int:
     return 0 if summary.errors == 0 else 1
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    """SIGTERM or SIGHUP unwinds like Ctrl-C, so the engine and the sidecar are stopped."""
+    raise SystemExit(128 + signum)
+
+
 if __name__ == "__main__":
+    # The default action would end this process at once and leave both children running.
+    for _sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(_sig, _exit_on_signal)
     sys.exit(main())
