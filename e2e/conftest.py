@@ -24,7 +24,7 @@ if str(REPO) not in sys.path:
 
 from e2e.cluster.harness import Cluster  # noqa: E402
 from e2e.helpers import Operator, Processes, Timings, table_of, wait_until  # noqa: E402
-from e2e.kube import CRDS, EXAMPLES, Applied, Release, example_manifests, get_obj  # noqa: E402, get_obj
+from e2e.kube import CRDS, Applied, Release, example_manifests, examples_dir, get_obj  # noqa: E402, get_obj
 
 pytest_plugins = ["e2e.cluster.pytest_plugin"]
 
@@ -132,7 +132,7 @@ def examples(cluster: Cluster, operator: Operator, timings: Timings) -> Applied:
         cluster.wait(
             "--for=condition=Established", "crd/inferencedeployments.headroom.dev", timeout=60
         )
-        out = cluster.kubectl("apply", "-f", str(EXAMPLES)).stdout
+        out = cluster.kubectl("apply", "-f", str(examples_dir())).stdout
         for m in manifests:
             name, ns = str(m["metadata"]["name"]), str(m["metadata"]["namespace"])
             wait_until(

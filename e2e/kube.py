@@ -3,26 +3,73 @@ for a spec, and `kubectl get` tables."""
 
 from __future__ import annotations
 
+import atexit
+import functools
+import ipaddress
 import json
 import re
+import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
 from e2e.helpers import REPO, headroom_argv
 
-EXAMPLES = REPO / "examples"
+EXAMPLES_SOURCE = REPO / "examples"
 CRDS = REPO / "crds"
 SELECTOR_LABEL = "headroom.dev/inferencedeployment"
 CHILD_KINDS = ("deployment", "service", "poddisruptionbudget")
+# Where the examples' Prometheus is pointed in the scenarios: nothing listens there, so the
+# operator's metrics source fails at once, on this machine. The examples name an in-cluster
+# Service (`prometheus-operated.monitoring`), whose lookup would leave loopback.
+LOOPBACK_PROMETHEUS = "http://127.0.0.1:1"
+_PROMETHEUS_LINE = re.compile(r"^([ \t]*prometheusURL:[ \t]*)(\S+)[ \t]*$", re.MULTILINE)
+
+
+def _loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _urls(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        return [u for v in node.values() for u in _urls(v)]
+    if isinstance(node, list):
+        return [u for v in node for u in _urls(v)]
+    return [node] if isinstance(node, str) and re.match(r"^[a-z][a-z0-9+.-]*://", node) else []
+
+
+@functools.cache
+def examples_dir() -> Path:
+    """examples/ as the scenarios apply it: the same files, each `prometheusURL` that is not
+    loopback pointed at LOOPBACK_PROMETHEUS; refuses an example naming any other such URL."""
+    out = Path(tempfile.mkdtemp(prefix="headroom-e2e-examples-"))
+    atexit.register(shutil.rmtree, out, True)
+    for path in sorted(EXAMPLES_SOURCE.glob("*.yaml")):
+        text = _PROMETHEUS_LINE.sub(
+            lambda m: m.group(0) if _loopback(m.group(2)) else m.group(1) + LOOPBACK_PROMETHEUS,
+            path.read_text(),
+        )
+        off = [u for d in yaml.safe_load_all(text) for u in _urls(d) if not _loopback(u)]
+        if off:
+            raise AssertionError(f"{path.name} names {off}: the scenarios reach loopback only")
+        (out / path.name).write_text(text)
+    return out
 
 
 def example_manifests() -> list[dict[str, Any]]:
-    """The InferenceDeployments under examples/, in file order."""
+    """The InferenceDeployments under examples/ (as `examples_dir()` holds them), in file
+    order."""
     docs: list[dict[str, Any]] = []
-    for path in sorted(EXAMPLES.glob("*.yaml")):
+    for path in sorted(examples_dir().glob("*.yaml")):
         docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
     return docs
 

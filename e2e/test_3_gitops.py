@@ -19,10 +19,10 @@ from e2e.cluster.harness import Cluster
 from e2e.helpers import Operator, wait_until
 from e2e.kube import (
     CHILD_KINDS,
-    EXAMPLES,
     SELECTOR_LABEL,
     Applied,
     container_arg,
+    examples_dir,
     get_obj,
     headroom_plan,
     pool_flags,
@@ -83,7 +83,7 @@ def test_reapplying_the_same_manifests_changes_nothing(
         for t in targets
     }
     before_tick = {t: _observed_at(cluster, t[1], t[0]) for t in targets}
-    out = cluster.kubectl("apply", "-f", str(EXAMPLES)).stdout
+    out = cluster.kubectl("apply", "-f", str(examples_dir())).stdout
     lines = [ln for ln in out.splitlines() if ln.strip()]
     assert lines and all(ln.endswith(" unchanged") for ln in lines), out
 
@@ -108,7 +108,7 @@ def test_reapplying_the_same_manifests_changes_nothing(
     # The status the operator keeps writing may race one diff; a real drift shows every time.
     diffs = []
     for _ in range(3):
-        diff = cluster.kubectl("diff", "-f", str(EXAMPLES), check=False)
+        diff = cluster.kubectl("diff", "-f", str(examples_dir()), check=False)
         if diff.returncode == 0:
             break
         diffs.append(diff.stdout + diff.stderr)
@@ -180,7 +180,7 @@ def test_a_spec_change_rolls_the_deployment(
     assert budget["blockSize"] == old_block * 2
     assert budget["kvBlocksPerPod"] == plan["kv_blocks_per_pod"]
     # Back to what git says, so the examples end as they started.
-    cluster.kubectl("apply", "-f", str(EXAMPLES))
+    cluster.kubectl("apply", "-f", str(examples_dir()))
 
 
 def test_deleting_the_resource_garbage_collects_its_children(
@@ -188,7 +188,9 @@ def test_deleting_the_resource_garbage_collects_its_children(
 ) -> None:
     targets = _targets(examples)
     assert all(_children(cluster, ns, name) for name, ns in targets)
-    cluster.kubectl("delete", "-f", str(EXAMPLES), "--wait=true", "--timeout=90s", timeout=120)
+    cluster.kubectl(
+        "delete", "-f", str(examples_dir()), "--wait=true", "--timeout=90s", timeout=120
+    )
     for name, ns in targets:
         wait_until(
             partial(_gone, cluster, ns, name),
