@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from e2e.cluster.harness import Cluster
 from e2e.helpers import (
     PROMETHEUS,
+    REPO,
     Operator,
     Processes,
     Prometheus,
@@ -65,6 +66,7 @@ SCALE_OUT_OCCUPANCY = 0.9  # the threshold line sits at the fill's edge (as in s
 TARGET_OCCUPANCY = 0.7
 GROWTH_WINDOW_SECONDS = 10
 MODEL = "llama-3.2-1b"
+SGLANG_SERVER_INFO = REPO / "tests" / "prometheus" / "sglang_server_info_0.5.3.json"
 
 
 def _manifest(name: str, ns: str, spec: dict[str, Any]) -> str:
@@ -163,9 +165,10 @@ def test_stock_runtime_deployment_carries_the_plan(
 class StandIn:
     """What a stock server's `/metrics` says about its KV pool, with a usage that rises on cue.
 
-    The families and labels are those the sidecar's vLLM and SGLang parsers read (vLLM 0.11:
-    `vllm:kv_cache_usage_perc`, `vllm:cache_config_info{num_gpu_blocks}`; SGLang:
-    `sglang:token_usage`, `sglang:max_total_num_tokens`), rendered by prometheus-client.
+    The families and labels are those of the pinned releases, rendered by prometheus-client:
+    vLLM 0.11 (`vllm:kv_cache_usage_perc`, `vllm:cache_config_info{num_gpu_blocks}`); SGLang
+    0.5.3 (`sglang:token_usage`, `sglang:num_used_tokens`, the `sglang:total_retracted_reqs`
+    gauge, and no pool size: that is in `GET /get_server_info`, served as 0.5.3 shapes it).
     """
 
     def __init__(self, runtime: str, blocks: int, block_size: int) -> None:
@@ -173,6 +176,7 @@ class StandIn:
         self.port = free_port()
         self.started = time.time()
         self.rise_at: float | None = None
+        self.server_info_reads = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._runner: web.AppRunner | None = None
@@ -213,20 +217,29 @@ class StandIn:
                     registry=reg).labels(**labels)  # fmt: skip
         else:
             labels = {"model_name": MODEL, "engine_type": "unified", "tp_rank": "0",
-                      "pp_rank": "0", "moe_ep_rank": "0"}  # fmt: skip
+                      "pp_rank": "0"}  # fmt: skip
             tokens = self.blocks * self.block_size
             for metric, value in (
-                ("token_usage", u),
+                ("token_usage", round(u, 2)),  # SGLang rounds it
                 ("num_used_tokens", round(u * tokens)),
-                ("max_total_num_tokens", tokens),
                 ("num_running_reqs", running),
                 ("num_queue_reqs", 0),
+                ("total_retracted_reqs", 0),
             ):
                 Gauge(f"sglang:{metric}", f"The {metric}.", list(labels),
                       registry=reg).labels(**labels).set(value)  # fmt: skip
-            Counter("sglang:num_retracted_requests", "Total number of retracted requests.",
-                    list(labels), registry=reg).labels(**labels)  # fmt: skip
         return generate_latest(reg)
+
+    def server_info(self) -> dict[str, Any]:
+        """SGLang 0.5.3's `GET /get_server_info`, its pool the `--max-total-tokens` asked."""
+        doc: dict[str, Any] = json.loads(SGLANG_SERVER_INFO.read_text())
+        tokens = self.blocks * self.block_size
+        doc.update(served_model_name=MODEL, page_size=self.block_size,
+                   max_total_tokens=tokens, max_total_num_tokens=tokens)  # fmt: skip
+        for state in doc["internal_states"]:
+            state.update(page_size=self.block_size, max_total_tokens=tokens)
+            state["memory_usage"]["token_capacity"] = tokens
+        return doc
 
     async def _metrics(self, _: web.Request) -> web.Response:
         return web.Response(body=self.exposition(), content_type="text/plain")
@@ -234,10 +247,17 @@ class StandIn:
     async def _health(self, _: web.Request) -> web.Response:
         return web.Response(text="")
 
+    async def _server_info(self, _: web.Request) -> web.Response:
+        if self.runtime != "sglang":
+            return web.Response(status=404)
+        self.server_info_reads += 1
+        return web.json_response(self.server_info())
+
     async def _setup(self) -> None:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/get_server_info", self._server_info)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
@@ -368,6 +388,8 @@ def _run_rising(
         report = wait_until(fresh_report, timeout=60, what=f"the sidecar to read {runtime}")
         assert report["source"] == runtime and report["capacity_blocks"] == blocks, report
         assert report["occupancy"] == pytest.approx(IDLE, abs=0.01), report
+        # 0.5.3's /metrics has no pool size: the sidecar read it from the server info.
+        assert (stand_in.server_info_reads > 0) == (runtime == "sglang"), stand_in.server_info_reads
 
         prom = Prometheus(group, {"headroom-sidecar": [f"127.0.0.1:{sidecar_port}"]},
                           port=prom_port)  # fmt: skip
