@@ -6,12 +6,15 @@
 #                                         root; headroom-engine serves the tiny model on /health
 #   scripts/image.sh export NAME          write an OCI archive under $HEADROOM_CACHE/images
 #   scripts/image.sh tags                 "NAME TAG" per image: what the chart and operator name
+#   scripts/image.sh ref NAME             this checkout's own name for its last build of NAME
 #   scripts/image.sh context NAME DIR     the build context of NAME (requirements, wheels, dist)
 #   scripts/image.sh podman|buildah ARG.. either, with the repository's containers.conf and
 #                                         storage.conf (the user's global config is never read)
 # Everything lives under $HEADROOM_CACHE/containers (default ~/.cache/headroom): the base image,
 # the layers and the wheels, so a second build is fast. HEADROOM_IMAGE_BASE names a registry
 # base (docker.io/library/python:3.11.7-slim-bookworm) instead of the mmdebstrap one.
+# Clones share that store: each checks, sizes and exports the image it built itself (`ref`),
+# whichever clone last took the release tag.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 export HEADROOM_CACHE=${HEADROOM_CACHE:-$HOME/.cache/headroom}
@@ -23,6 +26,8 @@ names=(headroom headroom-engine)
 epoch=${SOURCE_DATE_EPOCH:-$(git -C "$root" log -1 --format=%ct 2>/dev/null || echo 0)}
 
 tag() { echo "$registry/$1:$version"; }
+checkout=$(printf '%s' "$root" | sha256sum | cut -c1-12)
+ref() { echo "localhost/headroom-checkout-$checkout/$1:$version"; }
 
 # Seconds and archive per image, for the summary `all` prints.
 declare -A built_s archive
@@ -85,8 +90,12 @@ base_image() {
   exec 8>"$store/.base.lock"
   flock 8
   if ! podman image exists "$ref"; then
-    local tmp start sum ctr
+    local tmp start sum ctr=""
     tmp=$(mktemp -d "$store/base.XXXXXX")
+    # This runs in `$(...)`: the trap is the subshell's, and a failure leaves no 130 MB tarball
+    # or half-made container behind.
+    # shellcheck disable=SC2064  # expand now: $tmp is local
+    trap "rm -rf '$tmp'; [ -z \"\${ctr:-}\" ] || buildah rm \"\$ctr\" >/dev/null 2>&1" EXIT
     start=$SECONDS
     say "making the base root filesystem (mmdebstrap bookworm minbase, python3)"
     if ! SOURCE_DATE_EPOCH=$epoch mmdebstrap --quiet "${opts[@]}" bookworm "$tmp/rootfs.tar" \
@@ -102,7 +111,9 @@ base_image() {
       --label dev.headroom.rootfs-sha256="$sum" --label dev.headroom.source-date-epoch="$epoch" \
       "$ctr"
     buildah commit --quiet --rm --timestamp "$epoch" "$ctr" "$ref" >/dev/null
+    ctr=""
     rm -rf "$tmp"
+    trap - EXIT
     say "base $ref (rootfs sha256 $sum) in $((SECONDS - start)) s"
     # Bases of earlier recipes (an image still built on one keeps its layers).
     podman images --format '{{.Repository}}:{{.Tag}}' localhost/headroom-base |
@@ -159,15 +170,24 @@ build() {
   trap "rm -rf '$ctx'" EXIT
   context "$name" "$ctx"
   say "building $(tag "$name") from $ref"
+  local log=$store/$name-$checkout.log
   if ! buildah build --layers --force-rm --network none --target "$name" --build-arg BASE="$ref" \
-    --timestamp "$epoch" -f "$root/Dockerfile" -t "$(tag "$name")" "$ctx" >"$store/$name.log" 2>&1; then
-    tail -n 40 "$store/$name.log" >&2
-    echo "scripts/image.sh: building $name failed (log: $store/$name.log)" >&2
+    --timestamp "$epoch" -f "$root/Dockerfile" --label dev.headroom.checkout="$root" \
+    -t "$(ref "$name")" -t "$(tag "$name")" "$ctx" >"$log" 2>&1; then
+    tail -n 40 "$log" >&2
+    echo "scripts/image.sh: building $name failed (log: $log)" >&2
     exit 1
   fi
   rm -rf "$ctx"
   trap - EXIT
-  # Untagged images of earlier builds and their layers: the store keeps what the tags need.
+  # The builds of clones that are gone, then untagged images of earlier builds and their
+  # layers: the store keeps what the tags need.
+  podman images --format '{{.Repository}}:{{.Tag}} {{index .Labels "dev.headroom.checkout"}}' \
+    --filter "reference=localhost/headroom-checkout-*/*" 2>/dev/null |
+    while read -r image dir; do
+      case "$image" in localhost/headroom-checkout-*) ;; *) continue ;; esac
+      [ -z "$dir" ] || [ -d "$dir" ] || podman untag "$image" >/dev/null 2>&1 || true
+    done
   podman image prune --force >/dev/null 2>&1 || true
   built_s[$name]=$((SECONDS - start))
   say "built $(tag "$name") in ${built_s[$name]} s, $(size "$name")"
@@ -197,7 +217,7 @@ PY
 }
 
 size() {
-  podman image inspect --format '{{.Size}}' "$(tag "$1")" |
+  podman image inspect --format '{{.Size}}' "$(ref "$1")" |
     awk '{ printf "%.0f MB", $1 / 1e6 }'
 }
 
@@ -211,7 +231,7 @@ check() {
   case "$name" in
   headroom)
     local out
-    out=$(podman run --rm --read-only --user 10001:10001 "$(tag headroom)" --help)
+    out=$(podman run --rm --read-only --user 10001:10001 "$(ref headroom)" --help)
     grep -q sidecar <<<"$out" || {
       echo "$out" >&2
       exit 1
@@ -223,7 +243,7 @@ check() {
     port=$(free_port)
     ctr=headroom-image-check-$$
     start=$SECONDS
-    podman run --detach --name "$ctr" --read-only --user 10001:10001 "$(tag headroom-engine)" \
+    podman run --detach --name "$ctr" --read-only --user 10001:10001 "$(ref headroom-engine)" \
       serve --model tiny --host 127.0.0.1 --port "$port" >/dev/null
     # shellcheck disable=SC2064  # expand now: $ctr is local
     trap "podman rm --force --time 0 '$ctr' >/dev/null 2>&1" EXIT
@@ -256,14 +276,19 @@ export_archive() {
   known "$name"
   mkdir -p "$HEADROOM_CACHE/images"
   out=$HEADROOM_CACHE/images/$name-$version.oci.tar
-  id=$(podman image inspect --format '{{.Id}}' "$(tag "$name")")
+  id=$(podman image inspect --format '{{.Id}}' "$(ref "$name")")
   # One archive per image, rewritten only when the image changed (the engine's takes minutes).
-  if [ ! -e "$out" ] || [ "$(cat "$out.id" 2>/dev/null)" != "$id" ]; then
-    rm -f "$out" "$out.id"
-    podman save --quiet --format oci-archive -o "$out.part" "$(tag "$name")"
-    mv -f "$out.part" "$out"
-    echo "$id" >"$out.id"
-  fi
+  # Under a lock, this checkout's image given the release tag just before it is saved.
+  (
+    flock 9
+    if [ ! -e "$out" ] || [ "$(cat "$out.id" 2>/dev/null)" != "$id" ]; then
+      rm -f "$out" "$out.id"
+      podman tag "$id" "$(tag "$name")"
+      podman save --quiet --format oci-archive -o "$out.part" "$(tag "$name")"
+      mv -f "$out.part" "$out"
+      echo "$id" >"$out.id"
+    fi
+  ) 9>"$out.lock"
   archive[$name]="$out ($(du -m "$out" | cut -f1) MB)"
   say "exported ${archive[$name]}"
 }
@@ -273,6 +298,14 @@ cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
 tags) for n in "${names[@]}"; do echo "$n $(tag "$n")"; done ;;
+ref)
+  [ $# = 1 ] || {
+    echo "usage: scripts/image.sh ref NAME" >&2
+    exit 2
+  }
+  known "$1"
+  ref "$1"
+  ;;
 podman | buildah) exec "$cmd" "$@" ;;
 context)
   [ $# = 2 ] || {

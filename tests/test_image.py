@@ -195,7 +195,10 @@ def small_image() -> str:
                          timeout=1800)  # fmt: skip
     assert out.returncode == 0, f"scripts/image.sh build headroom failed:\n{out.stderr[-4000:]}"
     print(f"\nbuilt headroom in {time.monotonic() - start:.0f} s: {out.stderr.strip()}")
-    return _script_tags()["headroom"]
+    # This checkout's own build: another clone sharing the store may hold the release tag.
+    ref = subprocess.run([str(IMAGE_SH), "ref", "headroom"], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.strip()  # fmt: skip
+    return ref
 
 
 @pytest.fixture
@@ -215,6 +218,9 @@ def test_the_small_image_prints_help_as_uid_10001_on_a_read_only_root(small_imag
     assert who.stdout.strip() == "10001", "the image's own USER, with no --user"
     config = json.loads(_podman("image", "inspect", small_image).stdout)[0]["Config"]
     assert config["StopSignal"] == "SIGINT" and config["Entrypoint"] == ["headroom"]
+    # This checkout's build, whatever another clone sharing the store built since.
+    assert small_image.startswith("localhost/headroom-checkout-"), small_image
+    assert config["Labels"]["dev.headroom.checkout"] == str(ROOT)
 
 
 @pytest.mark.slow
@@ -269,3 +275,24 @@ def test_the_sidecar_in_the_image_reads_an_engine_on_the_host(
         assert stopped.returncode == 0, stopped.stderr
         code = _podman("inspect", "--format", "{{.State.ExitCode}}", container_name)
         assert code.stdout.strip() == "0", f"the sidecar exited {code.stdout.strip()} on stop"
+
+
+@pytest.mark.slow
+def test_a_failed_base_build_leaves_nothing_behind(tmp_path: Path) -> None:
+    """mmdebstrap failing after part of the root filesystem (a mirror error, Ctrl-C) leaves
+    neither its tarball nor a temporary directory in the store: each try used to keep one."""
+    _tools_or_skip()
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "mmdebstrap").write_text(
+        "#!/bin/sh\nfor a; do case $a in *.tar) tar=$a;; esac; done\n"
+        'head -c 1000000 /dev/zero >"$tar"\necho "E: simulated mirror failure" >&2\nexit 1\n'
+    )
+    (fake / "mmdebstrap").chmod(0o755)
+    cache = tmp_path / "cache"
+    env = {**os.environ, "HEADROOM_CACHE": str(cache), "PATH": f"{fake}:{os.environ['PATH']}"}
+    env.pop("HEADROOM_IMAGE_BASE", None)
+    out = subprocess.run([str(IMAGE_SH), "build", "headroom"], env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode != 0 and "simulated mirror failure" in out.stderr, out.stderr[-2000:]
+    assert not list((cache / "containers").glob("base.*")), "a temporary base directory is left"
