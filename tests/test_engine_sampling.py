@@ -276,7 +276,7 @@ def test_the_contracts_kv_bytes_are_what_the_engines_caches_take(kv_dtype: str) 
         EngineConfig(
             model="tiny",
             num_blocks=8,
-            max_model_len=256,
+            max_model_len=128,  # the pool's 8 x 16 tokens: a longer one is refused
             kv_cache_dtype=kv_dtype,  # type: ignore[arg-type]
             num_threads=1,
         )

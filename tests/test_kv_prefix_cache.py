@@ -6,7 +6,9 @@ import random
 
 from test_kv_model_sim import VOCAB, KVSimulator, drive, random_prompts, sample
 
+from headroom.engine.block_pool import BlockPool
 from headroom.engine.config import EngineConfig
+from headroom.engine.kv_manager import KVManager
 from headroom.engine.prefix_cache import (
     ROOT_REF,
     PrefixCache,
@@ -105,6 +107,100 @@ def test_duplicate_content_is_not_cached_twice_but_keeps_the_chain() -> None:
     # A block after the duplicates chains onto the cached originals and is found.
     assert ref is not None and cache.insert(6, h[2], ref, [3, 3], None) is not None
     assert cache.match(h, [1, 1, 2, 2, 3, 3], 2, None) == [0, 1, 6]
+
+
+def _check_pool(pool: BlockPool) -> None:
+    cache = pool.cache
+    assert cache is not None
+    assert len(set(pool._free)) == len(pool._free)
+    assert all(not cache.is_cached(b) and pool.ref_counts[b] == 0 for b in pool._free)
+    assert all(cache.is_cached(b) and pool.ref_counts[b] == 0 for b in cache._parked)
+    assert pool.num_free + pool.num_used + pool.num_cached == pool.num_blocks
+
+
+def test_an_orphan_whose_parent_was_evicted_gives_up_its_hash() -> None:
+    # Block 2 is registered under parent 0; parent 0 is evicted and reused, so block 2 can never
+    # be matched again. The same chain computed again (root 3, child 4) must take the hash.
+    pool = BlockPool(6, PrefixCache(6))
+    cache = pool.cache
+    assert cache is not None
+    h = chain([1, 1, 2, 2], 2)
+    assert [pool.allocate() for _ in range(6)] == [0, 1, 2, 3, 4, 5]
+    fill(cache, [1, 1, 2, 2], [0, 2], 2)
+    pool.free(0)
+    pool.free(2)  # the orphan-to-be, parked
+    # No free block: the LRU parked one, parent 0, is evicted and reused; block 2's parent ref
+    # is stale from here on.
+    assert pool.allocate() == 0 and cache.evictions_total == 1
+    assert cache.is_parked(2) and cache.match(h, [1, 1, 2, 2], 2, None) == []
+    ref = cache.insert(3, h[0], ROOT_REF, [1, 1], None)
+    assert ref == cache.ref(3)
+    assert cache.insert(4, h[1], ref, [2, 2], None) == cache.ref(4), "refused as a collision"
+    assert cache.match(h, [1, 1, 2, 2], 2, None) == [3, 4]
+    # The parked orphan went back to the free list, not left parked without content.
+    assert not cache.is_cached(2) and not cache.is_parked(2) and 2 in pool._free
+    _check_pool(pool)
+
+
+def test_an_orphan_still_in_use_is_unindexed_and_freed_uncached_later() -> None:
+    pool = BlockPool(6, PrefixCache(6))
+    cache = pool.cache
+    assert cache is not None
+    h = chain([1, 1, 2, 2], 2)
+    assert [pool.allocate() for _ in range(6)] == [0, 1, 2, 3, 4, 5]
+    fill(cache, [1, 1, 2, 2], [0, 2], 2)  # block 2 stays in use by its sequence
+    pool.free(0)
+    assert pool.allocate() == 0 and cache.evictions_total == 1  # parent 0 evicted, reused
+    ref = cache.insert(3, h[0], ROOT_REF, [1, 1], None)
+    assert ref is not None and cache.insert(4, h[1], ref, [2, 2], None) == cache.ref(4)
+    assert not cache.is_cached(2) and pool.ref_counts[2] == 1
+    pool.free(2)  # its sequence ends: a plain free block, not a parked one
+    assert 2 in pool._free and not cache.is_parked(2)
+    assert cache.match(h, [1, 1, 2, 2], 2, None) == [3, 4]
+    _check_pool(pool)
+
+
+def test_a_chain_computed_again_after_its_orphaned_copy_hits_in_full() -> None:
+    # The reviewer's case through the KV manager: A and B compute [1, 2] in the same step, so
+    # B's [5, 6] is registered under A's copy; A's blocks are evicted while B runs. C continues
+    # B's conversation and D repeats C's: D must hit C's [1, 2] and [5, 6].
+    def run(evict_parent: bool) -> int:
+        kv = KVManager(6, 2, PrefixCache(6))
+
+        def admit(seq: Sequence) -> None:
+            prefix = kv.computed_blocks(seq)
+            assert prefix is not None
+            blocks, computed = prefix
+            kv.admit(seq, blocks, computed, seq.num_tokens - computed, [])
+
+        def computed(seq: Sequence, register: bool = True) -> None:
+            seq.num_computed_tokens = seq.num_tokens
+            if register:
+                kv.cache_blocks(seq)
+
+        a, b = Sequence("a", [1, 2, 3, 4, 9], 1), Sequence("b", [1, 2, 5, 6, 9], 1)
+        admit(a)
+        admit(b)
+        computed(a)
+        computed(b)
+        kv.free(a)
+        if evict_parent:
+            e = Sequence("e", [100, 101, 102, 103, 104, 105], 1)
+            admit(e)
+            computed(e, register=False)
+            kv.free(e)
+        kv.free(b)
+        c = Sequence("c", [1, 2, 5, 6, 7], 1)
+        admit(c)
+        computed(c)
+        kv.free(c)
+        _check_pool(kv.pool)
+        prefix = kv.computed_blocks(Sequence("d", [1, 2, 5, 6, 8], 1))
+        assert prefix is not None
+        return prefix[1]
+
+    assert run(evict_parent=False) == 4
+    assert run(evict_parent=True) == 4
 
 
 def _sched(**kw: object) -> Scheduler:

@@ -67,8 +67,9 @@ def test_requests_that_can_never_fit_are_rejected_with_the_numbers() -> None:
         "prompt 900 + max_tokens 200 = 1100 tokens exceeds max_model_len 1024"
     )
     assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
-    with pytest.raises(RequestRejected, match=r"needs 11 KV blocks of 16 tokens .* holds 10") as e:
-        sched.add(Sequence("b", [1] * 151, 10))
+    with pytest.raises(RequestRejected, match=r"11 KV blocks of 16 tokens .* holds 10") as e:
+        sched.add(Sequence("b", [1] * 151, 11))
+    assert e.value.reason.startswith("prompt 151 + max_tokens 11 needs the KV of 161 tokens")
     assert (e.value.param, e.value.code) == ("max_tokens", "exceeds_kv_pool")
     with pytest.raises(RequestRejected, match="empty"):
         sched.add(Sequence("c", [], 10))
@@ -79,6 +80,24 @@ def test_requests_that_can_never_fit_are_rejected_with_the_numbers() -> None:
     with pytest.raises(RequestRejected, match="already added"):
         sched.add(ok)
     assert len(sched.waiting) == 1 and sched.kv.pool.num_used == 0
+
+
+@pytest.mark.parametrize(("prompt_len", "max_tokens"), [(16, 1), (151, 10), (1, 160)])
+def test_a_request_whose_kv_fills_the_pool_exactly_is_admitted_and_runs(
+    prompt_len: int, max_tokens: int
+) -> None:
+    # The last sampled token is never fed back: prompt + max_tokens - 1 positions take KV.
+    bs, pool = 16, -(-(prompt_len + max_tokens - 1) // 16)
+    sched, sim = make(num_blocks=pool, block_size=bs, max_model_len=1024)
+    s = seq(prompt_len, max_tokens)
+    sched.add(s)  # was rejected as needing one block more than the pool
+    most = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        most = max(most, len(s.block_table))
+        sched.update(out, {k: sample(v) for k, v in sim.run(out).items()})
+    assert len(s.output_token_ids) == max_tokens and s.status is SequenceStatus.FINISHED
+    assert most == pool and sched.preemptions_total == 0
 
 
 def test_a_finished_sequence_cannot_be_added_again() -> None:

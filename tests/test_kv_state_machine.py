@@ -125,10 +125,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             rid = f"r{seq_counter()}"
             first = Sequence(rid, prompt, max_tokens, extra_key=extra)
             total = len(prompt) + max_tokens
+            # KV for all but the last sampled token, which is never fed back.
             should_fit = (
                 bool(prompt)
                 and total <= self.cfg.max_model_len
-                and -(-total // self.cfg.block_size) <= self.cfg.num_blocks
+                and -(-(total - 1) // self.cfg.block_size) <= self.cfg.num_blocks
             )
             try:
                 self.sched.add(first)

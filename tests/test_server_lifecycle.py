@@ -168,7 +168,25 @@ def test_pool_too_small_fails_fast_with_the_numbers(capsys: pytest.CaptureFixtur
     assert "cannot hold one sequence of max_model_len 1,024 tokens" in err
     assert "needs 64 blocks" in err
     assert "--num-blocks to at least 64" in err
-    assert "budget:" in out  # the budget line is printed before the verdict
+    assert "--max-model-len to 160 or less" in err
+    # An explicit --max-model-len is checked as the engine is built, before any budget line.
+    assert "budget:" not in out
+
+
+def test_a_default_max_model_len_is_capped_to_the_pool_and_served() -> None:
+    # No --max-model-len: the tiny model's 8192 does not fit 8 x 16 tokens, so it is capped
+    # (not a refusal, and not every max_tokens-less request rejected as exceeding the pool).
+    with ServerProcess("--model", "tiny", "--num-blocks", "8", "--block-size", "16",
+                       "--served-model-name", "tiny") as srv:  # fmt: skip
+        status, models = _get(srv.url + "/v1/models")
+        assert status == 200 and models["data"][0]["max_model_len"] == 128
+        assert "max concurrency at max_model_len 128: 1 sequences" in srv.output
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}]
+        )  # max_tokens unset: all the room left under the capped length
+        assert chat.usage is not None and chat.choices[0].finish_reason in ("stop", "length")
+        assert chat.usage.prompt_tokens + chat.usage.completion_tokens <= 128
 
 
 @pytest.mark.parametrize(

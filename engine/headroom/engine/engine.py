@@ -110,6 +110,7 @@ class Engine:
                 extra={"window": window, "backend": backend.name},
             )
             max_len = window
+        max_len = _fit_pool(max_len, config, num_blocks, per_block)
         sized = config.sized(num_blocks, max_len)
         runner = ModelRunner(
             loaded.model, backend, num_blocks, config.block_size, config.kv_cache_dtype, device
@@ -306,6 +307,33 @@ class Engine:
     def stats(self) -> StatsSnapshot:
         """The `/stats` snapshot: scheduler state plus identity, totals and latency histograms."""
         return self.counters.snapshot(self.model_name, self.scheduler, self.bytes_per_token)
+
+
+def _fit_pool(max_len: int, config: EngineConfig, num_blocks: int, per_block: int) -> int:
+    """`max_len` if the KV pool holds one sequence that long; a default length (the model's
+    limit, not a flag) is capped to the pool with a warning; an explicit one is refused, or
+    every request that leaves max_tokens unset (all of `max_model_len`) would be rejected."""
+    bs = config.block_size
+    pool_tokens = num_blocks * bs
+    if max_len <= pool_tokens:
+        return max_len
+    if config.max_model_len is None:
+        log.warning(
+            "capping max_model_len from the model's %d to the KV pool's %d tokens (%d blocks x "
+            "%d); give a larger pool or an explicit max_model_len to choose",
+            max_len,
+            pool_tokens,
+            num_blocks,
+            bs,
+        )
+        return pool_tokens
+    need = -(-max_len // bs)
+    raise EngineConfigError(
+        f"KV pool of {num_blocks:,} blocks x {bs} tokens = {pool_tokens:,} tokens cannot hold "
+        f"one sequence of max_model_len {max_len:,} tokens, which needs {need:,} blocks; raise "
+        f"--num-blocks to at least {need:,} (or --kv-cache-memory to at least "
+        f"{need * per_block:,} bytes) or lower --max-model-len to {pool_tokens:,} or less"
+    )
 
 
 def _resolve_device(name: str) -> torch.device:
