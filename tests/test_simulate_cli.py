@@ -514,3 +514,95 @@ def test_profile_tables_max_is_never_below_its_p99(
         (row,) = [ln for ln in out.splitlines() if ln.startswith(label + " ")]
         *pcts, top = (float(v.replace(",", "")) for v in row[len(label) :].split())
         assert top >= max(pcts), row
+
+
+# ------------------------------------------------------------------------- small and odd inputs
+
+
+def test_profile_of_a_trace_within_one_second_reports_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    text = "arrival_s,prompt_tokens,output_tokens\n0,100,10\n0.5,100,10\n"
+    (tmp_path / "blink.csv").write_text(text)
+    assert main(["profile", str(tmp_path / "blink.csv")]) == 0
+    assert "the trace is shorter than one 1 s window" in capsys.readouterr().out
+
+
+def test_profile_json_of_a_trace_at_one_instant_has_a_null_rate(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "once.csv").write_text("arrival_s,prompt_tokens,output_tokens\n5,100,10\n5,90,10\n")
+    assert main(["profile", str(tmp_path / "once.csv"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["duration"] == 0.0 and out["rate"] is None
+
+
+def test_simulate_of_one_request_prints_the_floor_without_a_ratio_to_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "one.csv").write_text("arrival_s,prompt_tokens,output_tokens\n0,10,10\n")
+    code = main(["simulate", str(tmp_path / "one.csv"), "--spec", str(EXAMPLE), "--seeds", "1",
+                 "--quantiles", "0.9"])  # fmt: skip
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 0 and "floor 0.00 GPU-hours" in out and "the pick costs" not in out
+
+
+@pytest.mark.parametrize(("suffix", "magic"), [(".svg", b"<?xml"), (".pdf", b"%PDF")])
+def test_simulate_draws_svg_and_pdf_the_same_every_time(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, suffix: str, magic: bytes
+) -> None:
+    (tmp_path / "few.csv").write_text("arrival_s,prompt_tokens,output_tokens\n0,10,10\n20,10,10\n")
+    drawn = []
+    for name in ("a", "b"):
+        out = tmp_path / f"{name}{suffix}"
+        code = main(["simulate", str(tmp_path / "few.csv"), "--spec", str(EXAMPLE), "--seeds",
+                     "1", "--quantiles", "0.9", "--png", str(out)])  # fmt: skip
+        assert code == 0, capsys.readouterr().err
+        drawn.append(out.read_bytes())
+    assert drawn[0].startswith(magic) and drawn[0] == drawn[1]  # no date, no random ids
+    assert b"Matplotlib v" not in drawn[0]
+
+
+def test_profile_at_a_rate_reports_the_recorded_trace_s_ideal_hit_ratio(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The copies of a scaled trace share every prompt: their ratio would only grow with --rate.
+    assert main(["profile", str(MOONCAKE), "--json"]) == 0
+    once = json.loads(capsys.readouterr().out)["ideal_hit_ratio"]
+    assert main(["profile", str(MOONCAKE), "--json", "--rate", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["ideal_hit_ratio"] == once
+    assert main(["profile", str(MOONCAKE), "--rate", "3"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"ideal hit ratio {once:.1%} of prompt tokens" in text
+    assert "an upper bound, of the trace as recorded" in text
+
+
+def test_profile_for_a_model_caps_the_context_at_its_limit_as_a_spec_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The trace's p95 context is 48,910 tokens; mistral-7b takes 32,768 at most.
+    code = main(["profile", str(MOONCAKE), "--model", "mistral-7b", "--gpu", "h100-80gb"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert pasted(captured.out)["traffic"]["contextTokens"] == 32768  # type: ignore[index]
+    assert "capped at the engine's max length 32,768" in captured.out
+    note = "engine.maxModelLen (it defaults to traffic.contextTokens, 32,768) refuses"
+    assert note in captured.out
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "needle"),
+    [
+        ("deep.json", '{"a": ' * 100_000 + "1" + "}" * 100_000,
+         "not JSON this reads: nested too deeply"),
+        ("deep.yaml", "a: " + "[" * 5_000 + "]" * 5_000 + "\n",
+         "not YAML this reads: nested too deeply"),
+    ],
+)  # fmt: skip
+def test_simulate_with_a_spec_nested_too_deeply_exits_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str, text: str, needle: str
+) -> None:
+    spec = tmp_path / name
+    spec.write_text(text)
+    code, err = in_process(capsys, "simulate", AZURE, "--spec", spec, "--seeds", "1")
+    assert code == 2 and err.startswith(f"headroom simulate: {spec}: {needle}"), err

@@ -13,8 +13,14 @@ import yaml
 from headroom.operator.crd.models import InferenceDeploymentSpec, ScalingSpec
 from headroom.operator.reconcile.sizing import parse
 from headroom.operator.simulate import verdict
-from headroom.operator.simulate.profile import PREFIX_WORTHWHILE, burstiness, in_flight, profile
-from headroom.operator.simulate.trace import Trace
+from headroom.operator.simulate.profile import (
+    PREFIX_WORTHWHILE,
+    burstiness,
+    ideal_hit_ratio,
+    in_flight,
+    profile,
+)
+from headroom.operator.simulate.trace import Trace, scaled
 
 PROMPT, OUTPUT = 1000, 198  # at 10,000 and 20 tokens/s: 0.1 s of prefill + 9.9 s of decode
 LIFETIME = 10.0
@@ -193,3 +199,29 @@ def test_the_in_flight_max_is_of_the_same_series_as_its_percentiles() -> None:
     p = profile(trace)
     assert p.concurrency_max >= p.concurrency[99]
     assert p.kv_tokens_max >= p.kv_tokens[99]
+
+
+def test_a_trace_within_one_second_keeps_a_sample_for_its_load() -> None:
+    # Both arrivals fall between the whole-second samples past the fill-up: the load keeps the
+    # samples up to the first after the last arrival instead of none.
+    trace = Trace("blink", np.array([0.0, 0.5]), np.full(2, 100), np.full(2, 10))
+    ld = verdict.load(trace, 20.0, 10_000.0)
+    assert ld.peak_requests == 1 and ld.peak_tokens == pytest.approx(105.0)
+    assert 0 < ld.low_tokens <= ld.peak_tokens
+
+
+def test_a_trace_at_one_instant_has_no_rate() -> None:
+    trace = Trace("once", np.zeros(3), np.full(3, 100), np.full(3, 10))
+    p = profile(trace)
+    assert p.duration == 0.0 and p.rate is None
+    assert profile(steady(seconds=60.0)).rate == pytest.approx(2.0, rel=0.02)
+
+
+def test_the_ideal_hit_ratio_of_a_scaled_trace_is_the_recorded_trace_s() -> None:
+    # Every prompt distinct: nothing to hit. Copies of it at x3 repeat each prompt three times.
+    n = 300
+    blocks = tuple((2 * i, 2 * i + 1) for i in range(n))
+    trace = Trace("distinct", np.arange(n, dtype=float), np.full(n, 1024), np.full(n, 10), blocks)
+    copies = scaled(trace, 3.0, seed=1, jitter_seconds=5.0)
+    assert ideal_hit_ratio(trace) == 0.0 and ideal_hit_ratio(copies) == pytest.approx(2 / 3)
+    assert profile(copies, recorded=trace).ideal_hit_ratio == 0.0

@@ -155,6 +155,31 @@ def test_the_published_mooncake_trace_has_its_documented_requests_and_prefix_cei
         ("epoch.csv", "arrival_s,prompt_tokens,output_tokens\n1700000000,5,5\n0,5,5\n",
          r"^epoch\.csv: arrivals span 19,676 days .* is one timestamp from another clock"),
         ("empty.csv", "", r"^empty\.csv: empty file"),
+        ("big-id.jsonl",
+         mooncake_line(0, 600, 1, [1, 2]) + "\n" + mooncake_line(5, 600, 1, [1, 2**63]),
+         r"^big-id\.jsonl:2: hash_ids must be 64-bit integers .* got 9223372036854775808"),
+        ("small-id.jsonl", '{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5, '
+         '"prefix_block_ids": [' + "9" * 30 + "]}\n",
+         r"^small-id\.jsonl:1: prefix_block_ids must be 64-bit integers .* got 9{24}\.\.\."),
+        ("true.jsonl", '{"timestamp": true, "input_length": 5, "output_length": 5}\n',
+         r"^true\.jsonl:1: arrival time must be a number, got True"),
+        ("digits.jsonl", '{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5}\n'
+         '{"arrival_s": 1' + "0" * 5000 + ', "prompt_tokens": 5, "output_tokens": 5}\n',
+         r"^digits\.jsonl:2: not JSON this reads: Exceeds the limit \(4300 digits\)"),
+        ("deep.jsonl", '{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5}\n'
+         + '{"a": ' * 100_000 + "1" + "}" * 100_000 + "\n",
+         r"^deep\.jsonl:2: not JSON this reads: nested too deeply"),
+        ("deep-first.jsonl", '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}\n",
+         r"^deep-first\.jsonl:1: not JSON this reads: nested too deeply"),
+        ("exponent.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,3,4\n"
+         "2023-11-16 18:00:00.5e3,3,4\n",
+         r"^exponent\.csv:3: TIMESTAMP must be YYYY-MM-DD HH:MM:SS"),
+        ("wide.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.\uff15,3,4\n",
+         r"^wide\.csv:2: TIMESTAMP must be YYYY-MM-DD HH:MM:SS"),
+        ("day.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16,3,4\n2023-11-17,3,4\n",
+         r"^day\.csv:2: TIMESTAMP must be YYYY-MM-DD HH:MM:SS"),
+        ("zone.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46+25:00,3,4\n",
+         r"^zone\.csv:2: TIMESTAMP must be YYYY-MM-DD HH:MM:SS"),
     ],
 )  # fmt: skip
 def test_a_bad_file_names_the_file_the_line_and_the_reason(
@@ -252,3 +277,49 @@ def test_blank_lines_in_a_csv_are_skipped_as_in_json_lines(tmp_path: Path) -> No
     text = "\n  \narrival_s,prompt_tokens,output_tokens\n0,5,5\n \n1,6,7\n   \n"
     t = read_trace(write(tmp_path, "blank.csv", text))
     assert t.prompt.tolist() == [5, 6]
+
+
+def test_an_azure_timestamp_with_a_zone_is_converted_to_utc_with_or_without_a_fraction(
+    tmp_path: Path,
+) -> None:
+    # 18:00 UTC, then 19:00:30 at +01:00 (18:00:30 UTC), 18:00:40.5 UTC, 17:00:50.25 at -01:00.
+    text = (
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:00:00,1,1\n2023-11-16 19:00:30+01:00,2,1\n"
+        "2023-11-16T18:00:40.5Z,3,1\n2023-11-16 17:00:50.2500000-01:00,4,1\n"
+    )
+    t = read_trace(write(tmp_path, "zones.csv", text))
+    assert t.arrival.tolist() == pytest.approx([0.0, 30.0, 40.5, 50.25])
+    assert t.prompt.tolist() == [1, 2, 3, 4]
+
+
+def test_the_ideal_hit_ratio_counts_prompt_tokens_without_block_ids(tmp_path: Path) -> None:
+    rows = [
+        {"arrival_s": 0, "prompt_tokens": 64, "output_tokens": 1, "prefix_block_ids": [7, 8],
+         "prefix_block_tokens": 32},
+        {"arrival_s": 1, "prompt_tokens": 64, "output_tokens": 1, "prefix_block_ids": [7, 8]},
+        {"arrival_s": 2, "prompt_tokens": 128, "output_tokens": 1},  # no ids: no hit, still read
+    ]  # fmt: skip
+    t = read_trace(write(tmp_path, "part.jsonl", "\n".join(json.dumps(r) for r in rows)))
+    assert ideal_hit_ratio(t) == pytest.approx(64 / (64 + 64 + 128))
+
+
+def test_a_quoted_csv_header_is_detected_as_the_csv_reader_reads_it(tmp_path: Path) -> None:
+    text = '"arrival_s","prompt_tokens","output_tokens"\n0,10,10\n1,11,10\n'
+    assert read_trace(write(tmp_path, "quoted.csv", text)).prompt.tolist() == [10, 11]
+
+
+def test_text_that_is_not_utf8_is_named_by_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "latin.csv"
+    path.write_bytes(b"arrival_s,prompt_tokens,output_tokens\n0,10,10\n\xff\xfe,1,1\n")
+    with pytest.raises(TraceError, match=r"latin\.csv: cannot read: line 3 is not UTF-8"):
+        read_trace(path)
+
+
+def test_a_gzipped_trace_is_told_to_be_decompressed_first(tmp_path: Path) -> None:
+    import gzip
+
+    path = tmp_path / "t.csv.gz"
+    path.write_bytes(gzip.compress(b"arrival_s,prompt_tokens,output_tokens\n0,10,10\n"))
+    with pytest.raises(TraceError, match=r"t\.csv\.gz: cannot read: gzip-compressed .*decompress"):
+        read_trace(path)

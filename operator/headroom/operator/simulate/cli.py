@@ -112,7 +112,12 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     si.add_argument(
         "--seeds", type=int, default=3, help="realizations of the trace per setting (default 3)"
     )
-    si.add_argument("--png", type=Path, metavar="OUT.png", help="draw the sweep into this PNG")
+    si.add_argument(
+        "--png",
+        type=Path,
+        metavar="OUT.png",
+        help="draw the sweep into this file (.png, .svg or .pdf)",
+    )
     si.set_defaults(func=run_simulate)
 
 
@@ -189,6 +194,7 @@ def run_profile(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
+    from headroom.contract.budget import UnknownPreset, model_preset
     from headroom.operator.crd.models import ScalingSpec
     from headroom.operator.reconcile.sizing import parse, plan_input
     from headroom.operator.simulate import render, verdict
@@ -206,7 +212,7 @@ def _profile(args: argparse.Namespace) -> int:
         raise UsageError("--model and --gpu go together (or pass --spec)")
     sf = read_spec(args.spec) if args.spec is not None else None
     progress = _progress(args)
-    trace = _read(args, progress)
+    recorded = trace = _read(args, progress)
     if args.rate != 1.0:
         trace = scaled(trace, args.rate, 1, JITTER_SECONDS)
     # The profile keeps a count per second until the last request ends: a decode rate of 1e-9
@@ -218,7 +224,8 @@ def _profile(args: argparse.Namespace) -> int:
             f"last {longest / 86_400:,.0f} days (at most {MAX_TRACE_SECONDS // 86_400})"
         )
     progress.start(f"profiling {len(trace):,} requests")
-    p = profile(trace, args.decode_tps, args.prefill_tps)
+    # The ideal hit ratio of the trace as recorded: a scaled copy's copies share whole prompts.
+    p = profile(trace, args.decode_tps, args.prefill_tps, recorded=recorded)
     ld = verdict.load(trace, args.decode_tps, args.prefill_tps)
     progress.done(f"profiled {len(trace):,} requests")
 
@@ -226,8 +233,14 @@ def _profile(args: argparse.Namespace) -> int:
     sizing = sf.sizing if sf is not None else None
     block_size = args.block_size or (spec.engine.block_size if spec else 16)
     scaling = spec.scaling if spec is not None else ScalingSpec()
-    draft = verdict.wire(verdict.suggest(p, None, scaling, spec is not None))
     if args.model is not None:
+        # Capped at the model's limit, as a --spec's pod caps it below: a p95 context past it
+        # is a spec the sizing refuses (parse() names an unknown preset itself).
+        try:
+            model_limit: int | None = model_preset(args.model).max_position_embeddings
+        except UnknownPreset:
+            model_limit = None
+        draft = verdict.wire(verdict.suggest(p, None, scaling, False, model_limit))
         built = parse(
             {
                 "model": {"preset": args.model},

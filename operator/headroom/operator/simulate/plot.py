@@ -12,6 +12,15 @@ from headroom.operator.simulate.sweep import SERVE_MEDIAN_SECONDS, SERVE_WORST_S
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
+# Per format (contract.outputs.CHART_SUFFIXES), the metadata that would make the same sweep a
+# different file on another day or matplotlib version: the writer's name and the date. Each
+# writer refuses the others' keys.
+METADATA: dict[str, dict[str, str | None]] = {
+    ".png": {"Software": None},
+    ".svg": {"Creator": None, "Date": None},
+    ".pdf": {"Creator": None, "Producer": None, "CreationDate": None},
+}
+
 
 def draw_floor(ax: Axes, floor: float) -> None:
     """The clairvoyant floor as a dotted vertical line (this plot's and the autoscaling bench's)."""
@@ -26,7 +35,8 @@ def plot(
     path: Path,
     floor: float | None = None,
 ) -> None:
-    """Draw the sweep into `path` (PNG), with the clairvoyant floor when given."""
+    """Draw the sweep into `path` (PNG, SVG or PDF, by its suffix), with the clairvoyant floor
+    when given."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,5 +97,7 @@ def plot(
     ax.grid(True, lw=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=90, metadata={"Software": None})
+    # A fixed salt: the SVG writer's element ids are otherwise random on every run.
+    with matplotlib.rc_context({"svg.hashsalt": "headroom"}):
+        fig.savefig(path, dpi=90, metadata=METADATA.get(path.suffix.lower(), {}))
     plt.close(fig)

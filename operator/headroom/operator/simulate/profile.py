@@ -41,7 +41,7 @@ class Profile:
     name: str
     requests: int
     duration: float
-    rate: float  # requests/s on average
+    rate: float | None  # requests/s on average; None when all arrive at one instant
     concurrency: dict[int, float]  # percentile -> requests in flight
     concurrency_max: int
     kv_tokens: dict[int, float]  # percentile -> tokens held in flight
@@ -50,7 +50,9 @@ class Profile:
     prompt: dict[int, float]
     output: dict[int, float]
     burstiness: tuple[Burstiness, ...]
-    ideal_hit_ratio: float | None  # unlimited cache, from the trace's block ids; None if absent
+    # An unlimited cache, from the block ids of the trace as recorded (not of a --rate copy);
+    # None if it has none.
+    ideal_hit_ratio: float | None
     decode_tps: float
     prefill_tps: float
 
@@ -100,7 +102,9 @@ def burstiness(trace: Trace, window: float) -> Burstiness:
 
 def ideal_hit_ratio(trace: Trace) -> float | None:
     """Prompt tokens an unlimited prefix cache would find: a block id seen before is a hit
-    (ids are prefix-chained, so a repeated id means the whole prefix up to it repeats)."""
+    (ids are prefix-chained, so a repeated id means the whole prefix up to it repeats), over all
+    the trace's prompt tokens (a request without ids, or with fewer than its prompt's blocks,
+    hits nothing past its ids)."""
     if trace.prefix_blocks is None:
         return None
     # One flat array of every block id in arrival order: a block is a hit unless it is its id's
@@ -114,19 +118,26 @@ def ideal_hit_ratio(trace: Trace) -> float | None:
     size = np.minimum(bt, np.repeat(trace.prompt, lengths) - position * bt)
     hit = np.ones(len(flat), dtype=bool)
     hit[np.unique(flat, return_index=True)[1]] = False
-    total = int(size.sum())
+    total = int(trace.prompt.sum())
     return int(size[hit].sum()) / total if total else None
 
 
-def profile(trace: Trace, decode_tps: float = 20.0, prefill_tps: float = 10_000.0) -> Profile:
-    """Profile `trace` under the given service rates."""
+def profile(
+    trace: Trace,
+    decode_tps: float = 20.0,
+    prefill_tps: float = 10_000.0,
+    recorded: Trace | None = None,
+) -> Profile:
+    """Profile `trace` under the given service rates. `recorded`: the trace `trace` was scaled
+    from (`--rate`), whose prompts give the ideal hit ratio: a scaled copy replays each request
+    several times, and its copies would find each other's whole prompts cached."""
     count, tokens = in_flight(trace, decode_tps, prefill_tps)
     duration = max(trace.duration, 1e-9)
     return Profile(
         name=trace.name,
         requests=len(trace),
         duration=trace.duration,
-        rate=len(trace) / duration,
+        rate=len(trace) / trace.duration if trace.duration > 0 else None,
         concurrency=_pct(count),
         concurrency_max=int(count.max()) if len(count) else 0,
         kv_tokens=_pct(tokens),
@@ -135,7 +146,7 @@ def profile(trace: Trace, decode_tps: float = 20.0, prefill_tps: float = 10_000.
         prompt=_pct(trace.prompt),
         output=_pct(trace.output),
         burstiness=tuple(burstiness(trace, w) for w in BURST_WINDOWS if w < duration),
-        ideal_hit_ratio=ideal_hit_ratio(trace),
+        ideal_hit_ratio=ideal_hit_ratio(recorded if recorded is not None else trace),
         decode_tps=decode_tps,
         prefill_tps=prefill_tps,
     )

@@ -103,9 +103,14 @@ def profile_text(
     if p.ideal_hit_ratio is None:
         lines.append("prefix overlap    unknown: the trace carries no block hashes")
     else:
-        lines.append(
-            f"prefix overlap    ideal hit ratio {p.ideal_hit_ratio:.1%} of prompt tokens "
-            "(an unlimited cache: an upper bound)"
+        # A --rate copy replays each request several times: its copies would hit each other's
+        # whole prompts, so the ratio is of the trace as recorded.
+        recorded = "" if rate == 1 else ", of the trace as recorded"
+        lines += _wrapped(
+            "prefix overlap",
+            f"ideal hit ratio {p.ideal_hit_ratio:.1%} of prompt tokens (an unlimited cache: an "
+            f"upper bound{recorded})",
+            18,
         )
     if f is not None:
         lines += _wrapped(
@@ -241,7 +246,12 @@ def simulate_advice(
         lines += _wrapped("deploy", f"no setting serves: {why}", 8)
     floor = floor_median(floors)
     if floor is not None:
-        than = f"; the pick costs {best.median('gpu_hours') / floor:.2f}x that" if best else ""
+        # A floor of 0 (all arrivals at one instant: no step to pay for) gives no ratio.
+        than = (
+            f"; the pick costs {best.median('gpu_hours') / floor:.2f}x that"
+            if best is not None and floor > 0
+            else ""
+        )
         lines += _wrapped(
             "floor",
             f"{floor:.2f} GPU-hours (median): the fewest any autoscaler could spend on these "

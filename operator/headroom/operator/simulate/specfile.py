@@ -49,6 +49,10 @@ def _document(text: str, where: str) -> tuple[dict[str, Any], yaml.Node | None]:
             doc = json.loads(text)
         except json.JSONDecodeError as exc:
             raise SpecFileError(f"{where}:{exc.lineno}: not JSON: {exc.msg}") from None
+        except RecursionError:
+            raise SpecFileError(f"{where}: not JSON this reads: nested too deeply") from None
+        except ValueError as exc:  # an integer of more digits than Python converts
+            raise SpecFileError(f"{where}: not JSON this reads: {str(exc).split(':')[0]}") from None
         return _mapping(doc, where), None
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
@@ -59,6 +63,8 @@ def _document(text: str, where: str) -> tuple[dict[str, Any], yaml.Node | None]:
         raise SpecFileError(f"{where}{line}: not YAML or JSON: {exc.problem}") from None
     except yaml.YAMLError as exc:
         raise SpecFileError(f"{where}: not YAML or JSON: {exc}") from None
+    except RecursionError:
+        raise SpecFileError(f"{where}: not YAML this reads: nested too deeply") from None
     picked = [i for i, d in enumerate(docs) if isinstance(d, dict) and d.get("kind") == KIND]
     if len(docs) == 1 and not picked:
         picked = [0]

@@ -2,7 +2,8 @@
 
 Formats read (`read_trace` picks by content, `fmt` forces one):
 - **azure**: the Azure LLM inference trace CSV, header `TIMESTAMP,ContextTokens,GeneratedTokens`,
-  timestamps `YYYY-MM-DD HH:MM:SS.fffffff` (no zone).
+  timestamps `YYYY-MM-DD HH:MM:SS.fffffff` (no zone: read as UTC; an offset such as `+01:00` or
+  `Z`, as later Azure traces write, is converted to UTC).
 - **mooncake**: Mooncake's JSON lines, `timestamp` (ms after the first request),
   `input_length`, `output_length`, `hash_ids` (prefix-chained ids of 512-token blocks).
 - **csv**: the generic CSV, header `arrival_s,prompt_tokens,output_tokens` (seconds from any
@@ -20,9 +21,10 @@ import csv
 import io
 import json
 import math
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
@@ -34,6 +36,13 @@ AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 GENERIC_HEADER = ("arrival_s", "prompt_tokens", "output_tokens")
 MOONCAKE_BLOCK_TOKENS = 512
 MAX_REQUEST_TOKENS = 10_000_000  # the CRD's largest traffic.contextTokens
+# Block ids are kept in int64 arrays: an id outside that range cannot be counted.
+MIN_BLOCK_ID, MAX_BLOCK_ID = -(2**63), 2**63 - 1
+# An Azure TIMESTAMP: date, time, any number of fractional digits, an optional zone (ASCII
+# digits only: str.isdigit() and int() also take other scripts' digits).
+AZURE_STAMP = re.compile(
+    r"(\d{4}-\d{2}-\d{2})[ T](\d{2}:\d{2}:\d{2})(?:\.(\d+))?(Z|[+-]\d{2}:\d{2})?", re.ASCII
+)
 # A replay and its profile keep arrays per second of the trace: a trace longer than a month is
 # most likely one bad timestamp (a 0 among epoch seconds), not a month of traffic.
 MAX_TRACE_SECONDS = 31 * 86_400
@@ -127,6 +136,8 @@ def _request(t: float, prompt: int, output: int, where: str) -> tuple[float, int
 
 
 def _seconds(value: object, where: str) -> float:
+    if isinstance(value, bool):  # JSON true is no time, though Python counts it as 1
+        raise TraceError(f"{where}: arrival time must be a number, got {value!r}")
     try:
         t = float(str(value).strip()) if not isinstance(value, int | float) else float(value)
     except ValueError:
@@ -164,6 +175,26 @@ def _csv_rows(
         raise TraceError(f"{name}:{reader.line_num}: not CSV: {exc}") from None
 
 
+def _azure_seconds(stamp: str, where: str) -> float:
+    """Seconds since the epoch of an Azure TIMESTAMP. The fraction is added apart: Azure writes
+    seven digits, Python's parser takes six. Without a zone it is read as UTC, so that the
+    machine's zone (and its daylight-saving jumps) cannot move arrivals; with one (`Z`,
+    `+01:00`) it is converted to UTC, with or without a fraction."""
+    match = AZURE_STAMP.fullmatch(stamp)
+    try:
+        if match is None:
+            raise ValueError(stamp)
+        day, clock, frac, zone = match.groups()
+        offset = "+00:00" if zone in (None, "Z") else zone
+        t = datetime.fromisoformat(f"{day}T{clock}{offset}").timestamp()
+    except ValueError:
+        raise TraceError(
+            f"{where}: TIMESTAMP must be YYYY-MM-DD HH:MM:SS.fffffff (optionally with a zone such "
+            f"as +01:00), got {stamp!r}"
+        ) from None
+    return t + (float("0." + frac) if frac else 0.0)
+
+
 def read_azure(text: str, name: str = "azure", progress: LineProgress | None = None) -> Trace:
     """The Azure LLM inference trace CSV."""
     rows: list[tuple[float, int, int]] = []
@@ -171,18 +202,7 @@ def read_azure(text: str, name: str = "azure", progress: LineProgress | None = N
         where = f"{name}:{line}"
         if len(row) < 3:
             raise TraceError(f"{where}: expected 3 columns, got {len(row)}")
-        stamp = row[0].strip()
-        try:
-            # Seven fractional digits: Python's parser takes six. No zone is given: read as UTC,
-            # so that the machine's zone (and its daylight-saving jumps) cannot move arrivals.
-            day, _, frac = stamp.partition(".")
-            t = datetime.fromisoformat(day).replace(tzinfo=UTC).timestamp() + (
-                float("0." + frac) if frac else 0.0
-            )
-        except ValueError:
-            raise TraceError(
-                f"{where}: TIMESTAMP must be YYYY-MM-DD HH:MM:SS.fffffff, got {stamp!r}"
-            ) from None
+        t = _azure_seconds(row[0].strip(), where)
         rows.append(
             _request(
                 t, _count(row[1], "ContextTokens", where), _count(row[2], "GeneratedTokens", where),
@@ -210,6 +230,17 @@ def read_generic_csv(text: str, name: str = "trace", progress: LineProgress | No
     return _trace(name, rows, None)
 
 
+def _json_object(raw: str, where: str) -> object:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where}: not JSON: {exc.msg}") from None
+    except RecursionError:
+        raise TraceError(f"{where}: not JSON this reads: nested too deeply") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise TraceError(f"{where}: not JSON this reads: {str(exc).split(':')[0]}") from None
+
+
 def _json_lines(
     text: str, name: str, progress: LineProgress | None
 ) -> Iterator[tuple[str, dict[str, object]]]:
@@ -222,10 +253,7 @@ def _json_lines(
         if not raw.strip():
             continue
         where = f"{name}:{i}"
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise TraceError(f"{where}: not JSON: {exc.msg}") from None
+        obj = _json_object(raw, where)
         if not isinstance(obj, dict):
             raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         yield where, obj
@@ -236,6 +264,13 @@ def _ids(value: object, where: str, what: str) -> tuple[int, ...]:
         isinstance(x, int) and not isinstance(x, bool) for x in value
     ):
         raise TraceError(f"{where}: {what} must be a list of integers")
+    if value and not MIN_BLOCK_ID <= min(value) <= max(value) <= MAX_BLOCK_ID:
+        x = next(x for x in value if not MIN_BLOCK_ID <= x <= MAX_BLOCK_ID)
+        shown = str(x) if len(str(x)) <= 24 else f"{str(x)[:24]}..."
+        raise TraceError(
+            f"{where}: {what} must be 64-bit integers (at most {MAX_BLOCK_ID:,} in size), "
+            f"got {shown}"
+        )
     return tuple(value)
 
 
@@ -313,12 +348,14 @@ def detect_format(text: str, path: Path) -> TraceFormat:
     """The format of a trace from its first line."""
     first = text.lstrip().split("\n", 1)[0].strip()
     if first.startswith("{"):
-        try:
-            obj = json.loads(first)
-        except json.JSONDecodeError as exc:
-            raise TraceError(f"{path.name}:1: not JSON: {exc.msg}") from None
+        obj = _json_object(first, f"{path.name}:1")
         return "mooncake" if isinstance(obj, dict) and "input_length" in obj else "jsonl"
-    head = tuple(c.strip() for c in first.split(","))
+    # Read as the CSV readers read it: a header a spreadsheet quoted is still the header.
+    try:
+        cells = next(csv.reader([first]), [])
+    except csv.Error:
+        cells = first.split(",")
+    head = tuple(c.strip() for c in cells)
     if head[:3] == AZURE_HEADER:
         return "azure"
     if head[:3] == GENERIC_HEADER:
@@ -329,16 +366,32 @@ def detect_format(text: str, path: Path) -> TraceFormat:
     )
 
 
+def _decode(data: bytes, path: Path) -> str:
+    """The file's text: UTF-8, after the byte-order mark a spreadsheet's export starts with."""
+    if data[:2] == b"\x1f\x8b":
+        raise TraceError(f"{path}: cannot read: gzip-compressed (decompress it first: gunzip)")
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise TraceError(f"{path}: cannot read: UTF-16 (save it as UTF-8)")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise TraceError(
+            f"{path}: cannot read: line {line} is not UTF-8 (byte {data[exc.start]:#04x}: "
+            f"{exc.reason})"
+        ) from None
+
+
 def read_trace(
     path: Path, fmt: TraceFormat | None = None, progress: LineProgress | None = None
 ) -> Trace:
     """Read a trace file, detecting its format unless `fmt` says; the trace is named after the
     file's stem, and errors name the file."""
     try:
-        # utf-8-sig: a spreadsheet's export starts with a byte-order mark before the header.
-        text = path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as exc:
+        data = path.read_bytes()
+    except OSError as exc:
         raise TraceError(f"{path}: cannot read: {exc}") from None
+    text = _decode(data, path)
     if not text.strip():
         raise TraceError(f"{path.name}: empty file")
     kind = fmt or detect_format(text, path)

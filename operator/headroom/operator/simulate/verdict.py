@@ -88,6 +88,10 @@ def load(trace: Trace, decode_tps: float, prefill_tps: float) -> Load:
     warm = min(float(np.percentile(life, 99)), trace.duration / 4)
     t = np.arange(len(count), dtype=float)
     inside = (t >= warm) & (t <= max(trace.duration, warm))
+    if not inside.any():
+        # Arrivals within one second fall between two whole-second samples: keep those up to
+        # the first after the last arrival, which holds every request that has not ended.
+        inside = t <= math.ceil(trace.duration)
     c, k = count[inside], tokens[inside]
     contexts = trace.prompt + trace.output
     return Load(
