@@ -117,3 +117,15 @@ def test_a_deployment_apply_from_a_stale_read_is_refused_not_applied(
     else:
         pytest.fail("a fresh read never applied")
     assert out["spec"]["replicas"] == 2
+
+
+def test_text_outside_the_bmp_applies(cluster: Cluster, cluster_namespace: str) -> None:
+    """An emoji in a served model name (the CRD allows it) reaches the Deployment's args and
+    the status messages: both applies used to be a 400 from the API server's YAML decoder."""
+    raw = {**VALID, "model": {**VALID["model"], "servedModelName": "llama-\U0001f999"}}
+    spec = InferenceDeploymentSpec.model_validate(raw)
+    owner = Owner("chat-astral", cluster_namespace, "00000000-0000-0000-0000-000000000002")
+    kube = _kube(cluster)
+    dep = kube.apply(render(owner, spec, size(spec), 1)[0])
+    (engine,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "engine"]
+    assert "llama-\U0001f999" in engine["args"]

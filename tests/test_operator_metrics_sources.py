@@ -198,6 +198,18 @@ def test_a_figure_that_is_not_a_number_makes_the_pod_silent_or_drops_the_figure(
             assert sample.demand is None
 
 
+@pytest.mark.parametrize("q", ["waiting", "running", "used", "capacity"])
+def test_a_count_no_pod_holds_makes_the_pod_silent(q: str) -> None:
+    """A broken exporter's 1e20 requests: status keeps counts as int64, and the API server
+    refused the whole status write at every tick."""
+    doc = {"status": "success", "data": {"resultType": "vector", "result": [
+        vec("a", "occupancy", "0.5"), vec("a", q, "1e20"),
+        vec("b", "occupancy", "0.5"), vec("b", q, "7"),
+    ]}}  # fmt: skip
+    out = {pod: usable(s) for pod, s in parse_prometheus(doc).items()}
+    assert out.get("a") is None and out["b"] is not None
+
+
 def test_prometheus_answers_that_are_not_results_are_a_metrics_error_or_skipped() -> None:
     for doc in (None, [], {"status": "success", "data": None}):
         with pytest.raises(MetricsError):

@@ -115,6 +115,11 @@ class Kube:
     ) -> Any:
         """One API call; returns the decoded JSON body, raises KubeError on non-2xx."""
         headers = {"Accept": "application/json", "Content-Type": content_type}
+        if content_type.endswith("yaml") and body is not None and not isinstance(body, bytes):
+            # As UTF-8 text: the client's own json.dumps escapes a character outside the BMP
+            # (an emoji in a message) as a surrogate pair, which JSON allows and the API
+            # server's YAML decoder refuses (400 for the whole apply).
+            body = json.dumps(body, ensure_ascii=False).encode()
         req = self.api.param_serialize(
             method=method,
             resource_path=path,

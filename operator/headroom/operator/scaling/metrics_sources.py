@@ -61,6 +61,9 @@ class MetricsSource(Protocol):
 
 # Occupancy a little over 1 is rounding in an engine's own ratio; far over it is not a KV pool.
 _MAX_OCCUPANCY = 1.05
+# More requests or blocks than any pod holds (a broken exporter's 1e20): status keeps counts as
+# int64, and the whole status write would be refused at every tick.
+_MAX_COUNT = 10**12
 
 
 def _finite(x: float | None) -> float | None:
@@ -87,7 +90,8 @@ def usable(sample: PodSample | None) -> PodSample | None:
     if occ is None or not 0.0 <= occ <= _MAX_OCCUPANCY:
         return None
     blocks = [b for b in (sample.used_blocks, sample.capacity_blocks) if b is not None]
-    if any(b < 0 for b in blocks) or sample.waiting < 0 or sample.running < 0:
+    counts = (*blocks, sample.waiting, sample.running)
+    if any(not 0 <= c <= _MAX_COUNT for c in counts):
         return None
     hit = _finite(sample.hit_ratio)
     rate = _finite(sample.preemption_rate)
