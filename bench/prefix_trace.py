@@ -128,7 +128,7 @@ def replay(reqs: list[TraceRequest], caching: bool, num_blocks: int = NUM_BLOCKS
         EngineConfig(
             model="tiny",
             num_blocks=num_blocks,
-            max_model_len=8192,
+            max_model_len=min(8192, num_blocks * 16),  # a smaller pool holds no longer one
             attention_backend="torch",
             enable_prefix_caching=caching,
             num_threads=1,

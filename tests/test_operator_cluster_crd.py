@@ -15,6 +15,7 @@ import yaml
 from e2e.cluster.harness import Cluster
 from headroom.operator.crd.models import (
     NAME_RULE,
+    NODE_SELECTOR_KEY_MESSAGE,
     EngineSpec,
     GPUSpec,
     InferenceDeploymentSpec,
@@ -24,6 +25,7 @@ from headroom.operator.crd.models import (
 )
 from headroom.operator.crd.rules import Rule
 from headroom.operator.crd.schema import CRD_NAME, crd_yaml
+from headroom.operator.reconcile.sizing import SpecError, size
 
 pytest_plugins = ["e2e.cluster.pytest_plugin"]
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -37,6 +39,9 @@ ARCH = {
     "numLayers": 2, "numAttentionHeads": 4, "numKVHeads": 2, "headDim": 16, "hiddenSize": 64,
     "vocabSize": 256, "parameterCount": 100_000,
 }  # fmt: skip
+
+
+PREFIX_253 = "a" * 61 + "." + ".".join(["b" * 63] * 3)  # a DNS subdomain, the longest
 
 
 def rule(model: Any, fragment: str) -> Rule:
@@ -78,12 +83,21 @@ CEL_CASES = [
     ("gpu-resource-name-over-63",
      {**VALID, "gpu": {"type": "h100", "resourceName": "example.com/" + "g" * 64}},
      rule(GPUSpec, "extended resource")),
+    # Go's `$` is the end of the text; Python's also matches before a final newline.
+    ("gpu-resource-trailing-newline",
+     {**VALID, "gpu": {"type": "h100", "resourceName": "nvidia.com/gpu\n"}},
+     rule(GPUSpec, "extended resource")),
     ("min-max", {**VALID, "scaling": {"minReplicas": 5, "maxReplicas": 2}},
      rule(ScalingSpec, "minReplicas")),
     ("target-below-scale-out", {**VALID, "scaling": {"targetOccupancy": 0.96}},
      rule(ScalingSpec, "targetOccupancy must be below")),
     ("hysteresis", {**VALID, "scaling": {"targetOccupancy": 0.3, "scaleInHysteresis": 0.4}},
      rule(ScalingSpec, "scaleInHysteresis")),
+    # kubectl sends 0 (and 0.0) as an integer, which `minimum: 0.5` compared with int64(0.5) = 0.
+    ("forecast-quantile-zero", {**VALID, "scaling": {"forecastQuantile": 0}},
+     rule(ScalingSpec, "forecastQuantile")),
+    ("forecast-quantile-below-half", {**VALID, "scaling": {"forecastQuantile": 0.3}},
+     rule(ScalingSpec, "forecastQuantile")),
     ("max-model-len", {**VALID, "engine": {"maxModelLen": 1024}},
      rule(InferenceDeploymentSpec, "maxModelLen")),
     ("attention-backend-headroom-only",
@@ -114,6 +128,22 @@ CEL_CASES = [
     ("headroom-runtime-not-the-small-image",
      {**VALID, "engine": {"image": "ghcr.io/headroom-dev/headroom:0.1.0"}},
      rule(EngineSpec, "the small image")),
+    # What the engines cannot run: the operator's sizing refuses these (a SpecError).
+    ("stock-runtime-default-path", {**VALID, "engine": {"runtime": "vllm"}},
+     rule(InferenceDeploymentSpec, "needs model.path")),
+    ("stock-runtime-tiny-path",
+     {**VALID, "model": {"preset": "llama-3.1-8b", "path": "tiny"},
+      "engine": {"runtime": "sglang"}},
+     rule(InferenceDeploymentSpec, "needs model.path")),
+    ("tp-splits-heads",
+     {**VALID, "model": {**ARCH, "path": "/m"}, "gpu": {"type": "h100", "countPerPod": 3},
+      "engine": {"runtime": "vllm"}},
+     rule(InferenceDeploymentSpec, "must divide model.numAttentionHeads")),
+    ("tp-splits-kv-heads",
+     {**VALID, "model": {**ARCH, "numAttentionHeads": 12, "numKVHeads": 4, "path": "/m"},
+      "gpu": {"type": "h100", "countPerPod": 12, "tensorParallel": 6},
+      "engine": {"runtime": "sglang"}},
+     rule(InferenceDeploymentSpec, "must divide model.numAttentionHeads")),
 ]  # fmt: skip
 
 SCHEMA_CASES = [
@@ -145,6 +175,45 @@ SCHEMA_CASES = [
      "spec.model.servedModelName in body should match"),
     ("api-key-secret-bad-name", {**VALID, "engine": {"apiKeySecret": {"name": "Bad_Name"}}},
      "spec.engine.apiKeySecret.name in body should match"),
+    ("served-name-starts-with-tab",
+     {**VALID, "model": {"preset": "llama-3.1-8b", "servedModelName": "\tchat"}},
+     "spec.model.servedModelName in body should match"),
+    ("node-selector-key-not-a-label",
+     {**VALID, "gpu": {"type": "h100", "nodeSelector": {"nvidia.com/gpu product": "x"}}},
+     NODE_SELECTOR_KEY_MESSAGE),
+    ("node-selector-key-trailing-newline",
+     {**VALID, "gpu": {"type": "h100", "nodeSelector": {"gpu\n": "h100"}}},
+     NODE_SELECTOR_KEY_MESSAGE),
+    ("node-selector-key-prefix-over-253",
+     {**VALID, "gpu": {"type": "h100", "nodeSelector": {"a" + PREFIX_253 + "/g": "x"}}},
+     NODE_SELECTOR_KEY_MESSAGE),
+    ("node-selector-over-64",
+     {**VALID, "gpu": {"type": "h100", "nodeSelector": {f"k{i}": "v" for i in range(65)}}},
+     "must have at most 64 items"),
+    ("parameter-count-over-1e15", {**VALID, "model": {**ARCH, "parameterCount": 10**15 + 1}},
+     "spec.model.parameterCount in body should be less than or equal to"),
+    ("sliding-window-over-1e8", {**VALID, "model": {**ARCH, "slidingWindow": 100_000_001}},
+     "spec.model.slidingWindow in body should be less than or equal to 100000000"),
+    # The sizing works in bytes: 1e-10 GiB rounded to none.
+    ("memory-gib-tiny", {**VALID, "gpu": {"memoryGiB": 1e-10}},
+     "spec.gpu.memoryGiB in body should be greater than or equal to 1"),
+]  # fmt: skip
+
+# (id, spec) both the API server and the operator's models accept.
+ACCEPTED_CASES = [
+    # The spaces _NOT_A_FLAG refuses are spelled out: \s was Unicode to pydantic, ASCII without
+    # \v to the API server.
+    ("served-name-nbsp-path-vt",
+     {**VALID, "model": {"preset": "llama-3.1-8b", "servedModelName": "\u00a0chat",
+                         "path": "\vweights"}}),
+    ("node-selector-64-keys-prefix-253",
+     {**VALID, "gpu": {"type": "h100", "nodeSelector": {
+         **{f"k{i}": "v" for i in range(63)}, PREFIX_253 + "/g": "x"}}}),
+    ("bounds", {**VALID, "model": {**ARCH, "parameterCount": 10**15, "slidingWindow": 100_000_000},
+                "gpu": {"memoryGiB": 1}, "scaling": {"forecastQuantile": 0.5}}),
+    ("stock-runtime-tp-replicates-kv-heads",
+     {**VALID, "model": {**ARCH, "path": "/m"}, "gpu": {"type": "h100", "countPerPod": 4},
+      "engine": {"runtime": "vllm"}}),
 ]  # fmt: skip
 
 
@@ -199,9 +268,16 @@ def test_each_cel_rule_refuses_with_its_message(
     proc = create(crd, cluster_namespace, "bad", spec, dry_run=True)
     assert proc.returncode != 0, f"accepted: {spec}"
     assert rule.message in proc.stderr, proc.stderr
-    # The operator's own validation refuses the same object for the same reason.
-    with pytest.raises(ValueError, match=re.escape(rule.message)):
-        InferenceDeploymentSpec.model_validate(copy.deepcopy(spec))
+    # The operator's own validation refuses the same object for the same reason; a rule about
+    # what the engines run, when it sizes the object.
+    if rule.in_model:
+        with pytest.raises(ValueError, match=re.escape(rule.message)):
+            InferenceDeploymentSpec.model_validate(copy.deepcopy(spec))
+    else:
+        parsed = InferenceDeploymentSpec.model_validate(copy.deepcopy(spec))
+        assert not rule.check(parsed)
+        with pytest.raises(SpecError):
+            size(parsed)
 
 
 def test_every_rule_has_a_case() -> None:
@@ -222,6 +298,16 @@ def test_schema_enums_and_ranges(
     # The pydantic models carry the same patterns and ranges.
     with pytest.raises(ValueError):
         InferenceDeploymentSpec.model_validate(copy.deepcopy(spec))
+
+
+@pytest.mark.parametrize("spec", [c[1] for c in ACCEPTED_CASES], ids=[c[0] for c in ACCEPTED_CASES])
+def test_what_the_api_server_accepts_the_operator_accepts(
+    crd: Cluster, cluster_namespace: str, spec: dict[str, Any]
+) -> None:
+    proc = create(crd, cluster_namespace, "fine", spec, dry_run=True)
+    assert proc.returncode == 0, proc.stderr
+    parsed = InferenceDeploymentSpec.model_validate(copy.deepcopy(spec))
+    size(parsed)  # nor does the sizing refuse it
 
 
 @pytest.mark.parametrize("name", ["a.b", "x" * 70, "7b-chat"])
@@ -278,3 +364,46 @@ def test_names_columns_and_scale_subresource(crd: Cluster, cluster_namespace: st
     scale = json.loads(raw)
     assert scale["kind"] == "Scale" and scale["apiVersion"] == "autoscaling/v1"
     assert scale["spec"]["replicas"] == 2
+
+
+def test_an_object_stored_before_the_name_rule_takes_status_and_loses_its_finalizer(
+    crd: Cluster, cluster_namespace: str
+) -> None:
+    """The name rule sits at the root, which every write changes (status, finalizers): checked
+    at each, an object stored before the rule (the operator reports it InvalidName) could get
+    no status, and once deleted it stayed Terminating. It is checked on create only."""
+    from headroom.operator.kube import Kube, load_configuration
+    from headroom.operator.reconcile.children import Owner
+
+    old = yaml.safe_load(crd_yaml())
+    del old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["x-kubernetes-validations"]
+    name, ns = "legacy.name", cluster_namespace
+    try:
+        crd.apply([old])
+        deadline = time.monotonic() + 30
+        # Until the API server has the rule-free schema (it serves the old one a moment longer).
+        while (proc := create(crd, ns, name, VALID)).returncode != 0:
+            assert time.monotonic() < deadline, proc.stderr
+            time.sleep(0.5)
+        crd.apply(crd_yaml())
+        deadline = time.monotonic() + 30
+        while create(crd, ns, "another.name", VALID, dry_run=True).returncode == 0:
+            assert time.monotonic() < deadline, "the rule never came back"
+            time.sleep(0.5)
+        kube = Kube(load_configuration(str(crd.kubeconfig)))
+        cond = {"type": "Ready", "status": "False", "reason": "InvalidName", "message": "x",
+                "lastTransitionTime": "2026-12-05T00:00:00Z"}  # fmt: skip
+        kube.apply_status(Owner(name, ns, ""), {"conditions": [cond]}, field_manager="t")
+        stored = crd.get("infd", name, namespace=ns)
+        assert stored["status"]["conditions"][0]["reason"] == "InvalidName"  # type: ignore[index]
+        patch = json.dumps({"metadata": {"finalizers": ["headroom.dev/finalizer"]}})
+        crd.kubectl("patch", "infd", name, "-n", ns, "--type=merge", "-p", patch)
+        crd.kubectl("delete", "infd", name, "-n", ns, "--wait=false")
+        crd.kubectl("patch", "infd", name, "-n", ns, "--type=merge",
+                    "-p", '{"metadata":{"finalizers":null}}')  # fmt: skip
+        crd.kubectl("wait", "--for=delete", f"infd/{name}", "-n", ns, "--timeout=30s")
+    finally:
+        crd.apply(crd_yaml())
+        crd.kubectl("patch", "infd", name, "-n", ns, "--type=merge",
+                    "-p", '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
+        crd.kubectl("delete", "infd", name, "-n", ns, "--ignore-not-found", check=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,9 @@ import yaml
 
 from headroom.operator.__main__ import main as operator_main
 from headroom.operator.crd.models import (
+    MAX_NODE_SELECTOR,
     NAME_RULE,
+    NODE_SELECTOR_KEY_RULE,
     QUANTITY_PATTERN,
     EngineSpec,
     GPUSpec,
@@ -20,8 +23,11 @@ from headroom.operator.crd.models import (
     ModelSpec,
     ScalingSpec,
     TrafficSpec,
+    name_error,
 )
+from headroom.operator.crd.rules import Rule
 from headroom.operator.crd.schema import crd, crd_yaml, spec_schema, status_schema
+from headroom.operator.reconcile.sizing import SpecError, size
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "crds" / "inferencedeployment.yaml"
@@ -118,8 +124,9 @@ def test_every_python_rule_is_a_cel_rule_with_its_message() -> None:
     assert [c["rule"] for c in top] == [r.cel for r in InferenceDeploymentSpec.__rules__]
     root = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     assert root["x-kubernetes-validations"] == [
-        {"rule": NAME_RULE.cel, "message": NAME_RULE.message}
-    ]
+        {"rule": f"oldSelf.hasValue() || ({NAME_RULE.cel})", "optionalOldSelf": True,
+         "message": NAME_RULE.message}
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("field", ["cpu", "memory"])
@@ -173,3 +180,198 @@ def test_presets_and_enums_come_from_the_budget_model() -> None:
     assert props["scaling"]["properties"]["mode"]["enum"] == ["auto", "advisory"]
     scale_out = props["scaling"]["properties"]["scaleOutOccupancy"]
     assert scale_out["maximum"] == 1.0 and "exclusiveMaximum" not in scale_out
+
+
+def _numbers(schema: dict[str, Any]) -> list[tuple[str, str, float]]:
+    return [
+        (path, key, node[key])
+        for path, node in walk(schema)
+        for key in ("minimum", "maximum")
+        if key in node
+    ]
+
+
+def test_every_numeric_bound_is_whole() -> None:
+    # The API server checks an integer against int64(bound): `minimum: 0.5` let 0 through. A
+    # fractional bound is a CEL rule (scaling.forecastQuantile's).
+    for path, key, bound in _numbers(spec_schema()):
+        assert float(bound).is_integer(), f"{path}.{key} {bound} is fractional"
+
+
+def test_patterns_use_no_class_the_two_regex_engines_read_differently() -> None:
+    # The API server's Go RE2 reads \s, \d, \w and \b as ASCII, pydantic's Rust regex as Unicode.
+    text = crd_yaml()
+    for escape in ("\\s", "\\S", "\\d", "\\D", "\\w", "\\W", "\\b", "\\B"):
+        assert escape not in text, escape
+
+
+# ModelSpec's architecture fields and the budget's ModelArch, whose bounds they must not exceed.
+ARCH_FIELDS = {
+    "num_layers": "num_layers",
+    "num_attention_heads": "num_attention_heads",
+    "num_kv_heads": "num_kv_heads",
+    "head_dim": "head_dim",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "max_position_embeddings": "max_position_embeddings",
+    "parameter_count": "num_parameters",
+    "kv_lora_rank": "kv_lora_rank",
+    "qk_rope_head_dim": "qk_rope_head_dim",
+    "sliding_window": "sliding_window",
+    "num_sliding_window_layers": "num_sliding_window_layers",
+}
+
+
+@pytest.mark.parametrize(("field", "arch_field"), ARCH_FIELDS.items(), ids=list(ARCH_FIELDS))
+def test_architecture_bounds_are_the_budget_models(field: str, arch_field: str) -> None:
+    from headroom.contract.budget.arch import ModelArch
+
+    def bounds(info: Any) -> dict[str, Any]:
+        return {k: getattr(m, k) for m in info.metadata for k in ("ge", "le") if hasattr(m, k)}
+
+    assert bounds(ModelSpec.model_fields[field]) == bounds(ModelArch.model_fields[arch_field])
+
+
+BASE: dict[str, Any] = {
+    "model": {"preset": "llama-3.1-8b"},
+    "gpu": {"type": "h100-80gb"},
+    "traffic": {"peakConcurrency": 64, "contextTokens": 4096},
+}
+ARCH = {
+    "numLayers": 2, "numAttentionHeads": 4, "numKVHeads": 2, "headDim": 16, "hiddenSize": 64,
+    "vocabSize": 256, "parameterCount": 100_000,
+}  # fmt: skip
+
+PREFIX_253 = "a" * 61 + "." + ".".join(["b" * 63] * 3)  # a DNS subdomain, the longest
+assert len(PREFIX_253) == 253
+
+# (id, spec, what the error says) the operator's models refuse; the API server refuses them too
+# (tests/test_operator_cluster_crd.py).
+MODEL_REFUSES = [
+    # Python's `$` matches before a final newline; the API server's does not.
+    ("node-selector-key-trailing-newline",
+     {**BASE, "gpu": {"type": "h100", "nodeSelector": {"gpu\n": "h100"}}}, "not a label key"),
+    ("node-selector-key-prefix-over-253",
+     {**BASE, "gpu": {"type": "h100", "nodeSelector": {"a" + PREFIX_253 + "/g": "x"}}},
+     "not a label key"),
+    ("node-selector-over-64",
+     {**BASE, "gpu": {"type": "h100", "nodeSelector": {f"k{i}": "v" for i in range(65)}}},
+     "at most 64 items"),
+    ("gpu-resource-trailing-newline",
+     {**BASE, "gpu": {"type": "h100", "resourceName": "nvidia.com/gpu\n"}}, "extended resource"),
+    ("parameter-count-over-1e15", {**BASE, "model": {**ARCH, "parameterCount": 10**15 + 1}},
+     "less than or equal to 1000000000000000"),
+    ("sliding-window-over-1e8", {**BASE, "model": {**ARCH, "slidingWindow": 100_000_001}},
+     "less than or equal to 100000000"),
+    # Rounded to 0 bytes of GPU memory.
+    ("memory-gib-tiny", {**BASE, "gpu": {"memoryGiB": 1e-10}}, "greater than or equal to 1"),
+    ("memory-gib-below-one", {**BASE, "gpu": {"memoryGiB": 0.5}}, "greater than or equal to 1"),
+    ("forecast-quantile-zero", {**BASE, "scaling": {"forecastQuantile": 0}},
+     "forecastQuantile must be at least 0.5"),
+    ("forecast-quantile-below-half", {**BASE, "scaling": {"forecastQuantile": 0.49}},
+     "forecastQuantile must be at least 0.5"),
+    ("served-name-starts-with-tab",
+     {**BASE, "model": {"preset": "llama-3.1-8b", "servedModelName": "\tchat"}},
+     "should match pattern"),
+]  # fmt: skip
+
+# (id, spec) both accept: the same explicit space class on both sides (Go's \s has neither \v
+# nor the Unicode spaces), and the bounds themselves.
+MODEL_ACCEPTS = [
+    ("served-name-nbsp-and-path-vt",
+     {**BASE, "model": {"preset": "llama-3.1-8b", "servedModelName": "\u00a0chat",
+                        "path": "\vweights"}}),
+    ("node-selector-64-keys-prefix-253",
+     {**BASE, "gpu": {"type": "h100", "nodeSelector": {
+         **{f"k{i}": "v" for i in range(63)}, PREFIX_253 + "/g": "x"}}}),
+    ("bounds", {**BASE, "model": {**ARCH, "parameterCount": 10**15, "slidingWindow": 100_000_000},
+                "gpu": {"memoryGiB": 1}, "scaling": {"forecastQuantile": 0.5}}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"), [c[1:] for c in MODEL_REFUSES], ids=[c[0] for c in MODEL_REFUSES]
+)
+def test_the_models_refuse(spec: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        InferenceDeploymentSpec.model_validate(spec)
+
+
+@pytest.mark.parametrize("spec", [c[1] for c in MODEL_ACCEPTS], ids=[c[0] for c in MODEL_ACCEPTS])
+def test_the_models_accept(spec: dict[str, Any]) -> None:
+    InferenceDeploymentSpec.model_validate(spec)
+
+
+@pytest.mark.parametrize("name", ["chat\n", "a\n", "llama-8b\n"])
+def test_a_name_with_a_trailing_newline_is_refused(name: str) -> None:
+    assert name_error(name) == NAME_RULE.message
+
+
+def test_node_selector_is_bounded_in_the_crd_as_in_the_model() -> None:
+    node = spec_schema()["properties"]["gpu"]["properties"]["nodeSelector"]
+    assert node["maxProperties"] == MAX_NODE_SELECTOR
+    assert node["x-kubernetes-validations"] == [NODE_SELECTOR_KEY_RULE]
+
+
+def rule(model: Any, fragment: str) -> Rule:
+    """The rule of `model` whose message contains `fragment`."""
+    found: Rule
+    (found,) = [r for r in model.__rules__ if fragment in r.message]
+    return found
+
+
+# (id, spec, the rule): what the engines cannot run, refused by the API server's CEL rule and by
+# the operator's sizing (a SpecError), not its model.
+SIZING_CASES = [
+    ("vllm-default-path", {**BASE, "engine": {"runtime": "vllm"}},
+     rule(InferenceDeploymentSpec, "needs model.path")),
+    ("sglang-tiny-path", {**BASE, "model": {"preset": "llama-3.1-8b", "path": "tiny"},
+                          "engine": {"runtime": "sglang"}},
+     rule(InferenceDeploymentSpec, "needs model.path")),
+    ("tp-does-not-divide-heads",
+     {**BASE, "model": {**ARCH, "path": "/m"}, "gpu": {"type": "h100", "countPerPod": 3},
+      "engine": {"runtime": "vllm"}},
+     rule(InferenceDeploymentSpec, "must divide model.numAttentionHeads")),
+    ("tp-neither-divides-nor-multiplies-kv-heads",
+     {**BASE, "model": {**ARCH, "numAttentionHeads": 12, "numKVHeads": 4, "path": "/m"},
+      "gpu": {"type": "h100", "countPerPod": 12, "tensorParallel": 6},
+      "engine": {"runtime": "sglang"}},
+     rule(InferenceDeploymentSpec, "must divide model.numAttentionHeads")),
+]  # fmt: skip
+SIZING_OK = [
+    ("vllm-with-path", {**BASE, "model": {"preset": "llama-3.1-8b", "path": "/m"},
+                        "engine": {"runtime": "vllm"}}),
+    ("tp-replicates-kv-heads",
+     {**BASE, "model": {**ARCH, "path": "/m"}, "gpu": {"type": "h100", "countPerPod": 4},
+      "engine": {"runtime": "vllm"}}),
+    ("mla-tp", {**BASE, "model": {**ARCH, "numAttentionHeads": 8, "numKVHeads": 8,
+                                  "kvLoraRank": 64, "qkRopeHeadDim": 16, "path": "/m"},
+                "gpu": {"type": "h100", "countPerPod": 8}, "engine": {"runtime": "vllm"}}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("spec", "the_rule"), [c[1:] for c in SIZING_CASES], ids=[c[0] for c in SIZING_CASES]
+)
+def test_what_the_engines_cannot_run_is_refused_by_sizing(
+    spec: dict[str, Any], the_rule: Rule
+) -> None:
+    parsed = InferenceDeploymentSpec.model_validate(spec)  # not the model's to refuse
+    assert not the_rule.in_model and not the_rule.check(parsed)
+    with pytest.raises(SpecError):
+        size(parsed)
+
+
+@pytest.mark.parametrize("spec", [c[1] for c in SIZING_OK], ids=[c[0] for c in SIZING_OK])
+def test_what_the_engines_can_run_passes_the_sizing_rules(spec: dict[str, Any]) -> None:
+    parsed = InferenceDeploymentSpec.model_validate(spec)
+    assert all(r.check(parsed) for r in InferenceDeploymentSpec.__rules__)
+    size(parsed)
+
+
+def test_every_sizing_rule_has_a_case() -> None:
+    covered = {id(c[2]) for c in SIZING_CASES}
+    for model in (ModelSpec, GPUSpec, EngineSpec, ScalingSpec, InferenceDeploymentSpec):
+        for r in model.__rules__:
+            assert r.in_model or id(r) in covered, r.message

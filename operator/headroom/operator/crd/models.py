@@ -9,9 +9,10 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BeforeValidator, Field, WithJsonSchema, field_validator
+from pydantic import BeforeValidator, Field, JsonValue, WithJsonSchema, field_validator
 
 from headroom.contract.budget import GPU_PRESETS, MODEL_PRESETS, KVCacheDtype
+from headroom.contract.budget.arch import MAX_PARAMETERS
 from headroom.contract.budget.presets import GPU_ALIASES
 from headroom.operator.crd.rules import CRDModel, Rule
 
@@ -46,7 +47,9 @@ _NAME_PART = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 _DNS_SUBDOMAIN = rf"^{_SUBDOMAIN}$"
 # A value the engine's command line receives as an argument must not read as a flag
 # (`model.path: --trust-remote-code` would otherwise render `vllm serve --trust-remote-code`).
-_NOT_A_FLAG = r"^[^-\s]"
+# The spaces are spelled out: `\s` is ASCII [\t\n\f\r ] to the API server (Go's RE2) and
+# every Unicode space to pydantic (Rust's regex), so with it each accepted what the other refused.
+_NOT_A_FLAG = r"^[^-\t\n\f\r ]"
 # A Kubernetes resource quantity without a sign (the grammar of apimachinery's
 # resource.Quantity): 4, 500m, 1.5, 32Gi, 512M, 4e9.
 QUANTITY_PATTERN = (
@@ -126,7 +129,30 @@ _EXTENDED_RESOURCE = rf"^{_SUBDOMAIN}/{_NAME_PART}$"
 # A label value (apimachinery's IsValidLabelValue): nvidia-smi's "NVIDIA H100 80GB HBM3" is not
 # one; GPU Feature Discovery writes NVIDIA-H100-80GB-HBM3.
 LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
-_LABEL_KEY = re.compile(rf"^({_SUBDOMAIN}/)?{_NAME_PART}$")
+# A label key (apimachinery's IsQualifiedName): [prefix/]name, the prefix a DNS subdomain of at
+# most 253 characters. The Python twins fullmatch: Python's `$` also matches before a final
+# newline, Go's (and CEL's) does not.
+_LABEL_KEY = rf"^({_SUBDOMAIN}/)?{_NAME_PART}$"
+# More node labels than any node carries; it also bounds the cost of the CEL rule over the keys,
+# which the API server estimates before it accepts the CRD.
+MAX_NODE_SELECTOR = 64
+NODE_SELECTOR_KEY_MESSAGE = (
+    "gpu.nodeSelector keys must be label keys: [prefix/]name, the name at most 63 letters, "
+    "digits, '-', '_' or '.' starting and ending with a letter or digit, the prefix a DNS "
+    "subdomain of at most 253 characters"
+)
+# `^[^/]{254}`: a prefix over 253 characters (a key that matches _LABEL_KEY has at most one '/',
+# and its name part alone is at most 63).
+NODE_SELECTOR_KEY_RULE: dict[str, JsonValue] = {
+    "rule": f"self.all(k, k.matches('{_LABEL_KEY}') && !k.matches('^[^/]{{254}}'))",
+    "message": NODE_SELECTOR_KEY_MESSAGE,
+}
+
+
+def _label_key(key: str) -> bool:
+    """NODE_SELECTOR_KEY_RULE's twin for one key."""
+    return re.fullmatch(_LABEL_KEY, key) is not None and len(key.rpartition("/")[0]) <= 253
+
 
 # The children take the resource's name: the Service (a DNS-1035 label, so no dots and a letter
 # first) and the pods' labels (63 characters at most). Checked at the object's root, where CEL
@@ -141,7 +167,7 @@ NAME_RULE = Rule(
     ),
     check=lambda obj: (
         len(obj["metadata"]["name"]) <= 63
-        and re.search(_CHILD_NAME, obj["metadata"]["name"]) is not None
+        and re.fullmatch(_CHILD_NAME, obj["metadata"]["name"]) is not None
     ),
 )
 
@@ -252,11 +278,11 @@ class ModelSpec(CRDModel):
         default=None, ge=1, le=100_000_000, description="longest context the model supports"
     )
     parameter_count: int | None = Field(
-        default=None, ge=1, description="total parameters (all experts for MoE)"
+        default=None, ge=1, le=MAX_PARAMETERS, description="total parameters (all experts for MoE)"
     )
     kv_lora_rank: int | None = Field(default=None, ge=1, le=65536, description="MLA latent width")
     qk_rope_head_dim: int | None = Field(default=None, ge=1, le=4096)
-    sliding_window: int | None = Field(default=None, ge=1)
+    sliding_window: int | None = Field(default=None, ge=1, le=100_000_000)
     num_sliding_window_layers: int | None = Field(default=None, ge=0, le=1024)
 
     @field_validator("preset")
@@ -509,7 +535,7 @@ class GPUSpec(CRDModel):
                 "with requests. (quota's prefix)"
             ),
             check=lambda g: (
-                re.search(_EXTENDED_RESOURCE, g.resource_name) is not None
+                re.fullmatch(_EXTENDED_RESOURCE, g.resource_name) is not None
                 and "kubernetes.io/" not in g.resource_name
                 and not g.resource_name.startswith("requests.")
             ),
@@ -528,9 +554,10 @@ class GPUSpec(CRDModel):
         ),
         json_schema_extra={"enum": list(GPU_TYPE_NAMES)},
     )
+    # At least 1 GiB: the sizing counts whole bytes, and 1e-10 GiB was a GPU of none.
     memory_gib: float | None = Field(
         default=None,
-        gt=0,
+        ge=1,
         le=4096,
         alias="memoryGiB",
         description="memory per GPU in GiB; overrides the type's",
@@ -548,21 +575,21 @@ class GPUSpec(CRDModel):
     node_selector: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]] = (
         Field(
             default_factory=dict,
+            max_length=MAX_NODE_SELECTOR,
             description=(
                 "node labels the pods require; the way to put them on nodes with gpu.type (which "
                 "itself does not steer scheduling)"
             ),
+            json_schema_extra={"x-kubernetes-validations": [NODE_SELECTOR_KEY_RULE]},
         )
     )
 
     @field_validator("node_selector")
     @classmethod
     def _label_keys(cls, v: dict[str, str]) -> dict[str, str]:
-        # Keys are checked here, not in the CRD: a CEL rule over a map's keys of unbounded
-        # length costs more than the API server allows a rule.
+        # NODE_SELECTOR_KEY_RULE's twin, whose message names the key.
         for key in v:
-            prefix = key.rpartition("/")[0]
-            if _LABEL_KEY.match(key) is None or len(prefix) > 253:
+            if not _label_key(key):
                 raise ValueError(
                     f"gpu.nodeSelector key {key!r} is not a label key ([prefix/]name, the name "
                     "at most 63 letters, digits, '-', '_' or '.')"
@@ -613,6 +640,17 @@ class ScalingSpec(CRDModel):
             message="scaling.scaleInHysteresis must be smaller than scaling.targetOccupancy",
             check=lambda s: s.scale_in_hysteresis < s.target_occupancy,
             field_path=".scaleInHysteresis",
+        ),
+        # A rule, not `minimum: 0.5`: the API server checks an integer against an integer
+        # minimum, int64(0.5) = 0, so `forecastQuantile: 0` passed the schema.
+        Rule(
+            cel="self.forecastQuantile >= 0.5",
+            message=(
+                "scaling.forecastQuantile must be at least 0.5 (0.5 sizes for the forecast "
+                "itself, with no band above it)"
+            ),
+            check=lambda s: s.forecast_quantile >= 0.5,
+            field_path=".forecastQuantile",
         ),
     )
 
@@ -670,12 +708,11 @@ class ScalingSpec(CRDModel):
     )
     forecast_quantile: float = Field(
         default=0.95,
-        ge=0.5,
         lt=1.0,
         description=(
-            "the demand forecast's band: its prediction interval at this quantile, from the "
-            "scatter of the deployment's own demand and KV in use (never below the Poisson "
-            "noise of the requests in flight), is added before sizing"
+            "the demand forecast's band: its prediction interval at this quantile (at least 0.5), "
+            "from the scatter of the deployment's own demand and KV in use (never below the "
+            "Poisson noise of the requests in flight), is added before sizing"
         ),
     )
     scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
@@ -731,6 +768,26 @@ class ScalingSpec(CRDModel):
     )
 
 
+# The tensor-parallel size a spec asks for (gpu.tensorParallel, else gpu.countPerPod), in CEL.
+_CEL_TP = (
+    "(has(self.gpu.tensorParallel) ? self.gpu.tensorParallel : "
+    "has(self.gpu.countPerPod) ? self.gpu.countPerPod : 1)"
+)
+
+
+def _tp_splits_heads(s: InferenceDeploymentSpec) -> bool:
+    """The architecture fields' heads shard gpu's tensor-parallel size ways (the budget's
+    tp_split_error, which sizing applies to presets too)."""
+    m = s.model
+    if m.num_attention_heads is None or m.num_kv_heads is None:
+        return True
+    tp = s.gpu.tensor_parallel or s.gpu.count_per_pod
+    kv = m.num_kv_heads
+    return m.num_attention_heads % tp == 0 and (
+        m.kv_lora_rank is not None or kv % tp == 0 or tp % kv == 0
+    )
+
+
 class InferenceDeploymentSpec(CRDModel):
     """What the user asks for. The operator never writes it."""
 
@@ -758,6 +815,38 @@ class InferenceDeploymentSpec(CRDModel):
             ),
             check=lambda s: s.engine.runtime != "headroom" or s.gpu.count_per_pod == 1,
             field_path=".gpu.countPerPod",
+        ),
+        # What the engines can run: the operator's twins of these are in sizing.size, a
+        # SpecError that names the runtime or the head counts (and checks presets' heads too).
+        Rule(
+            cel=(
+                "!has(self.engine) || self.engine.runtime == 'headroom' || "
+                "self.model.path != 'tiny'"
+            ),
+            message=(
+                "engine.runtime vllm or sglang needs model.path: a weights directory inside the "
+                "pod or a Hugging Face id ('tiny', the default, is the headroom engine's "
+                "built-in test model)"
+            ),
+            check=lambda s: s.engine.runtime == "headroom" or s.model.path != "tiny",
+            field_path=".model.path",
+            in_model=False,
+        ),
+        Rule(
+            cel=(
+                "!has(self.model.numAttentionHeads) || !has(self.model.numKVHeads) || "
+                f"(self.model.numAttentionHeads % {_CEL_TP} == 0 && "
+                f"(has(self.model.kvLoraRank) || self.model.numKVHeads % {_CEL_TP} == 0 || "
+                f"{_CEL_TP} % self.model.numKVHeads == 0))"
+            ),
+            message=(
+                "gpu.tensorParallel (default gpu.countPerPod) must divide model.numAttentionHeads "
+                "and divide or be a multiple of model.numKVHeads (vLLM and SGLang refuse to "
+                "start)"
+            ),
+            check=_tp_splits_heads,
+            field_path=".gpu.tensorParallel",
+            in_model=False,
         ),
     )
 

@@ -21,6 +21,10 @@ class Rule:
     message: str
     check: Callable[[Any], bool]
     field_path: str | None = None  # where kubectl points the error, e.g. ".minReplicas"
+    # False: the model does not apply `check`; the operator refuses the same objects when it
+    # sizes them (reconcile/sizing.py's SpecError, whose message can name the values). For a
+    # rule about what an engine can run rather than what a spec can say.
+    in_model: bool = True
 
 
 def _add_rules(schema: dict[str, Any], cls: type[BaseModel]) -> None:
@@ -50,7 +54,7 @@ class CRDModel(BaseModel):
     @model_validator(mode="after")
     def _apply_rules(self) -> CRDModel:
         for rule in type(self).__rules__:
-            if not rule.check(self):
+            if rule.in_model and not rule.check(self):
                 raise ValueError(rule.message)
         return self
 

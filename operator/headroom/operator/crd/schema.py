@@ -36,6 +36,15 @@ HEADER = (
 )
 
 
+# NAME_RULE as the root's rule: `optionalOldSelf` (Kubernetes 1.30+) makes oldSelf present on
+# updates only, so the rule holds on every write after the create.
+NAME_RULE_ON_CREATE: dict[str, Any] = {
+    "rule": f"oldSelf.hasValue() || ({NAME_RULE.cel})",
+    "optionalOldSelf": True,
+    "message": NAME_RULE.message,
+}
+
+
 class SchemaError(ValueError):
     """A pydantic schema construct the CRD cannot express."""
 
@@ -173,8 +182,11 @@ def crd() -> dict[str, Any]:
         },
         "required": ["spec"],
         # At the root, CEL sees metadata.name (and nothing else of metadata); a fieldPath
-        # cannot point into metadata, which the schema leaves untyped.
-        "x-kubernetes-validations": [{"rule": NAME_RULE.cel, "message": NAME_RULE.message}],
+        # cannot point into metadata, which the schema leaves untyped. On create only: a rule
+        # at the root is checked again at every write of the object (status, finalizers), and
+        # a name never changes, so an object stored before the rule (the operator reports it
+        # InvalidName) could otherwise neither get its status nor lose its finalizer.
+        "x-kubernetes-validations": [NAME_RULE_ON_CREATE],
     }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
