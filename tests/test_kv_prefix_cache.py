@@ -137,12 +137,16 @@ def test_an_orphan_whose_parent_was_evicted_gives_up_its_hash() -> None:
     assert ref == cache.ref(3)
     assert cache.insert(4, h[1], ref, [2, 2], None) == cache.ref(4), "refused as a collision"
     assert cache.match(h, [1, 1, 2, 2], 2, None) == [3, 4]
-    # The parked orphan went back to the free list, not left parked without content.
-    assert not cache.is_cached(2) and not cache.is_parked(2) and 2 in pool._free
+    # The orphan stays parked, unfindable, and is evicted in its turn.
+    assert cache.is_parked(2) and cache.match(h, [1, 1, 2, 2], 2, None) == [3, 4]
+    _check_pool(pool)
+    for b in (3, 4):
+        pool.free(b)
+    assert pool.allocate() == 2 and cache.match(h, [1, 1, 2, 2], 2, None) == [3, 4]
     _check_pool(pool)
 
 
-def test_an_orphan_still_in_use_is_unindexed_and_freed_uncached_later() -> None:
+def test_an_orphan_still_in_use_gives_up_its_hash_and_parks_unfindable() -> None:
     pool = BlockPool(6, PrefixCache(6))
     cache = pool.cache
     assert cache is not None
@@ -153,10 +157,28 @@ def test_an_orphan_still_in_use_is_unindexed_and_freed_uncached_later() -> None:
     assert pool.allocate() == 0 and cache.evictions_total == 1  # parent 0 evicted, reused
     ref = cache.insert(3, h[0], ROOT_REF, [1, 1], None)
     assert ref is not None and cache.insert(4, h[1], ref, [2, 2], None) == cache.ref(4)
-    assert not cache.is_cached(2) and pool.ref_counts[2] == 1
-    pool.free(2)  # its sequence ends: a plain free block, not a parked one
-    assert 2 in pool._free and not cache.is_parked(2)
+    assert pool.ref_counts[2] == 1
+    pool.free(2)  # its sequence ends
     assert cache.match(h, [1, 1, 2, 2], 2, None) == [3, 4]
+    _check_pool(pool)
+
+
+def test_an_orphaned_chain_gives_way_block_by_block() -> None:
+    # Blocks 1 and 2 hang under parent 0, which is evicted: the chain computed again takes the
+    # hash of 1, and then of 2, whose parent (the orphan 1) is an orphan's content too.
+    pool = BlockPool(8, PrefixCache(8))
+    cache = pool.cache
+    assert cache is not None
+    tokens = [1, 1, 2, 2, 3, 3]
+    h = chain(tokens, 2)
+    assert [pool.allocate() for _ in range(8)] == list(range(8))
+    fill(cache, tokens, [0, 1, 2], 2)
+    pool.free(0)
+    assert pool.allocate() == 0  # parent 0 evicted and reused
+    ref = cache.insert(3, h[0], ROOT_REF, [1, 1], None)
+    assert ref is not None and (ref := cache.insert(4, h[1], ref, [2, 2], None)) == cache.ref(4)
+    assert cache.insert(5, h[2], ref, [3, 3], None) == cache.ref(5)
+    assert cache.match(h, tokens, 2, None) == [3, 4, 5]
     _check_pool(pool)
 
 

@@ -31,8 +31,6 @@ class BlockPool:
         # Reversed so that a fresh pool hands out block 0 first (readable tests and traces).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._num_used = 0
-        if cache is not None:  # a parked block the cache forgets outside eviction comes back
-            cache.release = self._free.append
 
     @property
     def num_free(self) -> int:

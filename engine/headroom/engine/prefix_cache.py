@@ -60,9 +60,6 @@ class PrefixCache:
         self._content: list[Content | None] = [None] * num_blocks
         self._gen = [0] * num_blocks  # bumped when a block forgets: old refs match nothing
         self._parked: OrderedDict[int, None] = OrderedDict()
-        # Takes a parked block that lost its content outside `evict` (an orphan replaced in
-        # `insert`) back to the free list; the pool that owns the blocks binds it.
-        self.release: Callable[[int], None] | None = None
         self.queries_tokens_total = self.hits_tokens_total = self.evictions_total = 0
 
     @property
@@ -95,39 +92,23 @@ class PrefixCache:
         An identical block already cached is not merged: block tables stay append-only, its
         ref is returned, and this copy simply goes back to the free list when released.
         An entry holding the hash whose parent ref is stale (that parent was evicted since) is
-        an orphan nothing can match any more: it is forgotten and this block takes its place.
+        an orphan no walk from the root reaches: this block takes the hash, and the orphan keeps
+        its content, unfindable, until it is evicted.
         """
         if self._content[block_id] is not None:  # shared with a sibling or a prefix hit
             return self.ref(block_id)
         content = (block_hash, parent_ref, token_ids, extra)
         other = self._by_hash.get(block_hash)
-        if other is not None:
-            held = self._content[other]
+        if other is not None and (held := self._content[other]) is not None:
             if held == content:
                 return self.ref(other)
-            if held is not None and not self._is_stale(held[1]):
-                return None  # a live colliding entry keeps the hash
-            self._forget(other)
+            live = held[1] == ROOT_REF or self.ref(held[1] % self._num_blocks) == held[1]
+            if live:
+                return None  # a colliding entry keeps the hash
+            self._gen[other] += 1  # the orphan's own children go stale: each gives way in turn
         self._by_hash[block_hash] = block_id
         self._content[block_id] = content
         return self.ref(block_id)
-
-    def _is_stale(self, ref: int) -> bool:
-        """`ref` names content its block has forgotten since (evicted, maybe reused)."""
-        return ref != ROOT_REF and self.ref(ref % self._num_blocks) != ref
-
-    def _forget(self, block_id: int) -> None:
-        """Un-index a block outside eviction: its refs go stale; parked, it goes back to the
-        pool's free list; in use, it is freed as uncached content when its last user ends."""
-        content = self._content[block_id]
-        if content is not None and self._by_hash.get(content[0]) == block_id:
-            del self._by_hash[content[0]]
-        self._content[block_id] = None
-        self._gen[block_id] += 1
-        if block_id in self._parked:
-            del self._parked[block_id]
-            if self.release is not None:
-                self.release(block_id)
 
     def match(
         self,

@@ -71,13 +71,11 @@ class Scheduler:
         resolve_max_tokens(prompt, out, self.max_model_len)
         # The last sampled token is never fed back (the sequence finishes as it is sampled), so
         # at most prompt + max_tokens - 1 positions ever hold KV, recompute after preemption too.
-        kv_tokens = prompt + out - 1
-        blocks = -(-kv_tokens // bs)
+        blocks = -(-(prompt + out - 1) // bs)
         if blocks > self.num_blocks:
             raise RequestRejected(
-                f"prompt {prompt} + max_tokens {out} needs the KV of {kv_tokens} tokens (all but "
-                f"the last sampled one): {blocks} KV blocks of {bs} tokens but the whole pool "
-                f"holds {self.num_blocks}",
+                f"prompt {prompt} + max_tokens {out} needs the KV of {prompt + out - 1} tokens: "
+                f"{blocks} KV blocks of {bs} tokens but the whole pool holds {self.num_blocks}",
                 param="max_tokens",
                 code="exceeds_kv_pool",
             )
