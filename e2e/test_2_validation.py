@@ -13,6 +13,7 @@ import yaml
 from e2e.cluster.harness import Cluster
 from e2e.helpers import Operator, wait_until
 from e2e.kube import CRDS, condition, get_obj
+from headroom.operator.crd.models import NOT_A_FLAG
 
 BASE: dict[str, Any] = {
     "model": {"preset": "llama-3.1-8b"},
@@ -198,13 +199,13 @@ BAD: list[tuple[str, dict[str, Any], str, bool]] = [
     (
         "path-is-a-flag",
         {"model": {"path": "--trust-remote-code"}},
-        "spec.model.path in body should match '^[^-\\s]'",
+        f"spec.model.path in body should match '{NOT_A_FLAG}'",
         False,
     ),
     (
         "served-name-is-a-flag",
         {"model": {"servedModelName": "--trust-remote-code"}},
-        "spec.model.servedModelName in body should match '^[^-\\s]'",
+        f"spec.model.servedModelName in body should match '{NOT_A_FLAG}'",
         False,
     ),
     (

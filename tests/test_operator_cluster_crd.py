@@ -201,7 +201,7 @@ SCHEMA_CASES = [
 
 # (id, spec) both the API server and the operator's models accept.
 ACCEPTED_CASES = [
-    # The spaces _NOT_A_FLAG refuses are spelled out: \s was Unicode to pydantic, ASCII without
+    # The spaces NOT_A_FLAG refuses are spelled out: \s was Unicode to pydantic, ASCII without
     # \v to the API server.
     ("served-name-nbsp-path-vt",
      {**VALID, "model": {"preset": "llama-3.1-8b", "servedModelName": "\u00a0chat",

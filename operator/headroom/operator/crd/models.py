@@ -49,7 +49,7 @@ _DNS_SUBDOMAIN = rf"^{_SUBDOMAIN}$"
 # (`model.path: --trust-remote-code` would otherwise render `vllm serve --trust-remote-code`).
 # The spaces are spelled out: `\s` is ASCII [\t\n\f\r ] to the API server (Go's RE2) and
 # every Unicode space to pydantic (Rust's regex), so with it each accepted what the other refused.
-_NOT_A_FLAG = r"^[^-\t\n\f\r ]"
+NOT_A_FLAG = r"^[^-\t\n\f\r ]"
 # A Kubernetes resource quantity without a sign (the grammar of apimachinery's
 # resource.Quantity): 4, 500m, 1.5, 32Gi, 512M, 4e9.
 QUANTITY_PATTERN = (
@@ -243,7 +243,7 @@ class ModelSpec(CRDModel):
     served_model_name: str | None = Field(
         default=None,
         max_length=253,
-        pattern=_NOT_A_FLAG,
+        pattern=NOT_A_FLAG,
         description=(
             "name clients send as `model`; defaults to the preset or the resource name (it is "
             "a command-line argument: it cannot start with '-' or a space)"
@@ -253,7 +253,7 @@ class ModelSpec(CRDModel):
         default="tiny",
         min_length=1,
         max_length=1024,
-        pattern=_NOT_A_FLAG,
+        pattern=NOT_A_FLAG,
         description=(
             "weights directory inside the pod (or a Hugging Face id), or 'tiny' for the built-in "
             "test model (it is a command-line argument: it cannot start with '-' or a space)"
