@@ -64,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
             spec = InferenceDeploymentSpec.model_validate(doc.get("spec", doc))
         traces = (from_file(args.trace, args.rate, spec),)
     elif args.only:
+        known = [t.name for t in TRACES]
+        unknown = [n for n in args.only if n not in known]
+        if unknown:
+            parser.error(
+                f"--only: no trace named {', '.join(unknown)}; the traces: {', '.join(known)}"
+            )
         traces = tuple(t for t in TRACES if t.name in args.only)
     t0 = time.monotonic()
     if args.load_runs:

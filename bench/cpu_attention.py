@@ -8,12 +8,14 @@
    batch 1, 8 and 32, greedy, prompts of 16 tokens (informational).
 
 The verdict is on paired runs: each repetition times paged and dense back to back (order
-alternating), on the CPU time of this thread, and a row's ratio is the median of its
-`--reps` per-repetition ratios (21 by default), so a burst of other work on a shared host
-hits both sides of a pair alike and a few disturbed pairs cannot move the median. The
-process is pinned to one core (no migration between the halves of a pair) and torch runs one
-thread. Neither the target nor the shapes were changed when this replaced a median of medians
-that missed 2 of 4 runs on a loaded 2-core host (1.54-1.55x).
+alternating), on CPU time, and a row's ratio is the median of its `--reps` per-repetition
+ratios (21 by default), so a burst of other work on a shared host hits both sides of a pair
+alike and a few disturbed pairs cannot move the median. By default the process is pinned to
+one core (no migration between the halves of a pair), torch runs one thread, and the clock
+is this thread's CPU time; with `--threads N` > 1 it is the whole process's CPU time (torch's
+worker threads included; this thread's alone would leave their work out) and no core is
+pinned. The header says which. Neither the target nor the shapes were changed when this
+replaced a median of medians that missed 2 of 4 runs on a loaded 2-core host (1.54-1.55x).
 Usage: .venv/bin/python -m bench.cpu_attention [--threads N] [--reps N]
 """
 
@@ -23,11 +25,12 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from bench.verdicts import Verdicts
+from bench.verdicts import Verdicts, positive_int
 from headroom.engine.attention import TorchBackend, allocate_layer_cache
 from headroom.engine.config import EngineConfig
 from headroom.engine.engine import Engine
@@ -39,17 +42,29 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 4, 64, 16
 TARGET_RATIO = 1.5
 
 
-def _cpu_ms(fn) -> float:  # type: ignore[no-untyped-def]
-    t0 = time.thread_time()
+def cpu_clock(threads: int) -> Callable[[], float]:
+    """The CPU clock for `threads` torch threads: this thread's time for one (what it spends
+    alone, unmoved by other threads of the process), the process's time for more (the work
+    of torch's worker threads is not on this thread's clock)."""
+    return time.thread_time if threads == 1 else time.process_time
+
+
+def clock_name(threads: int) -> str:
+    return "CPU time of this thread" if threads == 1 else "CPU time of the process (all threads)"
+
+
+def _cpu_ms(fn: Callable[[], object], clock: Callable[[], float]) -> float:
+    t0 = clock()
     fn()
-    return (time.thread_time() - t0) * 1e3
+    return (clock() - t0) * 1e3
 
 
 def attention_row(
-    lens: list[int], reps: int, gen: torch.Generator
+    lens: list[int], reps: int, gen: torch.Generator, threads: int = 1
 ) -> tuple[float, float, float, float]:
     """(median paired ratio, paged ms, dense ms, max abs difference) for one batch of context
-    lengths; the times are the medians of each side."""
+    lengths; the times are the medians of each side, on `cpu_clock(threads)`."""
+    clock = cpu_clock(threads)
     blocks_per_seq = [-(-n // BLOCK) for n in lens]
     num_blocks = sum(blocks_per_seq) + 8
     cache = allocate_layer_cache(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, torch.float32)
@@ -92,9 +107,9 @@ def attention_row(
     ratios, paged_ms, dense_ms = [], [], []
     for rep in range(reps):
         if rep % 2 == 0:
-            p, d = _cpu_ms(paged), _cpu_ms(dense)
+            p, d = _cpu_ms(paged, clock), _cpu_ms(dense, clock)
         else:
-            d, p = _cpu_ms(dense), _cpu_ms(paged)
+            d, p = _cpu_ms(dense, clock), _cpu_ms(paged, clock)
         ratios.append(p / d)
         paged_ms.append(p)
         dense_ms.append(d)
@@ -115,9 +130,10 @@ def pin_to_one_core() -> int | None:
     return cpu
 
 
-def tiny_decode_tokens_per_s(batch: int, tokens: int) -> tuple[float, float]:
-    """Decode tokens/s (by wall clock, by CPU time) of the tiny model with `batch` concurrent
-    greedy sequences, prefill step excluded."""
+def tiny_decode_tokens_per_s(batch: int, tokens: int, threads: int = 1) -> tuple[float, float]:
+    """Decode tokens/s (by wall clock, by `cpu_clock(threads)`) of the tiny model with `batch`
+    concurrent greedy sequences, prefill step excluded."""
+    clock = cpu_clock(threads)
     engine = Engine.from_config(
         EngineConfig(model="tiny", num_blocks=1024, max_model_len=1024, attention_backend="torch")
     )
@@ -126,19 +142,19 @@ def tiny_decode_tokens_per_s(batch: int, tokens: int) -> tuple[float, float]:
         engine.add_request(f"r{i}", [256, *[(i * 7 + j) % 256 for j in range(15)]], params)
     engine.step()  # the prefill step: every prompt fits one step's token budget
     decode_tokens = 0
-    wall0, cpu0 = time.perf_counter(), time.thread_time()
+    wall0, cpu0 = time.perf_counter(), clock()
     while engine.has_unfinished():
         outs = engine.step()
         decode_tokens += sum(len(c.token_ids) for o in outs for c in o.outputs)
-    wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
+    wall, cpu = time.perf_counter() - wall0, clock() - cpu0
     return decode_tokens / wall, decode_tokens / cpu
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    ap.add_argument("--reps", type=int, default=21, help="paired repetitions per row")
-    args = ap.parse_args()
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
+    ap.add_argument("--reps", type=positive_int, default=21, help="paired repetitions per row")
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cpu = pin_to_one_core() if args.threads == 1 else None
     gen = torch.Generator().manual_seed(0)
@@ -146,7 +162,8 @@ def main() -> int:
         f"Paged decode attention (torch backend) vs dense SDPA: batch {BATCH}, "
         f"{HEADS} q / {KV_HEADS} kv heads x {HEAD_DIM}, block {BLOCK}, fp32, "
         f"{args.threads} thread(s){'' if cpu is None else f' pinned to CPU {cpu}'}; "
-        f"CPU time, ratio = median of {args.reps} paired repetitions (alternating order)"
+        f"{clock_name(args.threads)}, ratio = median of {args.reps} paired repetitions "
+        "(alternating order)"
     )
     header = f"{'context':>12} {'paged ms':>9} {'dense ms':>9} {'ratio':>6} {'target':>7}"
     print(f"{header} result  max|diff|")
@@ -155,7 +172,7 @@ def main() -> int:
     rows.append(("mixed", mixed))
     verdict = Verdicts()
     for label, lens in rows:
-        ratio, p, d, diff = attention_row(lens, args.reps, gen)
+        ratio, p, d, diff = attention_row(lens, args.reps, gen, args.threads)
         result = verdict(ratio <= TARGET_RATIO, f"paged/dense at context {label} is {ratio:.2f}")
         print(
             f"{label:>12} {p:9.2f} {d:9.2f} {ratio:6.2f} {'<=' + str(TARGET_RATIO):>7} "
@@ -165,7 +182,7 @@ def main() -> int:
     print("Tiny model decode throughput (engine end to end, greedy, 64 new tokens each)")
     print(f"{'batch':>6} {'tokens/s wall':>14} {'tokens/s CPU':>13}")
     for batch in (1, 8, 32):
-        wall, cpu_tps = tiny_decode_tokens_per_s(batch, 64)
+        wall, cpu_tps = tiny_decode_tokens_per_s(batch, 64, args.threads)
         print(f"{batch:>6} {wall:14.0f} {cpu_tps:13.0f}")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"(load average {load:.1f} while measuring)")

@@ -15,10 +15,12 @@ bench.gpu_kernels) through the whole engine on the cuda backend, for the last mo
 (llama-1b by default), `--long-batch` requests of `--long-context`-token prompts. fp8 halves
 only the KV bytes a step reads, not the weights', so a bandwidth-bound step gains at most
 (weights + bf16 KV) / (weights + fp8 KV), printed as the "bytes ceiling": for llama-1b that is
-1.52x at 64 x 2k tokens and 1.81x at 256 x 2k, hence the defaults 256 and 2048. Without a GPU
-(`--device auto` on a CPU host) only the torch rows run, on the tiny model at small sizes
-unless asked otherwise, and the cuda rows say "no GPU"; the 1B model runs on the CPU only when
-`--models` names it. Exit 1 on a MISS or a row that raised.
+1.52x at 64 x 2k tokens and 1.81x at 256 x 2k, hence the defaults 256 and 2048. Where the
+ceiling is under the target (a smaller `--long-batch` or `--long-context`) no engine could
+reach it: the row is printed, informational, and says so. Without a GPU (`--device auto` on a
+CPU host) only the torch rows run, on the tiny model at small sizes unless asked otherwise,
+and the cuda rows say "no GPU"; the 1B model runs on the CPU only when `--models` names it.
+Exit 1 on a MISS or a row that raised.
 
     python -m bench.engine_backends [--device cpu|cuda|auto] [--models tiny,llama-1b]
         [--batches 1,8,64] [--new-tokens N] [--prompt-len N] [--long-batch N] [--long-context N]
@@ -33,7 +35,7 @@ from collections.abc import Iterator
 
 import torch
 
-from bench.verdicts import Verdicts
+from bench.verdicts import Verdicts, positive_int
 from headroom.engine.attention import select_backend
 from headroom.engine.config import EngineConfig
 from headroom.engine.engine import Engine
@@ -267,10 +269,17 @@ def fp8_row(
     avg = ctx + args.new_tokens // 2
     ceiling = step_bytes(loaded, "auto", batch, avg) / step_bytes(loaded, "fp8", batch, avg)
     ratio = rates["fp8"] / rates["auto"]
-    mark = verdicts(ratio >= FP8_SPEEDUP_TARGET, f"{name} fp8/auto at {ctx} tokens {ratio:.2f}x")
+    # Below the target even in theory: a MISS would grade the sizes asked for, not the engine.
+    reachable = ceiling >= FP8_SPEEDUP_TARGET
+    mark = verdicts(
+        ratio >= FP8_SPEEDUP_TARGET,
+        f"{name} fp8/auto at {ctx} tokens {ratio:.2f}x",
+        informational=not reachable,
+    )
+    why = "" if reachable else f" < {FP8_SPEEDUP_TARGET}x: not graded, no engine could reach it"
     print(
         f"\n{head} {rates['fp8']:.0f} / {rates['auto']:.0f} = {ratio:.2f}x "
-        f"(target >= {FP8_SPEEDUP_TARGET}x) {mark}; bytes ceiling {ceiling:.2f}x"
+        f"(target >= {FP8_SPEEDUP_TARGET}x) {mark}; bytes ceiling {ceiling:.2f}x{why}"
     )
 
 
@@ -283,11 +292,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
     ap.add_argument("--models", default=None, help="default: tiny,llama-1b (GPU), tiny (CPU)")
     ap.add_argument("--batches", type=_ints, default=None, help="default: 1,8,64 (GPU), 1,8")
-    ap.add_argument("--new-tokens", type=int, default=None, help="default: 128 (GPU), 16")
-    ap.add_argument("--prompt-len", type=int, default=None, help="default: 128 (GPU), 16")
-    ap.add_argument("--long-batch", type=int, default=256, help="the graded fp8 row's batch")
-    ap.add_argument("--long-context", type=int, default=2048, help="the graded fp8 row's prompt")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads on the CPU")
+    ap.add_argument("--new-tokens", type=positive_int, default=None, help="default: 128 (GPU), 16")
+    ap.add_argument("--prompt-len", type=positive_int, default=None, help="default: 128 (GPU), 16")
+    ap.add_argument(
+        "--long-batch", type=positive_int, default=256, help="the graded fp8 row's batch"
+    )
+    ap.add_argument(
+        "--long-context", type=positive_int, default=2048, help="the graded fp8 row's prompt"
+    )
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads on the CPU")
     args = ap.parse_args(argv)
     name = args.device
     if name == "auto":

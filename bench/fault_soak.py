@@ -4,7 +4,12 @@ Each seed runs one in-process `headroom serve` (tiny model, CPU) whose model for
 and detokenizer raise at seeded random points, and drives it with the load generator, a share
 of whose clients hang up mid-stream. The table gives requests served, errors by type, the
 faults injected, and the KV blocks still held once the server is idle: that must be 0, every
-error must be one the faults explain, and a request after the soak must succeed.
+error must be one the faults explain, and a request after the soak must succeed. An error is
+explained only by its injected cause: a hang-up the load generator asked for, or a 500 /
+stream error event whose message is the engine's "request ID failed in the engine: " and the
+injected exception (a 500 of any other cause counts as unexplained); and no kind of fault may
+fail more requests than it can (a failed step fails at most the requests in flight, a failed
+decode its own request).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,19 +29,77 @@ from typing import Any
 from aiohttp import web
 
 import headroom.engine.engine as engine_module
-from bench.verdicts import Verdicts
+from bench.verdicts import Verdicts, positive_int
 from headroom.engine.async_engine import AsyncEngine
 from headroom.engine.config import EngineConfig
 from headroom.engine.engine import Engine
 from headroom.engine.health import EngineHealth
-from headroom.engine.loadgen.client import Target, run_load
+from headroom.engine.loadgen.client import RequestRecord, Target, run_load
 from headroom.engine.loadgen.workload import LengthDist, WorkloadSpec
 from headroom.engine.model.tokenizer import IncrementalDetokenizer
 from headroom.engine.server.app import ServerSettings, ServerState, create_app
 from headroom.engine.server.runner import attach_engine
 
-# What an injected fault or a hang-up may show a client; anything else is a bug.
-EXPLAINED = ("http_500", "stream_error", "client_disconnect")
+# Faults that fail a whole step (every request in it), and the one that fails one request.
+WHOLE_STEP = ("forward", "sample")
+FAULT_KINDS = (*WHOLE_STEP, "decode")
+
+
+def fault_exception(kind: str) -> Exception:
+    """The exception the soak raises for a fault of `kind`."""
+    if kind == "decode":
+        return UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected by the soak")
+    return RuntimeError(f"injected {kind} failure")
+
+
+def fault_signature(kind: str) -> str:
+    """How a request failed by a fault of `kind` reads to its client: the server answers a
+    `RequestFailed` with a 500 (or a stream error event) whose message is
+    "request ID failed in the engine: TYPE: MESSAGE" (code engine_error); the load generator
+    keeps that message (RequestRecord.error_message), not the code."""
+    exc = fault_exception(kind)
+    return f" failed in the engine: {type(exc).__name__}: {exc}"
+
+
+def explained_by(error: str | None, message: str | None) -> str | None:
+    """The injected fault that explains one failed request: a `FAULT_KINDS` kind, or
+    "disconnect" for a hang-up the load generator was asked for; None when nothing injected
+    explains it (a server error without the fault's signature is a bug, not a fault)."""
+    if error == "client_disconnect":
+        return "disconnect"
+    if error is None or message is None:
+        return None
+    if not (error.startswith("http_500") or error == "stream_error"):
+        return None
+    if not message.startswith("request "):
+        return None
+    return next((k for k in FAULT_KINDS if message.endswith(fault_signature(k))), None)
+
+
+def classify(records: Iterable[RequestRecord]) -> tuple[Counter[str], Counter[str]]:
+    """The failed requests by the fault that explains each, and those no fault explains (by
+    their error name)."""
+    explained: Counter[str] = Counter()
+    unexplained: Counter[str] = Counter()
+    for r in records:
+        if r.ok:
+            continue
+        kind = explained_by(r.error, r.error_message)
+        if kind is None:
+            unexplained[r.error or "unknown"] += 1
+        else:
+            explained[kind] += 1
+    return explained, unexplained
+
+
+def over_bound(explained: Counter[str], injected: Counter[str], concurrency: int) -> list[str]:
+    """Kinds with more failed requests than their faults can fail: a whole-step fault fails at
+    most the `concurrency` requests in flight, a decode fault its own request."""
+    return [
+        f"{k} {explained[k]} > {injected[k]} x {concurrency if k in WHOLE_STEP else 1}"
+        for k in FAULT_KINDS
+        if explained[k] > injected[k] * (concurrency if k in WHOLE_STEP else 1)
+    ]
 
 
 @dataclass
@@ -53,9 +116,7 @@ class Faults:
     def maybe(self, kind: str, p: float) -> None:
         if self.armed and self.rng.random() < p:
             self.injected[kind] += 1
-            if kind == "decode":
-                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected by the soak")
-            raise RuntimeError(f"injected {kind} failure")
+            raise fault_exception(kind)
 
     def wrap(self, kind: str, p: float, real: Callable[..., Any]) -> Callable[..., Any]:
         def hooked(*args: Any, **kwargs: Any) -> Any:
@@ -88,6 +149,8 @@ class SoakResult:
     requests: int
     ok: int
     errors: Counter[str]
+    explained: Counter[str]
+    unexplained: Counter[str]
     injected: Counter[str]
     failed_steps: int
     leaked_blocks: int
@@ -142,11 +205,14 @@ async def soak_one(seed: int, requests: int, concurrency: int, p: float) -> Soak
         await runner.cleanup()
         await aengine.shutdown(grace_s=0)
     recs = result.records
+    explained, unexplained = classify(recs)
     return SoakResult(
         seed=seed,
         requests=len(recs),
         ok=sum(r.ok for r in recs),
         errors=Counter(r.error or "unknown" for r in recs if not r.ok),
+        explained=explained,
+        unexplained=unexplained,
         injected=faults.injected,
         failed_steps=health.failed_steps_total,
         leaked_blocks=leaked,
@@ -163,8 +229,8 @@ def _errors(c: Counter[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
-    ap.add_argument("--requests", type=int, default=200, help="requests per seed")
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--requests", type=positive_int, default=200, help="requests per seed")
+    ap.add_argument("--concurrency", type=positive_int, default=8)
     ap.add_argument("--fault-rate", type=float, default=0.01, help="per-step forward failure p")
     args = ap.parse_args(argv)
     # Each injected fault logs an error in the engine; the table counts them instead.
@@ -178,28 +244,35 @@ def main(argv: list[str] | None = None) -> int:
     verdict = Verdicts()
     header = (
         f"{'seed':>4} {'requests':>8} {'served':>6} {'failed steps':>12} {'leaked':>6} "
-        f"{'after':>5} {'s':>4}  errors by type / faults injected"
+        f"{'after':>5} {'s':>4} {'unexplained':>11}  errors by type / faults injected"
     )
     print(header)
     print("-" * (len(header) + 20))
     totals: Counter[str] = Counter()
-    leaked = 0
+    leaked = unexplained_total = 0
     for seed in args.seeds:
         r = asyncio.run(soak_one(seed, args.requests, args.concurrency, args.fault_rate))
-        unexplained = {k: v for k, v in r.errors.items() if not k.startswith(EXPLAINED)}
+        unexplained = dict(r.unexplained)
+        excess = over_bound(r.explained, r.injected, args.concurrency)
         verdict(r.leaked_blocks == 0, f"seed {seed} leaked {r.leaked_blocks} KV blocks")
         verdict(not unexplained, f"seed {seed} errors no fault explains: {unexplained}")
+        verdict(not excess, f"seed {seed} more failures than its faults can cause: {excess}")
         verdict(r.requests == args.requests, f"seed {seed} lost requests")
         verdict(r.after_ok and r.healthy, f"seed {seed}: the server did not keep serving")
         verdict(sum(r.injected.values()) > 0, f"seed {seed} injected no fault")
         totals.update(r.errors)
         leaked += r.leaked_blocks
+        unexplained_total += sum(r.unexplained.values())
         print(
             f"{seed:>4} {r.requests:>8} {r.ok:>6} {r.failed_steps:>12} {r.leaked_blocks:>6} "
-            f"{'ok' if r.after_ok else 'FAIL':>5} {r.seconds:>4.0f}  {_errors(r.errors)} / "
+            f"{'ok' if r.after_ok else 'FAIL':>5} {r.seconds:>4.0f} "
+            f"{sum(r.unexplained.values()):>11}  {_errors(r.errors)} / "
             f"{_errors(r.injected)}"
         )
-    print(f"\nall seeds: errors {_errors(totals)}; leaked blocks {leaked} (target 0)")
+    print(
+        f"\nall seeds: errors {_errors(totals)}; unexplained {unexplained_total} (target 0); "
+        f"leaked blocks {leaked} (target 0)"
+    )
     print()
     return verdict.exit_code()
 

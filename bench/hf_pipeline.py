@@ -8,6 +8,9 @@ both; both get the same 32 MiB of KV and one torch thread:
 - transformers: `LlamaForCausalLM.generate` batched as a naive server would, batch 16 from the
   same budget (16 x (512 + 512) tokens of KV), prompts left-padded, each batch decoding until
   its longest output is done; a request's tokens past its own output length are wasted.
+"useful slots": the requests' prompt + output positions over the positions computed (HF's
+padded batches; headroom's own, plus what it computes again after a preemption, counted from
+each step its scheduler plans).
 Requests: 256, prompts 64-512 tokens and outputs 32-512 (uniform, seeded), greedy, EOS
 ignored. They are served in 4 rounds of 64, each round by both pipelines back to back in
 alternating order, and the verdict is on the median of the per-round ratios of useful output
@@ -37,10 +40,11 @@ from pathlib import Path
 
 import torch
 
-from bench.verdicts import Verdicts
+from bench.verdicts import Verdicts, positive_int
 from headroom.engine.config import EngineConfig
 from headroom.engine.engine import Engine
 from headroom.engine.sampling import SamplingParams
+from headroom.engine.scheduled import SchedulerOutput
 
 TARGET = 4.0
 KV_BYTES = 32 * 1024 * 1024
@@ -61,8 +65,10 @@ class Run:
     tokens: int = 0  # useful output tokens
     cpu_s: float = 0.0
     wall_s: float = 0.0
-    slots: int = 0  # token positions computed (HF: padded batches)
-    useful_slots: int = 0
+    # Token positions computed: HF's padded batches; headroom's useful ones plus those it
+    # computed again after a preemption (recompute), as its scheduler handed them out.
+    slots: int = 0
+    useful_slots: int = 0  # prompt + output tokens of the requests
 
     def add(self, other: Run) -> None:
         self.tokens += other.tokens
@@ -111,15 +117,42 @@ def workload(n: int, seed: int, shared_prefix: bool = False) -> list[Request]:
     return out
 
 
+class Recompute:
+    """Token positions the engine's scheduler hands the model a second time (after a
+    preemption freed a sequence's blocks), counted from each step's `SchedulerOutput`."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.positions = 0
+        self._done: dict[int, int] = {}  # seq_id -> positions computed so far, at most
+        self._scheduler = engine.scheduler
+        self._schedule = engine.scheduler.schedule
+
+    def _counting(self) -> SchedulerOutput:
+        out = self._schedule()
+        for e in out.scheduled:
+            done = self._done.get(e.seq.seq_id, 0)
+            self.positions += max(0, min(e.end, done) - e.start)
+            self._done[e.seq.seq_id] = max(done, e.end)
+        return out
+
+    def __enter__(self) -> Recompute:
+        self._scheduler.schedule = self._counting  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self._scheduler.schedule  # the class's method again
+
+
 def run_headroom(engine: Engine, reqs: list[Request]) -> Run:
     params = [SamplingParams(temperature=0.0, max_tokens=r.output, ignore_eos=True) for r in reqs]
-    cpu0, wall0 = time.process_time(), time.perf_counter()
-    outs = engine.generate([r.prompt for r in reqs], params)
-    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    with Recompute(engine) as recompute:
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        outs = engine.generate([r.prompt for r in reqs], params)
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert tokens == sum(r.output for r in reqs), "headroom stopped a request early"
     useful = sum(len(r.prompt) + r.output for r in reqs)
-    return Run(tokens, cpu, wall, useful, useful)
+    return Run(tokens, cpu, wall, useful + recompute.positions, useful)
 
 
 def run_hf(model: torch.nn.Module, reqs: list[Request]) -> Run:
@@ -170,14 +203,14 @@ def engine_for(path: Path, prefix_caching: bool = True, device: str = "cpu") -> 
     )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--requests", type=positive_int, default=256)
+    ap.add_argument("--rounds", type=positive_int, default=4)
     ap.add_argument("--no-prefix", action="store_true", help="skip the prefix-caching row")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -232,10 +265,13 @@ def main() -> int:
     )
     print(f"{'pipeline':<36} {'tok/CPU-s':>10} {'tok/s wall':>11} {'useful slots':>13}")
     print(f"{'headroom (continuous batching)':<36} {h.tokens / h.cpu_s:10.0f} "
-          f"{h.tokens / h.wall_s:11.0f} {'100 %':>13}")  # fmt: skip
+          f"{h.tokens / h.wall_s:11.0f} {h.useful_slots / h.slots:12.0%}")  # fmt: skip
     print(f"{'transformers generate, batch ' + str(HF_BATCH) + ' padded':<36} "
           f"{f.tokens / f.cpu_s:10.0f} {f.tokens / f.wall_s:11.0f} "
           f"{f.useful_slots / f.slots:12.0%}")  # fmt: skip
+    print(f"useful slots: prompt + output positions of the requests / positions computed "
+          f"(transformers: its padded batches; headroom: {h.slots - h.useful_slots:,} positions "
+          f"computed again after preemptions, counted from its scheduler's steps)")  # fmt: skip
     result = verdict(ratio >= TARGET, f"headroom / HF is {ratio:.2f}x", informational=gpu)
     print(
         f"ratio headroom / HF (median of rounds, {'wall' if gpu else 'CPU'} time): {ratio:.2f}x  "

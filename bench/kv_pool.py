@@ -14,7 +14,7 @@ import random
 import time
 from collections.abc import Callable
 
-from bench.verdicts import Verdicts
+from bench.verdicts import Verdicts, positive_int
 from headroom.engine.block_pool import BlockPool
 from headroom.engine.config import EngineConfig
 from headroom.engine.prefix_cache import ROOT_REF, PrefixCache, extend_block_hashes
@@ -129,19 +129,30 @@ def prefix_lookups(prompt_blocks: int, hashing: bool, n: int) -> Callable[[], in
     return run
 
 
-def scheduler_steps(steps: int = 400) -> tuple[Callable[[], int], Scheduler]:
+def scheduler_steps(
+    repeats: int, steps: int = 400, running: int = RUNNING
+) -> tuple[Callable[[], int], Scheduler]:
+    """`running` decodes past their prefill, and a run of `steps` steps of them; the pool and
+    the lengths are sized for `repeats` runs (each adds `steps` tokens to every sequence), so
+    no sequence finishes or is preempted however many runs are timed."""
+    max_prompt = 511
+    grown = 1 + steps * repeats  # the prefill's token, then one per step of every run
+    max_tokens = max(3000, grown + BLOCK_SIZE)  # never reached: no sequence finishes
+    max_model_len = max(4096, -(-(max_prompt + max_tokens) // BLOCK_SIZE) * BLOCK_SIZE)
+    # Room for every sequence to grow: no preemption (the sizes of old, at most 5 x 400 steps).
+    per_seq = max(192, -(-(max_prompt + grown) // BLOCK_SIZE) + 1)
     cfg = EngineConfig(
-        num_blocks=RUNNING * 192,  # room for every sequence to grow: no preemption
+        num_blocks=running * per_seq,
         block_size=BLOCK_SIZE,
-        max_model_len=4096,
-        max_num_seqs=RUNNING,
+        max_model_len=max_model_len,
+        max_num_seqs=running,
         max_num_batched_tokens=8192,
     )
     sched = Scheduler(cfg)
     rng = random.Random(2)
-    for i in range(RUNNING):
-        prompt = [rng.randrange(32000) for _ in range(rng.randrange(64, 512))]
-        sched.add(Sequence(f"r{i}", prompt, max_tokens=3000))
+    for i in range(running):
+        prompt = [rng.randrange(32000) for _ in range(rng.randrange(64, max_prompt + 1))]
+        sched.add(Sequence(f"r{i}", prompt, max_tokens=max_tokens))
     while sched.waiting or any(not s.output_token_ids for s in sched.running):
         out = sched.schedule()
         sched.update(out, {e.seq.seq_id: 1 for e in out.scheduled if e.sample})
@@ -149,16 +160,16 @@ def scheduler_steps(steps: int = 400) -> tuple[Callable[[], int], Scheduler]:
     def run() -> int:
         for _ in range(steps):
             out = sched.schedule()
-            sched.update(out, {e.seq.seq_id: 7 for e in out.scheduled})
+            sched.update(out, {e.seq.seq_id: 7 for e in out.scheduled if e.sample})
         return steps
 
     return run, sched
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    args = parser.parse_args(argv)
     r = args.repeats
     verdict = Verdicts()
 
@@ -168,7 +179,7 @@ def main() -> int:
     look64 = best_rate(prefix_lookups(64, hashing=False, n=5_000), r)
     look64h = best_rate(prefix_lookups(64, hashing=True, n=2_000), r)
     look4 = best_rate(prefix_lookups(4, hashing=False, n=100_000), r)
-    step_run, sched = scheduler_steps()
+    step_run, sched = scheduler_steps(r)
     steps_per_s = best_rate(step_run, r)
     step_ms = 1e3 / steps_per_s
     assert len(sched.running) == RUNNING

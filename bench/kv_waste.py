@@ -22,7 +22,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from bench.verdicts import Verdicts
+from bench.verdicts import Verdicts, positive_int
 from headroom.engine.config import EngineConfig
 from headroom.engine.scheduler import Scheduler
 from headroom.engine.sequence import Sequence
@@ -145,11 +145,11 @@ def run_paged(trace: list[Request], seed: int, watermark: float = 0.01) -> Resul
     )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--requests", type=positive_int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     trace = make_trace(args.requests, args.seed)
     prompts = [r.prompt_len for r in trace]

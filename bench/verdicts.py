@@ -6,7 +6,9 @@ table and in its exit status, so `make bench` and CI cannot print MISS and repor
 
 from __future__ import annotations
 
+import argparse
 import sys
+from collections.abc import Callable
 
 
 class Verdicts:
@@ -42,3 +44,22 @@ class Verdicts:
             return 1
         print(f"verdicts: {self.summary()}")
         return 0
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse `type` for integers >= `minimum`: a count that would leave a benchmark
+    nothing to measure (or divide by zero) is refused with exit 2 and a message."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = at_least(1)
