@@ -357,3 +357,30 @@ def test_reserved_blocks_hold_no_sequence() -> None:
     assert free.kv_blocks_per_pod == held.kv_blocks_per_pod == 128
     assert (free.sequences_per_pod, held.sequences_per_pod) == (2, 1)
     assert (free.replicas, held.replicas) == (1, 2)
+
+
+def test_a_qwen2_config_windows_only_what_transformers_windows(tmp_path: Path) -> None:
+    # use_sliding_window defaults to False, and True windows only the layers from
+    # max_window_layers on: the plan windowed every layer, undercounting the KV per sequence.
+    qwen = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 1000,
+            "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 8,
+            "num_attention_heads": 8, "num_key_value_heads": 2, "sliding_window": 256,
+            "max_window_layers": 6, "max_position_embeddings": 32768}  # fmt: skip
+    per_seq = {}
+    for name, extra, windowed in [
+        ("off", {}, 0),
+        ("on", {"use_sliding_window": True}, 2),
+        ("all", {"use_sliding_window": True, "max_window_layers": 0}, 8),
+    ]:
+        cfg = tmp_path / f"{name}.json"
+        cfg.write_text(json.dumps({**qwen, **extra}))
+        arch = from_hf_config(cfg)
+        assert arch.num_sliding_window_layers == windowed, name
+        per_seq[name] = sequence_kv_bytes(arch, 4096)
+    assert per_seq["off"] / per_seq["on"] == pytest.approx(8 / (6 + 2 * 256 / 4096))
+    assert per_seq["off"] / per_seq["all"] == pytest.approx(4096 / 256)
+    # Layers a Llama config says nothing of windows for: a stray key changes nothing.
+    llama = {**qwen, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    assert from_hf_dict(llama).num_sliding_window_layers == 0
+    gemma2 = {**qwen, "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}
+    assert from_hf_dict(gemma2).num_sliding_window_layers == 4

@@ -248,3 +248,220 @@ def test_byte_tokenizer_and_incremental_detokenizer() -> None:
     assert deltas.count("") == len(text.encode()) - len(text)
     held = IncrementalDetokenizer(tok, [])
     assert held.add(0xE2) == "" and held.flush() == "\ufffd"
+
+
+# --- memory at load, and the errors a broken JSON file gets ----------------------------------
+
+
+def _forward_logits(loaded_model: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    from headroom.engine.attention import TorchBackend, allocate_layer_cache
+
+    cfg = loaded_model.config  # type: ignore[attr-defined]
+    caches = [
+        allocate_layer_cache(4, 16, cfg.num_kv_heads, cfg.head_dim, dtype)
+        for _ in range(cfg.num_layers)
+    ]
+    ids = list(range(10, 30))
+    batch = build_forward_batch([(ids, 0, list(range(16, 36)), [1, 2])], [])
+    hidden = loaded_model(batch, caches, TorchBackend())
+    logits: torch.Tensor = loaded_model.compute_logits(hidden)  # type: ignore[operator]
+    return logits
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_bf16_load_never_allocates_fp32_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tied: bool
+) -> None:
+    # Materializing the model in fp32 and casting after held 2x a bf16 model's weights at the
+    # peak: a 47 GB bf16 checkpoint needed ~94 GB on an 80 GB GPU.
+    from headroom.engine.model.llama import LlamaForCausalLM
+    from headroom.engine.model.loader import iter_weights, parse_config
+
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=tied, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
+    _tokenizer_json(tmp_path)
+    materialized: list[set[torch.dtype]] = []
+    to_empty = torch.nn.Module.to_empty
+
+    def recording(self: torch.nn.Module, *args: object, **kwargs: object) -> torch.nn.Module:
+        out = to_empty(self, *args, **kwargs)  # type: ignore[arg-type]
+        materialized.append({p.dtype for p in out.parameters()})
+        return out
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", recording)
+    loaded = load_model(str(tmp_path), dtype="bfloat16")
+    monkeypatch.undo()
+    assert materialized == [{torch.bfloat16}]
+    model = loaded.model
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    # The rotary frequencies stay the fp32 ones, and the logits are the old loader's, which
+    # cast after materializing in fp32.
+    assert model._inv_freq.dtype == torch.float32
+    with torch.device("meta"):
+        old = LlamaForCausalLM(parse_config(tmp_path))
+    old = old.to_empty(device="cpu").to(torch.bfloat16)
+    if tied:
+        old.lm_head.weight = old.model.embed_tokens.weight
+    old.load_weights(iter_weights(weight_files(tmp_path)))
+    assert torch.equal(model._inv_freq, old._inv_freq)
+    assert torch.equal(_forward_logits(model, torch.bfloat16), _forward_logits(old, torch.bfloat16))
+
+
+def test_a_broken_json_file_is_named_in_one_line(
+    sharded: tuple[Path, object], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from headroom.engine.model.loader import load_failure
+
+    path, _ = sharded
+    index = "model.safetensors.index.json"
+    cfg = json.loads((path / "config.json").read_text())
+    cases = {
+        "config_not_json": ("config.json", "{oops", "config.json: not valid JSON: Expecting"),
+        "config_list": ("config.json", "[]", "config.json: expected a JSON object, got list"),
+        "config_deep": ("config.json", "[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        "config_zero_layers": ("config.json", json.dumps({**cfg, "num_hidden_layers": 0}),
+                               "config.json: num_layers: Input should be greater than or equal"),
+        "config_no_vocab": ("config.json", json.dumps({k: v for k, v in cfg.items()
+                            if k != "vocab_size"}), "config.json: not a model config this reads"),
+        "index_not_json": (index, "{oops", f"{index}: not valid JSON"),
+        "index_list": (index, "[1]", f"{index}: expected a JSON object, got list"),
+        "index_bad_map": (index, '{"weight_map": [1]}', f"{index}: weight_map must map"),
+    }  # fmt: skip
+    for name, (file, text, says) in cases.items():
+        bad = _copy_dir(path, tmp_path / name)
+        (bad / file).write_text(text)
+        with pytest.raises(ValueError) as info:
+            load_model(str(bad))
+        line = load_failure(info.value)
+        assert line.startswith(str(bad / file)) and says in line, (name, line)
+        assert "\n" not in line and "http" not in line, (name, line)
+    # generation_config.json is optional (transformers loads without it): warn and go on.
+    gen = _copy_dir(path, tmp_path / "gen")
+    (gen / "generation_config.json").write_text("{oops")
+    with caplog.at_level("WARNING", logger="headroom.engine.model.loader"):
+        loaded = load_model(str(gen))
+    assert set(loaded.tokenizer.eos_token_ids) >= {2, 5}  # config.json's ids still apply
+    warned = [r.getMessage() for r in caplog.records if "generation_config.json" in r.getMessage()]
+    assert len(warned) == 1 and "not valid JSON" in warned[0] and "ignoring it" in warned[0]
+
+
+def test_a_bad_chat_template_answers_chat_with_400_while_completions_serve(
+    sharded: tuple[Path, object], tmp_path: Path
+) -> None:
+    # It used to end `headroom serve` in a traceback after the whole weight load.
+    import openai
+    from engine_process import ServerProcess
+
+    path, _ = sharded
+    model = _copy_dir(path, tmp_path / "bad_template")
+    (model / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": "{% for m in messages %}{{ m.content }}"})
+    )
+    with ServerProcess("--model", str(model), "--num-blocks", "64") as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        name = model.name
+        assert client.completions.create(model=name, prompt="t1 t2", max_tokens=2).choices
+        with pytest.raises(openai.BadRequestError, match="does not compile") as info:
+            client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": "t1"}], max_tokens=2
+            )
+        assert info.value.code == "chat_template_error"
+    assert "tokenizer_config.json (chat_template) does not compile: line 1" in srv.output
+    assert "Traceback" not in srv.output
+
+
+def _hf_windows(cfg: dict[str, object]) -> tuple[int | None, ...]:
+    """Per-layer windows as transformers' own config class derives them."""
+    kind = str(cfg["model_type"])
+    cls = transformers.AutoConfig.for_model(kind).__class__
+    hf = cls(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    window = getattr(hf, "sliding_window", None)
+    if kind == "llama" or window is None:
+        return ()
+    types = getattr(hf, "layer_types", None)
+    if kind == "mistral" or types is None:  # Mistral's attention windows every layer
+        types = ["sliding_attention"] * hf.num_hidden_layers
+    windows = tuple(window if t == "sliding_attention" else None for t in types)
+    return windows if any(w is not None for w in windows) else ()
+
+
+_SHAPE = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+}
+WINDOW_CONFIGS: dict[str, dict[str, object]] = {
+    # Mistral-7B-v0.1: a window and no use_sliding_window key: every layer slides.
+    "mistral_v01": {"model_type": "mistral", "architectures": ["MistralForCausalLM"],
+                    "sliding_window": 4096},
+    "mistral_v02": {"model_type": "mistral", "sliding_window": None},
+    # Qwen2: use_sliding_window defaults to False; True slides the layers >= max_window_layers.
+    "qwen2_default": {"model_type": "qwen2", "sliding_window": 4096, "max_window_layers": 2},
+    "qwen2_off": {"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4096,
+                  "max_window_layers": 2},
+    "qwen2_on": {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64,
+                 "max_window_layers": 2},
+    "qwen2_on_all": {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64,
+                     "max_window_layers": 0},
+    "qwen2_layer_types": {"model_type": "qwen2", "use_sliding_window": True,
+                          "sliding_window": 64, "layer_types": ["sliding_attention",
+                          "full_attention"] * 3},
+    "qwen3_on": {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 64,
+                 "max_window_layers": 4},
+    # Gemma 2 alternates local and global layers; layer_types, where listed, decide.
+    "gemma2": {"model_type": "gemma2", "sliding_window": 4096},
+    "gemma2_layer_types": {"model_type": "gemma2", "sliding_window": 512, "layer_types":
+                           ["full_attention"] * 5 + ["sliding_attention"]},
+    # transformers' Llama has no sliding window: a stray key changes nothing.
+    "llama_stray_window": {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                           "sliding_window": 4096},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(WINDOW_CONFIGS))
+def test_plan_and_engine_count_windowed_layers_as_transformers(name: str) -> None:
+    from headroom.contract.budget import from_hf_dict as arch_from_hf_dict
+
+    cfg = {**_SHAPE, **WINDOW_CONFIGS[name]}
+    want = _hf_windows(cfg)
+    arch = arch_from_hf_dict(cfg)
+    slid = [w for w in want if w is not None]
+    assert arch.num_sliding_window_layers == len(slid), name
+    assert arch.sliding_window == (min(slid) if slid else None), name
+    if cfg["model_type"] in ("llama", "mistral", "qwen2"):  # what the engine runs
+        engine = from_hf_dict(cfg)
+        assert engine.sliding_windows == want, name
+        assert engine.num_sliding_window_layers == arch.num_sliding_window_layers, name
+        assert engine.sliding_window == arch.sliding_window, name
+        # Without model_type, the architecture names the family.
+        by_arch = {k: v for k, v in cfg.items() if k != "model_type"}
+        family = str(cfg["model_type"])
+        by_arch.setdefault("architectures", [f"{family.capitalize()}ForCausalLM"])
+        assert from_hf_dict(by_arch).sliding_windows == want, name
+        assert arch_from_hf_dict(by_arch).num_sliding_window_layers == len(slid), name
+
+
+def test_the_mistral_preset_still_windows_every_layer() -> None:
+    from headroom.contract.budget import from_hf_dict as arch_from_hf_dict
+    from headroom.contract.budget import model_preset
+
+    preset = model_preset("mistral-7b")
+    cfg = {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "vocab_size": 32000,
+           "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "sliding_window": 4096,
+           "max_position_embeddings": 32768}  # fmt: skip
+    arch = arch_from_hf_dict(cfg)
+    assert (arch.sliding_window, arch.num_sliding_window_layers) == (4096, 32)
+    assert (preset.sliding_window, preset.num_sliding_window_layers) == (4096, 32)
+    assert from_hf_dict(cfg).sliding_windows == (4096,) * 32

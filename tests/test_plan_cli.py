@@ -153,3 +153,11 @@ def test_weight_dtype_prices_the_weights_and_absurd_configs_exit_2(tmp_path: Pat
     r = run("--model-config", str(cfg), "--concurrency", "1", "--context", "10")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "num_layers: Input should be less than or equal to 1024" in r.stderr
+
+
+def test_a_model_config_nested_too_deeply_exits_2(tmp_path: Path) -> None:
+    cfg = tmp_path / "deep.json"
+    cfg.write_text("[" * 100_000 + "]" * 100_000)
+    r = run("--model-config", str(cfg), "--concurrency", "1", "--context", "10")
+    assert r.returncode == 2 and f"{cfg}: cannot read it as JSON: nested too deeply" in r.stderr
+    assert "Traceback" not in r.stderr and "RecursionError" not in r.stderr

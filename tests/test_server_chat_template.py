@@ -12,14 +12,18 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from headroom.engine.model.tokenizer import HFTokenizer
+from headroom.engine.model.tokenizer import ByteTokenizer, HFTokenizer
 from headroom.engine.server.chat import _chat_prompt
 from headroom.engine.server.chat_template import (
     ChatTemplate,
     ChatTemplateError,
+    TemplateCompileError,
+    UnusableTemplate,
     default_template,
     load_chat_template,
+    serving_chat_template,
 )
+from headroom.engine.server.errors import APIError
 from headroom.engine.server.protocol import ChatCompletionRequest
 from headroom.engine.server.state import ServerSettings, ServerState
 
@@ -99,6 +103,57 @@ def test_broken_template_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for %}"}))
     with pytest.raises(ValueError, match="does not compile"):
         load_chat_template(tmp_path)
+
+
+def test_an_unreadable_tokenizer_config_is_named(tmp_path: Path) -> None:
+    # A list or broken JSON used to raise AttributeError / a bare parser message, after the
+    # whole weight load.
+    config = tmp_path / "tokenizer_config.json"
+    for text, says in [
+        ("{oops", "not valid JSON: Expecting property name"),
+        ("[]", "expected a JSON object, got list"),
+        ('"chat"', "expected a JSON object, got str"),
+        ("[" * 100_000 + "]" * 100_000, "not valid JSON: nested too deeply"),
+    ]:
+        config.write_text(text)
+        with pytest.raises(ValueError, match=r"^.*: " + says) as info:
+            serving_chat_template(tmp_path)
+        assert str(info.value).startswith(f"{config}: "), str(info.value)
+    config.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match="not UTF-8 text"):
+        load_chat_template(tmp_path)
+    config.unlink()
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff")
+    with pytest.raises(ValueError, match=r"chat_template\.jinja: not UTF-8 text"):
+        load_chat_template(tmp_path)
+
+
+def test_a_template_that_does_not_compile_fails_chat_requests_only(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": "hi\n{% for m in messages %}", "eos_token": "</s>"})
+    )
+    with pytest.raises(TemplateCompileError, match="does not compile: line 2: Unexpected end"):
+        load_chat_template(tmp_path)
+    tmpl = serving_chat_template(tmp_path)
+    assert isinstance(tmpl, UnusableTemplate) and "unusable" in tmpl.source
+    st = ServerState(
+        settings=ServerSettings(served_model_name="m"),
+        tokenizer=ByteTokenizer(),
+        chat_template=tmpl,
+    )
+    with pytest.raises(APIError) as info:
+        _chat_prompt(st, ChatCompletionRequest.model_validate({"messages": MESSAGES}))
+    assert info.value.status == 400 and info.value.code == "chat_template_error"
+    assert "tokenizer_config.json (chat_template) does not compile" in str(info.value)
+
+
+def test_a_model_path_with_a_tilde_finds_its_template(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "chat_template.jinja").write_text("home")
+    assert load_chat_template("~/m").render(MESSAGES) == "home"
 
 
 def test_sandbox_blocks_attribute_escapes(tmp_path: Path) -> None:

@@ -3,6 +3,8 @@ the stats listener on the main port, and a step timeout that is not a positive n
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from engine_process import free_port
 from pydantic import ValidationError
@@ -62,3 +64,30 @@ def test_the_send_timeout_reaches_every_listener() -> None:
     args = parser.parse_args(["--send-timeout", "7.5", "--stats-port", "0"])
     listen = build_configs(args)[2]
     assert listen.limits().send_timeout_s == 7.5
+
+
+def test_an_unreadable_tokenizer_config_exits_2_before_the_weights_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The directory has no weights: read after the load, it would fail there (exit 1, "model
+    # failed to load"); it used to crash with a traceback once the engine had started.
+    config = tmp_path / "tokenizer_config.json"
+    for text, says in [("{oops", "not valid JSON"), ("[]", "expected a JSON object, got list")]:
+        config.write_text(text)
+        assert server_main(["--model", str(tmp_path), "--port", str(free_port())]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == err.splitlines()[-1] and f"--model: {config}: {says}" in err, err
+        assert "model failed to load" not in err and "Traceback" not in err
+
+
+def test_a_model_path_with_a_tilde_is_expanded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `--model '~/m'` (quoted, so the shell leaves the ~) was refused as "no directory".
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "tokenizer_config.json").write_text("[]")  # stops it before any load
+    assert server_main(["--model", "~/m", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert "no directory" not in err and f"{model / 'tokenizer_config.json'}: expected" in err, err

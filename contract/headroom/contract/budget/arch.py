@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from headroom.contract.budget.windows import sliding_windows
+
 WeightDtype = Literal["fp32", "bf16", "fp16", "fp8", "int8", "int4"]
 WEIGHT_BYTES: dict[str, float] = {
     "fp32": 4.0,
@@ -119,6 +121,8 @@ def from_hf_config(
         cfg = json.loads(p.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ValueError(f"{p}: cannot read it as JSON: {exc}") from None
+    except RecursionError:  # deeper than the parser's recursion limit
+        raise ValueError(f"{p}: cannot read it as JSON: nested too deeply") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{p}: expected a JSON object, got {type(cfg).__name__}")
     try:
@@ -207,21 +211,8 @@ def from_hf_dict(
     head_dim = int(_get(cfg, "head_dim", default=hidden // heads))
     vocab = int(cfg["vocab_size"])
     inter = _get(cfg, "intermediate_size")
-    window = _get(cfg, "sliding_window")
-    use_window = cfg.get("use_sliding_window", True) and window is not None
-    sliding_layers = 0
-    if use_window:
-        pattern = cfg.get("layer_types")
-        if isinstance(pattern, list):
-            if len(pattern) != layers:
-                raise ValueError(
-                    f"layer_types lists {len(pattern)} layers but num_hidden_layers is {layers}"
-                )
-            sliding_layers = sum(1 for t in pattern if t == "sliding_attention")
-        elif "gemma2" in str(cfg.get("model_type", "")):
-            sliding_layers = layers // 2  # Gemma 2 alternates local and global layers
-        else:
-            sliding_layers = layers
+    # Counted by the rule the engine runs its attention by (windows.py).
+    windows = [w for w in sliding_windows(cfg, layers) if w is not None]
     if num_parameters is None:
         num_parameters = _parameters_of(cfg, layers, hidden, inter, heads, kv_heads, head_dim)
     if weight_dtype is None:
@@ -243,8 +234,8 @@ def from_hf_dict(
         weight_dtype=weight_dtype,
         kv_lora_rank=_get(cfg, "kv_lora_rank"),
         qk_rope_head_dim=_get(cfg, "qk_rope_head_dim") if _get(cfg, "kv_lora_rank") else None,
-        sliding_window=int(window) if use_window and sliding_layers else None,
-        num_sliding_window_layers=sliding_layers,
+        sliding_window=min(windows) if windows else None,
+        num_sliding_window_layers=len(windows),
     )
 
 

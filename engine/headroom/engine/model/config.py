@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from headroom.contract.budget import ModelArch, estimate_parameters
 from headroom.contract.budget import from_hf_dict as arch_from_hf_dict
+from headroom.contract.budget.windows import sliding_windows
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -137,23 +138,6 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     return RopeConfig(**fields)
 
 
-def _sliding_windows(cfg: dict[str, Any], family: str, layers: int) -> tuple[int | None, ...]:
-    window = cfg.get("sliding_window")
-    if window is None:
-        return ()
-    if family == "qwen2":
-        if not cfg.get("use_sliding_window", False):
-            return ()
-        types = cfg.get("layer_types")
-        if not isinstance(types, list):
-            start = int(cfg.get("max_window_layers", layers))
-            types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
-        return tuple(int(window) if t == "sliding_attention" else None for t in types)
-    if family == "mistral":
-        return tuple(int(window) for _ in range(layers))
-    return ()
-
-
 def _token_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -206,7 +190,8 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
         qkv_bias=family == "qwen2" or attention_bias,
         o_bias=family != "qwen2" and attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        sliding_windows=_sliding_windows(cfg, family, record.num_layers),
+        # The rule `headroom plan` counts windowed layers by (the contract's windows.py).
+        sliding_windows=sliding_windows(cfg, record.num_layers),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_token_ids(cfg.get("eos_token_id")),
     )

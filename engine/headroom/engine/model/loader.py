@@ -7,12 +7,14 @@ A directory needs `config.json`, `*.safetensors` weights (one file, or shards li
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from headroom.contract.budget import DTYPE_NAMES
 from headroom.engine.model.config import ModelConfig, from_hf_dict
@@ -26,6 +28,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 _INDEX = "model.safetensors.index.json"
+log = logging.getLogger(__name__)
 
 
 class ModelFilesError(FileNotFoundError):
@@ -65,6 +68,19 @@ def resolve_dtype(
     return dtype
 
 
+def read_json_object(file: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object; ValueError naming the file when it does not."""
+    try:
+        data = json.loads(file.read_text())
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        # JSONDecodeError is a ValueError; RecursionError: nested beyond the parser's depth.
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise ValueError(f"{file}: not valid JSON: {reason}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def read_config(path: Path) -> dict[str, Any]:
     """The `config.json` mapping of a model directory."""
     if not path.is_dir():
@@ -72,15 +88,37 @@ def read_config(path: Path) -> dict[str, Any]:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelFilesError(f"no config.json in {path}")
-    data: dict[str, Any] = json.loads(cfg_file.read_text())
-    return data
+    return read_json_object(cfg_file)
+
+
+def parse_config(path: Path) -> ModelConfig:
+    """The decoder config of a model directory; a field out of bounds is one line naming the
+    file and the field (not pydantic's multi-line report)."""
+    cfg_file = path / "config.json"
+    try:
+        return from_hf_dict(read_config(path))
+    except ValidationError as e:
+        fields = "; ".join(
+            f"{'.'.join(str(x) for x in err['loc']) or 'config'}: {err['msg']}"
+            for err in e.errors(include_url=False)
+        )
+        raise ValueError(f"{cfg_file}: {fields}") from None
+    except (KeyError, TypeError, ZeroDivisionError, OverflowError, AttributeError) as e:
+        # A field missing, null, zero or of the wrong kind: say which file, and what broke.
+        raise ValueError(
+            f"{cfg_file}: not a model config this reads ({type(e).__name__}: {e})"
+        ) from None
 
 
 def weight_files(path: Path) -> list[Path]:
     """The safetensors files holding the weights, in shard order."""
     index = path / _INDEX
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = read_json_object(index).get("weight_map", {})
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise ValueError(f"{index}: weight_map must map tensor names to shard file names")
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
@@ -110,8 +148,14 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 def _special_ids(path: Path, cfg: ModelConfig) -> tuple[int | None, tuple[int, ...]]:
     bos, eos = cfg.bos_token_id, list(cfg.eos_token_ids)
     gen_file = path / "generation_config.json"
+    gen: dict[str, Any] = {}
     if gen_file.is_file():
-        gen = json.loads(gen_file.read_text())
+        try:
+            gen = read_json_object(gen_file)
+        except (OSError, ValueError) as e:
+            # Optional, as in transformers: the model loads with config.json's ids.
+            log.warning("%s; ignoring it (the file is optional)", e)
+    if gen:
         if bos is None and gen.get("bos_token_id") is not None:
             bos = int(gen["bos_token_id"])
         extra = gen.get("eos_token_id")
@@ -146,14 +190,17 @@ def load_model(name: str, dtype: str = "auto", device: str | torch.device = "cpu
         model, tok = build_tiny(dtype=dt, device=dev)
         return LoadedModel(TINY_NAME, model.config, model, tok, dt)
     path = Path(name).expanduser()
-    cfg = from_hf_dict(read_config(path))
+    cfg = parse_config(path)
     dt = resolve_dtype(dtype, dev, cfg.weight_dtype)
     files = weight_files(path)
     tokenizer = load_tokenizer(path, cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=dev).to(dt)
-    if cfg.tie_word_embeddings:
+    # Cast while still on meta, then allocate: materializing fp32 first and casting after
+    # would hold the whole model in fp32 on the device (2x a bf16 model's weights) at the
+    # peak. The rotary frequencies are a plain fp32 attribute, untouched by either.
+    model = model.to(dt).to_empty(device=dev)
+    if cfg.tie_word_embeddings:  # to_empty gives each parameter new storage: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     model.load_weights(iter_weights(files))
     return LoadedModel(path.name, cfg, model.eval(), tokenizer, dt)

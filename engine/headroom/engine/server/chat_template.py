@@ -47,6 +47,10 @@ class ChatTemplateError(ValueError):
     """The template rejected the conversation (e.g. roles that do not alternate)."""
 
 
+class TemplateCompileError(ValueError):
+    """The model's chat template is not valid Jinja."""
+
+
 def _raise(message: str) -> None:
     raise ChatTemplateError(message)
 
@@ -108,7 +112,9 @@ class ChatTemplate:
         try:
             self._template = env.from_string(source_text)
         except jinja2.TemplateSyntaxError as e:
-            raise ValueError(f"chat template from {source} does not compile: {e}") from e
+            raise TemplateCompileError(
+                f"chat template from {source} does not compile: line {e.lineno}: {e.message}"
+            ) from e
         self.source = source
         self.tokens = dict(tokens or {})
 
@@ -128,23 +134,56 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
 
+class UnusableTemplate(ChatTemplate):
+    """Stands in for a template that does not compile, as transformers and vLLM treat one: the
+    model serves completions, and every chat request fails (400) naming the problem."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        self.source = f"unusable, chat requests get 400 ({reason})"
+        self.tokens = {}
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        raise ChatTemplateError(self.reason)
+
+
 def default_template() -> ChatTemplate:
     """The documented template of the built-in tiny model."""
     return ChatTemplate(DEFAULT_TEMPLATE, DEFAULT_SOURCE)
 
 
+def _read_text(file: Path) -> str:
+    try:
+        return file.read_text()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file}: not UTF-8 text: {e}") from None
+
+
+def _tokenizer_config(file: Path) -> dict[str, Any]:
+    """`tokenizer_config.json` as a mapping ({} without one); ValueError naming the file when
+    it is not a JSON object."""
+    if not file.is_file():
+        return {}
+    text = _read_text(file)
+    try:
+        config = json.loads(text)
+    except (ValueError, RecursionError) as e:  # RecursionError: nested beyond the parser
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise ValueError(f"{file}: not valid JSON: {reason}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
 def load_chat_template(model: str | Path) -> ChatTemplate:
-    """The model directory's own template, else the default one (`model="tiny"` included)."""
+    """The model directory's own template, else the default one (`model="tiny"` included).
+    Raises ValueError (or OSError) naming the file when tokenizer_config.json or
+    chat_template.jinja cannot be read, TemplateCompileError when the template is not Jinja."""
     if str(model) == "tiny":
         return default_template()
-    root = Path(model)
+    root = Path(model).expanduser()
     config_path = root / "tokenizer_config.json"
-    config: dict[str, Any] = {}
-    if config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{config_path} is not valid JSON: {e}") from e
+    config = _tokenizer_config(config_path)
     tokens = {
         k: text
         for k, v in config.items()
@@ -152,7 +191,7 @@ def load_chat_template(model: str | Path) -> ChatTemplate:
     }
     jinja_file = root / "chat_template.jinja"
     if jinja_file.is_file():
-        return ChatTemplate(jinja_file.read_text(), str(jinja_file), tokens)
+        return ChatTemplate(_read_text(jinja_file), str(jinja_file), tokens)
     raw = config.get("chat_template")
     if isinstance(raw, list):
         named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
@@ -162,3 +201,13 @@ def load_chat_template(model: str | Path) -> ChatTemplate:
     tmpl = default_template()
     tmpl.tokens = tokens
     return tmpl
+
+
+def serving_chat_template(model: str | Path) -> ChatTemplate:
+    """`load_chat_template` for the server: a template that does not compile becomes an
+    UnusableTemplate (chat gets 400, completions serve); an unreadable tokenizer_config.json
+    or chat_template.jinja still raises, naming the file."""
+    try:
+        return load_chat_template(model)
+    except TemplateCompileError as e:
+        return UnusableTemplate(str(e))

@@ -184,8 +184,9 @@ def _flag_errors(err: ValidationError) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of `headroom serve`: 0 after a graceful shutdown, 2 on bad flags or a pool
-    too small for one max-length sequence, 1 when the model fails to load."""
+    """Entry point of `headroom serve`: 0 after a graceful shutdown, 2 on bad flags, a model
+    directory that is missing or whose tokenizer_config.json cannot be read, or a pool too
+    small for one max-length sequence, 1 when the model fails to load."""
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper()),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
@@ -196,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as e:
         print(f"headroom serve: {_flag_errors(e)}", file=sys.stderr)
         return 2
-    if engine.model != "tiny" and not os.path.isdir(engine.model):
+    # `~` expanded as the loader expands it (a quoted '~/m' reaches us unexpanded).
+    if engine.model != "tiny" and not os.path.isdir(os.path.expanduser(engine.model)):
         # Said before the port is bound: the same path kv-check refuses with exit 2.
         print(
             f"headroom serve: --model: no directory {engine.model} (give tiny or a local "

@@ -32,7 +32,11 @@ from headroom.engine.errors import EngineConfigError
 from headroom.engine.model.loader import load_failure
 from headroom.engine.server.app import ServerSettings, ServerState, create_app
 from headroom.engine.server.budget_report import budget_report
-from headroom.engine.server.chat_template import ChatTemplate, load_chat_template
+from headroom.engine.server.chat_template import (
+    ChatTemplate,
+    UnusableTemplate,
+    serving_chat_template,
+)
 from headroom.engine.server.http_log import rate_limited_accept_errors
 from headroom.engine.server.listener import (
     SEND_TIMEOUT_S,
@@ -160,10 +164,16 @@ async def _listen(
 
 
 def attach_engine(
-    state: ServerState, engine: AsyncEngine, model: str, max_model_len: int
+    state: ServerState,
+    engine: AsyncEngine,
+    model: str,
+    max_model_len: int,
+    template: ChatTemplate | None = None,
 ) -> ChatTemplate:
-    """Hand a started engine to the HTTP side: from here on the API serves and `/ready` is 200."""
-    template = load_chat_template(model)
+    """Hand a started engine to the HTTP side: from here on the API serves and `/ready` is 200.
+    `template`: the model's chat template when already read (`serve` reads it before the
+    weights), else read here."""
+    template = template if template is not None else serving_chat_template(model)
     state.tokenizer = engine.tokenizer
     state.max_model_len = max_model_len
     state.chat_template = template
@@ -182,11 +192,23 @@ async def serve(
 ) -> int:
     """Run until `stop` is set (or SIGTERM/SIGINT); 0 after a clean drain (or a stop during
     the model load), 1 if the model failed to load or the engine thread hung past the grace
-    period, 2 if the KV pool cannot hold one max-length sequence. Threads still running that
-    Python cannot stop (see the module docstring) are appended to `left_behind`."""
+    period, 2 if the KV pool cannot hold one max-length sequence or the model directory's
+    tokenizer_config.json (or chat_template.jinja) cannot be read: that is said before any
+    listener opens or weight loads. A chat template that does not compile is logged, and chat
+    requests get 400 naming it while completions serve (as in transformers and vLLM). Threads
+    still running that Python cannot stop (see the module docstring) are appended to
+    `left_behind`."""
     out = out or sys.stdout
     stop = stop or asyncio.Event()
     left_behind = left_behind if left_behind is not None else []
+    try:
+        # Read before the weights: a broken file fails in a second, not after the load.
+        template = serving_chat_template(config.model)
+    except (OSError, ValueError) as e:
+        print(f"headroom serve: --model: {e}", file=sys.stderr, flush=True)
+        return 2
+    if isinstance(template, UnusableTemplate):
+        log.warning("%s: chat requests will get 400, completions serve", template.reason)
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(rate_limited_accept_errors())
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -263,7 +285,7 @@ async def serve(
             return 2
         engine.health.step_timeout_s = settings.step_timeout_s
         await engine.start()
-        template = attach_engine(state, engine, config.model, report.max_model_len)
+        attach_engine(state, engine, config.model, report.max_model_len, template)
         print(
             f"headroom serve: ready, model '{settings.served_model_name}', chat template "
             f"{template.source}",
