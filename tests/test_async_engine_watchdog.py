@@ -160,3 +160,36 @@ def test_the_watchdog_fires_only_past_the_step_timeout_and_stands_down_when_it_r
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="step_timeout_s"):
             EngineHealth(step_timeout_s=bad)
+
+
+def _stuck_in_a_kernel(
+    health: EngineHealth, started: threading.Event, done: threading.Event
+) -> None:
+    health.step_started(3)
+    started.set()
+    done.wait(30)
+
+
+def test_the_watchdog_logs_why_and_where_the_step_is_stuck_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One log line with the reason (as serve's format prints it) and one with the stuck
+    thread's stack, whatever the number of probes that find it stuck."""
+    from headroom.engine.server.log_format import FORMAT, KeyValueFormatter
+
+    health = EngineHealth(step_timeout_s=60)
+    started, done = threading.Event(), threading.Event()
+    t = threading.Thread(target=_stuck_in_a_kernel, args=(health, started, done))
+    t.start()
+    try:
+        assert started.wait(10)
+        with caplog.at_level("ERROR", logger="headroom.engine.health"):
+            for _ in range(3):
+                assert health.stuck_step(now=time.monotonic() + 61) is not None
+    finally:
+        done.set()
+        t.join()
+    lines = [KeyValueFormatter(FORMAT).format(r) for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "watchdog fired" in lines[0] and "reason='model step 3 stuck" in lines[0]
+    assert "_stuck_in_a_kernel" in lines[1] and "done.wait(30)" in lines[1]

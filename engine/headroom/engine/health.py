@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
+import traceback
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +89,9 @@ class EngineHealth:
         self._lock = threading.Lock()
         self._consecutive = 0
         self._reason: str | None = None
-        # (step number, monotonic start) of the running step; one assignment, so a reader on
-        # another thread sees a whole tuple without the lock.
-        self._step: tuple[int, float] | None = None
+        # (step number, monotonic start, thread) of the running step; one assignment, so a
+        # reader on another thread sees a whole tuple without the lock.
+        self._step: tuple[int, float, int] | None = None
         self._reported_stuck: int | None = None
         self.failed_steps_total = 0
 
@@ -112,7 +114,7 @@ class EngineHealth:
 
     def step_started(self, step: int) -> None:
         """The engine thread begins step number `step`."""
-        self._step = (step, time.monotonic())
+        self._step = (step, time.monotonic(), threading.get_ident())
 
     def step_ended(self) -> None:
         """The running step returned (or raised): the watchdog stands down."""
@@ -123,7 +125,7 @@ class EngineHealth:
         running = self._step
         if running is None:
             return None
-        step, started = running
+        step, started, thread = running
         elapsed = (time.monotonic() if now is None else now) - started
         if elapsed <= self._step_timeout_s:
             return None
@@ -133,7 +135,11 @@ class EngineHealth:
         )
         if self._reported_stuck != step:  # one log line per stuck step, not one per probe
             self._reported_stuck = step
+            # Where it is stuck is what a post-mortem needs: the thread's stack, once.
+            frame = sys._current_frames().get(thread)
+            stack = "".join(traceback.format_stack(frame)) if frame else "(thread gone)\n"
             log.error("engine step watchdog fired", extra={"reason": reason})
+            log.error("the stuck step's thread, innermost last:\n%s", stack.rstrip())
         return reason
 
     @property

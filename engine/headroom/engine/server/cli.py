@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from headroom.engine.config import EngineConfig
 from headroom.engine.health import DEFAULT_STEP_TIMEOUT_S
+from headroom.engine.server import log_format
 from headroom.engine.server.auth import API_KEY_ENV
 from headroom.engine.server.listener import SEND_TIMEOUT_S
 from headroom.engine.server.runner import ListenConfig, serve
@@ -187,11 +188,7 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `headroom serve`: 0 after a graceful shutdown, 2 on bad flags, a model
     directory that is missing or whose tokenizer_config.json cannot be read, or a pool too
     small for one max-length sequence, 1 when the model fails to load."""
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper()),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    log_format.configure(getattr(logging, str(args.log_level).upper()))
     try:
         engine, settings, listen = build_configs(args)
     except ValidationError as e:
