@@ -1,7 +1,6 @@
 """The startup budget: what the weights take, how big the KV pool is in blocks and tokens, and
-how many max-length sequences fit, as one readable line; and the fail-fast check that the pool
-holds at least one `max_model_len` sequence (instead of a cryptic error on the first request).
-Pure arithmetic over `headroom.contract.budget`."""
+how many max-length sequences fit, as one readable line (that one fits at all, `Engine.from_config`
+makes sure). Pure arithmetic over `headroom.contract.budget`."""
 
 from __future__ import annotations
 
@@ -17,10 +16,6 @@ from headroom.contract.budget import (
 )
 
 MIB = 2**20
-
-
-class PoolTooSmall(ValueError):
-    """The KV pool cannot hold one sequence of `max_model_len` tokens."""
 
 
 def _mib(n: float) -> str:
@@ -76,21 +71,6 @@ class BudgetReport:
             f"pool {self.num_blocks:,} blocks x {self.block_size} = {self.pool_tokens:,} tokens "
             f"({_mib(self.pool_bytes)}) | max concurrency at max_model_len "
             f"{self.max_model_len:,}: {self.max_concurrency:,} sequences{cap}"
-        )
-
-    def check(self) -> None:
-        """Raise PoolTooSmall, with the numbers and the fixes, when one sequence cannot fit."""
-        need = self.blocks_per_max_len_seq
-        if self.num_blocks >= need:
-            return
-        raise PoolTooSmall(
-            f"KV pool of {self.num_blocks:,} blocks x {self.block_size} tokens = "
-            f"{self.pool_tokens:,} tokens ({_mib(self.pool_bytes)}) cannot hold one sequence of "
-            f"max_model_len {self.max_model_len:,} tokens, which needs {need:,} blocks "
-            f"({_mib(need * self.bytes_per_block)} at {self.bytes_per_token:,} B/token); "
-            f"raise --num-blocks to at least {need:,} (or --kv-cache-memory to at least "
-            f"{need * self.bytes_per_block:,} bytes) or lower --max-model-len to "
-            f"{self.pool_tokens:,} or less"
         )
 
 

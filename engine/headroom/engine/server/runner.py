@@ -277,12 +277,6 @@ async def serve(
             return 1
         report = budget_report(engine.engine)
         print(f"headroom serve: {report.line()}", file=out, flush=True)
-        try:
-            report.check()
-        except ValueError as e:
-            state.load_error = str(e)
-            print(f"headroom serve: {e}", file=sys.stderr, flush=True)
-            return 2
         engine.health.step_timeout_s = settings.step_timeout_s
         await engine.start()
         attach_engine(state, engine, config.model, report.max_model_len, template)
