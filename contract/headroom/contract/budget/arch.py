@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
@@ -10,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from headroom.contract.budget.windows import sliding_windows
+from headroom.contract.jsonfile import fields_line, read_json_object
 
 WeightDtype = Literal["fp32", "bf16", "fp16", "fp8", "int8", "int4"]
 WEIGHT_BYTES: dict[str, float] = {
@@ -118,20 +118,13 @@ def from_hf_config(
     if not p.is_file():
         raise FileNotFoundError(f"no config.json at {p}")
     try:
-        cfg = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        cfg = read_json_object(p, "cannot read it as JSON")
+    except OSError as exc:
         raise ValueError(f"{p}: cannot read it as JSON: {exc}") from None
-    except RecursionError:  # deeper than the parser's recursion limit
-        raise ValueError(f"{p}: cannot read it as JSON: nested too deeply") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{p}: expected a JSON object, got {type(cfg).__name__}")
     try:
         return from_hf_dict(cfg, p.parent.name, num_parameters, weight_dtype)
     except ValidationError as exc:  # name each field on one line, without pydantic's links
-        fields = "; ".join(
-            f"{'.'.join(str(x) for x in e['loc']) or 'config'}: {e['msg']}" for e in exc.errors()
-        )
-        raise ValueError(f"{p}: {fields}") from None
+        raise ValueError(f"{p}: {fields_line(exc)}") from None
     except ValueError as exc:
         raise ValueError(f"{p}: {exc}") from None
     except (KeyError, TypeError, ZeroDivisionError, OverflowError, AttributeError) as exc:

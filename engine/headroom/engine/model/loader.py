@@ -6,7 +6,6 @@ A directory needs `config.json`, `*.safetensors` weights (one file, or shards li
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ import torch
 from pydantic import ValidationError
 
 from headroom.contract.budget import DTYPE_NAMES
+from headroom.contract.jsonfile import fields_line, read_json_object
 from headroom.engine.model.config import ModelConfig, from_hf_dict
 from headroom.engine.model.llama import LlamaForCausalLM
 from headroom.engine.model.tiny import TINY_NAME, build_tiny
@@ -68,19 +68,6 @@ def resolve_dtype(
     return dtype
 
 
-def read_json_object(file: Path) -> dict[str, Any]:
-    """A JSON file that must hold an object; ValueError naming the file when it does not."""
-    try:
-        data = json.loads(file.read_text())
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        # JSONDecodeError is a ValueError; RecursionError: nested beyond the parser's depth.
-        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-        raise ValueError(f"{file}: not valid JSON: {reason}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
 def read_config(path: Path) -> dict[str, Any]:
     """The `config.json` mapping of a model directory."""
     if not path.is_dir():
@@ -98,11 +85,7 @@ def parse_config(path: Path) -> ModelConfig:
     try:
         return from_hf_dict(read_config(path))
     except ValidationError as e:
-        fields = "; ".join(
-            f"{'.'.join(str(x) for x in err['loc']) or 'config'}: {err['msg']}"
-            for err in e.errors(include_url=False)
-        )
-        raise ValueError(f"{cfg_file}: {fields}") from None
+        raise ValueError(f"{cfg_file}: {fields_line(e)}") from None
     except (KeyError, TypeError, ZeroDivisionError, OverflowError, AttributeError) as e:
         # A field missing, null, zero or of the wrong kind: say which file, and what broke.
         raise ValueError(

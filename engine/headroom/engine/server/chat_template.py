@@ -34,6 +34,8 @@ from jinja2.ext import Extension
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from headroom.contract.jsonfile import read_json_object, read_text
+
 DEFAULT_TEMPLATE = (
     "{% for message in messages %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
@@ -152,29 +154,6 @@ def default_template() -> ChatTemplate:
     return ChatTemplate(DEFAULT_TEMPLATE, DEFAULT_SOURCE)
 
 
-def _read_text(file: Path) -> str:
-    try:
-        return file.read_text()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{file}: not UTF-8 text: {e}") from None
-
-
-def _tokenizer_config(file: Path) -> dict[str, Any]:
-    """`tokenizer_config.json` as a mapping ({} without one); ValueError naming the file when
-    it is not a JSON object."""
-    if not file.is_file():
-        return {}
-    text = _read_text(file)
-    try:
-        config = json.loads(text)
-    except (ValueError, RecursionError) as e:  # RecursionError: nested beyond the parser
-        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-        raise ValueError(f"{file}: not valid JSON: {reason}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{file}: expected a JSON object, got {type(config).__name__}")
-    return config
-
-
 def load_chat_template(model: str | Path) -> ChatTemplate:
     """The model directory's own template, else the default one (`model="tiny"` included).
     Raises ValueError (or OSError) naming the file when tokenizer_config.json or
@@ -183,7 +162,7 @@ def load_chat_template(model: str | Path) -> ChatTemplate:
         return default_template()
     root = Path(model).expanduser()
     config_path = root / "tokenizer_config.json"
-    config = _tokenizer_config(config_path)
+    config = read_json_object(config_path) if config_path.is_file() else {}
     tokens = {
         k: text
         for k, v in config.items()
@@ -191,7 +170,7 @@ def load_chat_template(model: str | Path) -> ChatTemplate:
     }
     jinja_file = root / "chat_template.jinja"
     if jinja_file.is_file():
-        return ChatTemplate(_read_text(jinja_file), str(jinja_file), tokens)
+        return ChatTemplate(read_text(jinja_file), str(jinja_file), tokens)
     raw = config.get("chat_template")
     if isinstance(raw, list):
         named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
