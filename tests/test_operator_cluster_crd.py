@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from test_operator_crd import ARCH, BASE, PREFIX_253
 
 from e2e.cluster.harness import Cluster
 from headroom.operator.crd.models import (
@@ -30,18 +31,8 @@ from headroom.operator.reconcile.sizing import SpecError, size
 pytest_plugins = ["e2e.cluster.pytest_plugin"]
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
-VALID: dict[str, Any] = {
-    "model": {"preset": "llama-3.1-8b"},
-    "gpu": {"type": "h100-80gb"},
-    "traffic": {"peakConcurrency": 64, "contextTokens": 4096},
-}
-ARCH = {
-    "numLayers": 2, "numAttentionHeads": 4, "numKVHeads": 2, "headDim": 16, "hiddenSize": 64,
-    "vocabSize": 256, "parameterCount": 100_000,
-}  # fmt: skip
-
-
-PREFIX_253 = "a" * 61 + "." + ".".join(["b" * 63] * 3)  # a DNS subdomain, the longest
+# The specs the models' own tests start from (tests/test_operator_crd.py).
+VALID = BASE
 
 
 def rule(model: Any, fragment: str) -> Rule:
