@@ -159,6 +159,30 @@ context() {
   rm -rf "$dir/build"
 }
 
+# Untags the builds of clones whose directory is gone (and refs no record owns: those of
+# builds before the records), so that `podman image prune` can free their layers.
+forget_gone_clones() {
+  local image hash dir record
+  podman images --format '{{.Repository}}:{{.Tag}}' \
+    --filter "reference=localhost/headroom-checkout-*/*" 2>/dev/null |
+    while read -r image; do
+      case "$image" in localhost/headroom-checkout-*/*) ;; *) continue ;; esac
+      hash=${image#localhost/headroom-checkout-}
+      hash=${hash%%/*}
+      [ "$hash" = "$checkout" ] && continue
+      dir=$(cat "$store/checkouts/$hash" 2>/dev/null || true)
+      [ -n "$dir" ] && [ -d "$dir" ] && continue
+      # The name twice: `podman untag IMAGE` alone drops every name of the image, and a clone
+      # of the same tree shares it (this checkout's ref and the release tag included).
+      podman untag "$image" "$image" >/dev/null 2>&1 || true
+    done
+  for record in "$store"/checkouts/*; do
+    [ -e "$record" ] || continue
+    dir=$(cat "$record" 2>/dev/null || true)
+    [ -n "$dir" ] && [ -d "$dir" ] || rm -f "$record"
+  done
+}
+
 build() {
   local name=$1 ref ctx start
   known "$name"
@@ -171,8 +195,13 @@ build() {
   context "$name" "$ctx"
   say "building $(tag "$name") from $ref"
   local log=$store/$name-$checkout.log
+  # Which directory owns this checkout's refs: a record in the store, not an image label. A
+  # clone's build of the same tree is a layer-cache hit that reuses the first clone's image,
+  # labels included, so a label names whichever clone built it first.
+  mkdir -p "$store/checkouts"
+  printf '%s\n' "$root" >"$store/checkouts/$checkout"
   if ! buildah build --layers --force-rm --network none --target "$name" --build-arg BASE="$ref" \
-    --timestamp "$epoch" -f "$root/Dockerfile" --label dev.headroom.checkout="$root" \
+    --timestamp "$epoch" -f "$root/Dockerfile" \
     -t "$(ref "$name")" -t "$(tag "$name")" "$ctx" >"$log" 2>&1; then
     tail -n 40 "$log" >&2
     echo "scripts/image.sh: building $name failed (log: $log)" >&2
@@ -180,14 +209,7 @@ build() {
   fi
   rm -rf "$ctx"
   trap - EXIT
-  # The builds of clones that are gone, then untagged images of earlier builds and their
-  # layers: the store keeps what the tags need.
-  podman images --format '{{.Repository}}:{{.Tag}} {{index .Labels "dev.headroom.checkout"}}' \
-    --filter "reference=localhost/headroom-checkout-*/*" 2>/dev/null |
-    while read -r image dir; do
-      case "$image" in localhost/headroom-checkout-*) ;; *) continue ;; esac
-      [ -z "$dir" ] || [ -d "$dir" ] || podman untag "$image" >/dev/null 2>&1 || true
-    done
+  forget_gone_clones
   podman image prune --force >/dev/null 2>&1 || true
   built_s[$name]=$((SECONDS - start))
   say "built $(tag "$name") in ${built_s[$name]} s, $(size "$name")"
