@@ -362,7 +362,7 @@ def test_the_horizon_is_this_deployments_own_pod_start() -> None:
         for i, s in enumerate((100.0, 200.0, 300.0, 400.0, 500.0, 600.0, 700.0, 800.0, 900.0))
     ]
     loading = [PodView(f"p{i}", False, NOW - 1000) for i in range(9)]
-    seen = decide(Inputs(NOW - 15, 9, tuple(loading), POLICY))
+    seen = decide(Inputs(NOW - 990, 9, tuple(loading), POLICY))  # seen loading, 10 s old
     d = run(9, started, memory=seen.memory)
     assert d.figures.pod_start_seconds == 900.0  # the 90th percentile of 9 starts
     assert len(d.memory.pod_starts) == 9
@@ -621,6 +621,61 @@ def test_a_pod_that_served_and_went_unready_is_not_cancelled_as_starting() -> No
     # The same pod never seen ready: a pod on its way, which the forecast no longer needs.
     fresh = run(5, blip, memory=replace(mem, seen_starting=frozenset({"p4"})))
     assert (fresh.replicas, fresh.reason) == (4, "StartingNotNeeded")
+
+
+def test_an_old_pod_a_restarted_operator_first_sees_not_ready_is_no_start_and_not_cancelled() -> (
+    None
+):
+    # The operator starts (empty memory) while a pod created three days ago is out of readiness
+    # for a moment (a probe timeout): not a pod starting. When it is Ready again, creation to
+    # Ready (three days) used to be learned as the pod start, and the horizon with it; and
+    # before that, it was cancelled as a pod "which has served nothing", skipping the window.
+    days = NOW - 3 * 86400
+    pods = [replace(pod(f"p{i}", 0.2, arrivals=1.0), created_at=days) for i in range(2)]
+    dipped = PodView("p2", False, days)
+    first = run(3, [*pods, dipped], memory=history(600))
+    assert (first.replicas, first.reason) == (3, "Hold"), first.message
+    assert "1 pod(s) that served are not ready" in first.message
+    assert "p2" not in first.memory.seen_starting
+    back = replace(pod("p2", 0.2, arrivals=1.0), created_at=days, ready_since=NOW + 10)
+    again = decide(Inputs(NOW + 15, 3, (*pods, back), POLICY, first.memory))
+    assert again.memory.pod_starts == ()
+    assert again.figures.pod_start_seconds == POLICY.pod_start_seconds
+    # A young pod the restarted operator sees not ready is starting: cancelled when not needed,
+    # and its start learned when it is ready.
+    young = PodView("p2", False, NOW - 60)
+    cancelled = run(3, [*pods, young], memory=history(600))
+    assert (cancelled.replicas, cancelled.reason) == (2, "StartingNotNeeded"), cancelled.message
+    # A pod this operator saw starting stays so past the grace (a slow or stuck start).
+    slow = PodView("p2", False, NOW - 2 * POLICY.startup_grace_seconds)
+    mem = replace(history(600), seen_starting=frozenset({"p2"}))
+    assert run(3, [*pods, slow], memory=mem).reason == "StartingNotNeeded"
+
+
+def test_no_scale_in_while_a_pod_is_full_or_preempting() -> None:
+    # One pod preempts with requests waiting (a few long prompts landed on it) while the
+    # deployment's demand would fit two pods: removing pods only adds to the shortage.
+    hot = pod("a", 1.0, arrivals=1.0, preempt=0.5, waiting=3)
+    cool = [pod(name, 0.05, arrivals=1.0) for name in "bcd"]
+    mem = replace(history(1150, 600), scale_in=ScaleInWindow(NOW - 400, ((NOW - 15, 2),)))
+    d = run(4, [hot, *cool], memory=mem)
+    assert (d.replicas, d.reason, d.saturated) == (4, "Hold", True), d.message
+    assert "scale-in to 2 possible but KV cache full or preempting" in d.message
+    assert d.memory.scale_in is None
+    # The same deployment with the pod no longer full scales in at the end of its window.
+    calm = run(4, [pod("a", 0.05, arrivals=1.0), *cool], memory=mem)
+    assert calm.action == "scale-in", calm.message
+
+
+def test_departures_counted_near_zero_do_not_make_the_demand_infinite() -> None:
+    # Rates a pod may report (each within usable()'s bounds), but a block-second per departure
+    # of 1e12 / 1e-300 is infinite: math.ceil raised in the decision at every tick.
+    odd = DemandRates(arrivals=1e12, departures=1e-300, block_seconds=1e12, window_seconds=60.0)
+    hot = pod("a", 0.5, arrivals=1.0)
+    assert hot.sample is not None
+    broken = replace(hot, sample=replace(hot.sample, demand=odd))
+    d = run(2, [broken, pod("b", 0.5, arrivals=1.0)])
+    assert d.replicas == POLICY.max_replicas and "inf" not in d.message, d.message
 
 
 def test_scale_in_stays_under_the_scale_out_line() -> None:

@@ -179,13 +179,16 @@ async def test_a_sidecar_answering_for_another_pod_or_deployment_is_not_this_pod
     [("occupancy", math.nan, False), ("occupancy", math.inf, False), ("occupancy", 7.0, False),
      ("occupancy", -0.1, False), ("hit_ratio", 1e400, True), ("eta_seconds", math.nan, True),
      ("preemption_rate_per_second", math.inf, True), ("growth_blocks_per_second", math.nan, True),
-     ("arrival_rate_per_second", math.inf, True)],
+     ("arrival_rate_per_second", math.inf, True), ("arrival_rate_per_second", 1e200, True),
+     ("kv_block_seconds_per_second", 1e308, True), ("demand_window_seconds", math.nan, True),
+     ("demand_window_seconds", -1.0, True), ("demand_window_seconds", 1e9, True)],
 )  # fmt: skip
 def test_a_figure_that_is_not_a_number_makes_the_pod_silent_or_drops_the_figure(
     field: str, value: float, kept: bool
 ) -> None:
     # One pod's NaN raised in the scaling loop (round(NaN)), which stopped scaling the whole
-    # deployment; Infinity would have bought pods.
+    # deployment; Infinity would have bought pods. A NaN or negative rate window turned the
+    # forecast's mean to 0 (a needed scale-out missed), and a 1e308 rate raised in decide().
     extra = {"departure_rate_per_second": 1.0, "kv_block_seconds_per_second": 10.0,
              "arrival_rate_per_second": 1.0}  # fmt: skip
     sample = usable(sample_from_report(report(**{**extra, field: value})))
@@ -194,8 +197,11 @@ def test_a_figure_that_is_not_a_number_makes_the_pod_silent_or_drops_the_figure(
         figures = (sample.occupancy, sample.hit_ratio, sample.eta_seconds,
                    sample.preemption_rate, sample.growth_blocks_per_second)  # fmt: skip
         assert all(x is None or math.isfinite(x) for x in figures)
-        if field == "arrival_rate_per_second":
+        if field in {"arrival_rate_per_second", "kv_block_seconds_per_second",
+                     "demand_window_seconds"}:  # fmt: skip
             assert sample.demand is None
+        else:
+            assert sample.demand is not None
 
 
 @pytest.mark.parametrize("q", ["waiting", "running", "used", "capacity"])

@@ -76,6 +76,8 @@ PER_REQUEST_WINDOW_SECONDS = 600.0
 # the series would jump, the jump be fitted as a trend, and each scale-out feed the next. The
 # series holds its last measured point instead, for at most this long.
 DEMAND_GAP_HOLD_SECONDS = 120.0
+# The most KV one request can hold over its life: 10^12 blocks (more than any pool) for a day.
+MAX_BLOCK_SECONDS_PER_REQUEST = 1e12 * 86400.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,7 +318,7 @@ def _pods(inp: Inputs) -> _Pods:
     ]
     samples = [pod.sample for pod in fresh if pod.sample is not None]
     draining = [pod.sample for pod in leaving if pod.sample is not None]
-    dipped = sum(1 for pod in live if not pod.ready and _has_served(pod, inp.memory))
+    dipped = sum(1 for pod in live if not pod.ready and _has_served(pod, inp))
     # A pod that served and dropped out of readiness (a probe timeout, an engine restart) is a
     # ready pod that does not report, as far as its KV goes.
     metrics: MetricsState = (
@@ -338,12 +340,18 @@ def _pods(inp: Inputs) -> _Pods:
     )
 
 
-def _has_served(pod: PodView, memory: Memory) -> bool:
-    """Whether a pod has been ready: seen so by this memory, or holding requests or KV now
-    (what a restarted operator can still tell)."""
-    s = pod.sample
-    return pod.name in memory.seen_ready or (
-        s is not None and (s.running > 0 or (s.used_blocks or 0) > 0 or s.occupancy > 0)
+def _has_served(pod: PodView, inp: Inputs) -> bool:
+    """Whether a pod may have been ready: seen so by this memory, holding requests or KV now, or
+    older than the startup grace and never seen starting (a restarted operator cannot tell a
+    pod that served from one stuck since birth; holding both loses only time)."""
+    s, memory = pod.sample, inp.memory
+    return (
+        pod.name in memory.seen_ready
+        or (s is not None and (s.running > 0 or (s.used_blocks or 0) > 0 or s.occupancy > 0))
+        or (
+            pod.name not in memory.seen_starting
+            and inp.now - pod.created_at > inp.policy.startup_grace_seconds
+        )
     )
 
 
@@ -364,7 +372,14 @@ def _observe_pods(inp: Inputs) -> Memory:
     )
     present = {pod.name for pod in inp.pods}
     seen_ready = (mem.seen_ready | {pod.name for pod in live if pod.ready}) & present
-    starting = {pod.name for pod in live if not pod.ready}
+    # Starting: not ready and young. An older pod first seen not ready (by an operator that
+    # has just started) may have served for days and dropped out of readiness: its creation to
+    # its next ready is no start time, and it has not "served nothing".
+    starting = {
+        pod.name
+        for pod in live
+        if not pod.ready and inp.now - pod.created_at <= inp.policy.startup_grace_seconds
+    }
     seen_starting = ((mem.seen_starting | starting) - seen_ready) & present
     return replace(
         mem,
@@ -466,7 +481,13 @@ def _measure(inp: Inputs, pods: _Pods, mem: Memory) -> _Demand:
     if rates is not None:
         lifetimes += ((now, rates.block_seconds, rates.departures),)
     departed = sum(x[2] for x in lifetimes)
-    per_departure = sum(x[1] for x in lifetimes) / departed if departed > 0 else None
+    per_departure = (
+        # At most a pod's whole pool for a day: a few departures counted near zero (a broken
+        # exporter) must not make the demand infinite, which no count of pods can round.
+        min(sum(x[1] for x in lifetimes) / departed, MAX_BLOCK_SECONDS_PER_REQUEST)
+        if departed > 0
+        else None
+    )
     demand, held_for = present, None
     if rates is not None and per_departure is not None:
         arrivals = sum(r.arrivals for r in parts[: len(samples)] if r is not None) * scale
@@ -747,6 +768,16 @@ def _rule_scale_in(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Deci
             reason="WithinTarget",
             message=f"{_demand_words(d)}: fits {current} pods between "
             f"{floor:.0%} and {p.target_occupancy:.0%}",
+            memory=quiet,
+        )
+    if base.saturated:
+        # A pod full or preempting is short of KV whatever the forecast says (the load is
+        # uneven, or demand measured under saturation reads low): fewer pods only add to it.
+        return replace(
+            base,
+            reason="Hold",
+            message=f"scale-in to {recommend} possible but {base.saturated_message}; "
+            f"holding {current}",
             memory=quiet,
         )
     history_span = now - _since(d.memory, now)

@@ -70,14 +70,25 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
+# Cumulative counters: a pool of 10^6 blocks full for 30 years integrates to 10^15 block-s.
+_MAX_TOTAL = 1e18
+# A rate window longer than a day is no sidecar's (its --window is at most 86,400 s).
+_MAX_WINDOW_SECONDS = 86400.0
+
+
 def _rates_ok(r: DemandRates | None) -> DemandRates | None:
-    values = (r.arrivals, r.departures, r.block_seconds) if r is not None else ()
-    return r if r is not None and all(math.isfinite(v) and v >= 0 for v in values) else None
+    """Rates over a real window, each finite and within what a pod can do; else none (a NaN
+    window turned the forecast's mean to 0, a 1e308 rate raised in the decision)."""
+    # 0: a report that named no window (the contract's None).
+    if r is None or not 0 <= r.window_seconds <= _MAX_WINDOW_SECONDS:
+        return None
+    values = (r.arrivals, r.departures, r.block_seconds)
+    return r if all(0 <= v <= _MAX_COUNT for v in values) else None
 
 
 def _counters_ok(c: CounterSample | None) -> CounterSample | None:
     values = (c.t, c.arrived, c.departed, c.block_seconds) if c is not None else ()
-    return c if c is not None and all(math.isfinite(v) and v >= 0 for v in values) else None
+    return c if c is not None and all(0 <= v <= _MAX_TOTAL for v in values) else None
 
 
 def usable(sample: PodSample | None) -> PodSample | None:
