@@ -5,23 +5,30 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import kopf
 import pytest
+from kopf._core.actions.loggers import ObjectLogger
 from test_operator_reconcile import NOW, SPEC, FakeSource, created, pods
 
+import headroom.operator.handlers as handlers
+from headroom.operator.cli import configure_logging
 from headroom.operator.handlers import (
     DRAWN_PRIORITIES,
     Context,
     Options,
+    _post,
     _tick,
     configure,
     peering_priority,
 )
-from headroom.operator.kube import KubeError
+from headroom.operator.kube import KubeError, owner_of
 from headroom.operator.reconcile.sizing import parse
-from headroom.operator.status import SCALING_MANAGER, get_condition
+from headroom.operator.status import SCALING_MANAGER, Event, Outcome, get_condition
 
 # ----------------------------------------------------------------------------- peering
 
@@ -140,3 +147,77 @@ async def test_a_refused_scale_is_a_warning_and_a_condition_not_a_lost_tick(
     assert "deployments/scale" in limited["message"]
     # Nothing changed, so nothing starts a stabilization window.
     assert memory is not None and memory.last_up is None
+
+
+# ----------------------------------------------------------------------------- logs
+
+
+def _log_lines(
+    capsys: pytest.CaptureFixture[str], json_format: bool, emit: Callable[[], None]
+) -> list[str]:
+    """What the operator's own log handler prints (stderr) for the records `emit` logs."""
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level, logging.getLogger("kopf").level)
+    try:
+        configure_logging(verbose=False, json_format=json_format)
+        emit()
+    finally:
+        root.handlers[:], root.level = saved[0], saved[1]
+        logging.getLogger("kopf").setLevel(saved[2])
+    return capsys.readouterr().err.splitlines()
+
+
+def test_kopf_lines_about_an_object_name_it_in_text_logs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # kopf.configure's log_prefix defaulted to False: "Handler 'reconcile_children' failed
+    # temporarily: ..." named no namespace or InferenceDeployment.
+    body = kopf.Body({"metadata": {"namespace": "team-a", "name": "llama"}})  # type: ignore[arg-type]
+    logger = ObjectLogger(body=body, settings=kopf.OperatorSettings())
+
+    def emit() -> None:
+        logger.error("Handler 'reconcile_children' failed temporarily: 503")
+
+    (line,) = _log_lines(capsys, False, emit)
+    assert "[team-a/llama] Handler 'reconcile_children' failed" in line
+    (doc,) = _log_lines(capsys, True, emit)
+    record = json.loads(doc)
+    assert record["object"]["namespace"] == "team-a" and record["object"]["name"] == "llama"
+
+
+async def test_failed_ticks_and_events_name_the_object_in_json_logs(
+    posted: list[tuple[str, str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The warning and error lines carried no namespace / inferencedeployment fields, so a log
+    # query for one object found its scaling lines but not its failures.
+    kube, b = await created(SPEC)
+    ctx = Context(Options(), kube, source_factory=lambda kind, c: FakeSource(0.6, arrivals=3.0))  # type: ignore[arg-type,return-value]
+    ctx.clock = lambda: NOW
+    failures = iter([KubeError(503, "ServiceUnavailable", "etcd leader changed"), RuntimeError()])
+
+    async def failing(*args: object, **kwargs: object) -> None:
+        raise next(failures)
+
+    monkeypatch.setattr(handlers, "tick", failing)
+    ns, name = b["metadata"]["namespace"], b["metadata"]["name"]
+
+    async def ticks() -> list[str]:
+        root = logging.getLogger()
+        saved = root.handlers[:], root.level, logging.getLogger("kopf").level
+        try:
+            configure_logging(verbose=False, json_format=True)
+            for _ in range(2):
+                await _tick(ctx, b, parse(b["spec"]), None)
+            _post(b, owner_of(b), Outcome(events=[Event("Warning", "Infeasible", "too big")]))
+        finally:
+            root.handlers[:], root.level = saved[0], saved[1]
+            logging.getLogger("kopf").setLevel(saved[2])
+        return capsys.readouterr().err.splitlines()
+
+    docs = [json.loads(line) for line in await ticks()]
+    assert len(docs) == 3, docs
+    for doc in docs:
+        assert (doc["namespace"], doc["inferencedeployment"]) == (ns, name), doc
+        assert f"{ns}/{name}" in doc["message"], doc

@@ -90,9 +90,25 @@ def run_crd(args: argparse.Namespace) -> int:
     return 0
 
 
+def configure_logging(*, verbose: bool, json_format: bool) -> None:
+    """kopf's log handler in text or JSON; quiet (warnings, and headroom's own scaling lines)
+    unless verbose."""
+    import kopf
+
+    kopf.configure(
+        verbose=verbose,
+        log_format=kopf.LogFormat.JSON if json_format else kopf.LogFormat.FULL,
+        # kopf's own default: "[namespace/name] " before its object lines in text (its JSON
+        # lines carry the object as fields); False printed "Handler ... failed" about nothing.
+        log_prefix=None,
+    )
+    if not verbose:
+        # kopf narrates every handler run at INFO; keep the operator quiet by default.
+        logging.getLogger("kopf").setLevel(logging.WARNING)
+
+
 def run_operator(args: argparse.Namespace) -> int:
     """Run the operator in the foreground until SIGINT/SIGTERM."""
-    import kopf
     import yaml
     from kubernetes.config import ConfigException
 
@@ -128,13 +144,7 @@ def run_operator(args: argparse.Namespace) -> int:
         text = " ".join(str(exc).split())  # PyYAML's message spans lines, with a caret
         print(f"headroom operator: {where}: {type(exc).__name__}: {text}", file=sys.stderr)
         return 2
-    kopf.configure(
-        verbose=args.verbose,
-        log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL,
-    )
-    if not args.verbose:
-        # kopf narrates every handler run at INFO; keep the operator quiet by default.
-        logging.getLogger("kopf").setLevel(logging.WARNING)
+    configure_logging(verbose=args.verbose, json_format=args.log_format == "json")
     metrics = OperatorMetrics()
     try:
         if options.metrics_port:

@@ -172,6 +172,11 @@ async def _write(ctx: Context, body: dict[str, Any], outcome: Outcome, manager: 
         _post(body, owner, outcome)
 
 
+def _about(namespace: str | None, name: str | None) -> dict[str, str | None]:
+    """The `extra=` that names the object a log line is about (JSON logs filter on it)."""
+    return {"namespace": namespace, "inferencedeployment": name}
+
+
 def _post(body: dict[str, Any], owner: Owner, outcome: Outcome) -> None:
     for ev in outcome.events:
         kopf.event(
@@ -180,14 +185,16 @@ def _post(body: dict[str, Any], owner: Owner, outcome: Outcome) -> None:
             reason=ev.reason,
             message=ev.message[:1024],
         )
+        # The object in the text too: the text format prints no extras.
         log.log(
             logging.WARNING if ev.type == "Warning" else logging.INFO,
-            "%s: %s",
+            "%s/%s: %s: %s",
+            owner.namespace,
+            owner.name,
             ev.reason,
             ev.message,
-            extra={"namespace": owner.namespace, "inferencedeployment": owner.name,
-                   "reason": ev.reason},
-        )  # fmt: skip
+            extra={**_about(owner.namespace, owner.name), "reason": ev.reason},
+        )
 
 
 async def _reconcile(ctx: Context, body: dict[str, Any]) -> None:
@@ -199,7 +206,8 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> None:
         if namespace_terminating(exc.status, exc.message):
             # Not a denial: the namespace (and the children with it) is going away.
             log.info("%s/%s: the namespace is being deleted, nothing to apply",
-                     meta.get("namespace"), meta.get("name"))  # fmt: skip
+                     meta.get("namespace"), meta.get("name"),
+                     extra=_about(meta.get("namespace"), meta.get("name")))  # fmt: skip
             return
         ctx.metrics.reconciles.labels("error").inc()
         if not permanent_apply_error(exc.status, exc.message):
@@ -277,6 +285,7 @@ async def _tick(
     stopped: kopf.DaemonStopped | None = None,
 ) -> Memory | None:
     meta = body["metadata"]
+    about = _about(meta["namespace"], meta["name"])
     if parsed.spec is None:
         return memory
     try:
@@ -284,12 +293,13 @@ async def _tick(
         result = await tick(ctx.kube, source, body, parsed, ctx.clock(), memory)
     except KubeError as exc:
         # One line, no traceback: the API server is down or refusing; the next tick retries.
-        log.warning("scaling %s/%s: %s", meta["namespace"], meta["name"], exc)
+        log.warning("scaling %s/%s: %s", meta["namespace"], meta["name"], exc, extra=about)
         return memory
     except Exception:
         # A bug in one tick must not end the loop: kopf would restart the daemon after its
         # backoff with the decision memory lost. Logged with the traceback; the next tick runs.
-        log.exception("scaling %s/%s: the decision failed", meta["namespace"], meta["name"])
+        log.exception("scaling %s/%s: the decision failed", meta["namespace"], meta["name"],
+                      extra=about)  # fmt: skip
         return memory
     # From here the decision stands (and in auto mode its scale is applied): a status write
     # that fails must not hand the next tick the old memory, which would forget the scale and
@@ -297,9 +307,11 @@ async def _tick(
     try:
         await _write(ctx, body, result.outcome, SCALING_MANAGER)
     except KubeError as exc:
-        log.warning("scaling %s/%s: status not written: %s", meta["namespace"], meta["name"], exc)
+        log.warning("scaling %s/%s: status not written: %s", meta["namespace"], meta["name"],
+                    exc, extra=about)  # fmt: skip
     except Exception:
-        log.exception("scaling %s/%s: status not written", meta["namespace"], meta["name"])
+        log.exception("scaling %s/%s: status not written", meta["namespace"], meta["name"],
+                      extra=about)  # fmt: skip
     if stopped:
         # Deleted while the tick ran: kopf stops the daemon, then runs `forget`, which may
         # already have dropped the series this would bring back.
@@ -341,12 +353,13 @@ async def owned_deployment(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> N
     log.info(
         "%s %s/%s: re-applying the children",
         "deleted" if event["type"] == "DELETED" else "drifted", key[0], key[1],
-        extra={"namespace": key[0], "inferencedeployment": owner["name"]},
+        extra=_about(key[0], owner["name"]),
     )  # fmt: skip
     try:
         await _reconcile(ctx, body)
     except kopf.TemporaryError as exc:
-        log.warning("re-applying %s/%s: %s", key[0], key[1], exc)
+        log.warning("re-applying %s/%s: %s", key[0], owner["name"], exc,
+                    extra=_about(key[0], owner["name"]))  # fmt: skip
 
 
 def _drifted(body: dict[str, Any], live: dict[str, Any]) -> bool:
