@@ -90,7 +90,7 @@ def test_gpu_memory_that_is_not_a_size_and_a_plot_nowhere_exit_2(tmp_path: Path)
     for value in ("inf", "nan", "-1", "5000"):
         r = run(*small, "--gpu-memory-gib", value)
         assert r.returncode == 2, (value, r.stderr)
-        assert f"--gpu-memory-gib must be in (0, 4096], got {value}" in r.stderr.replace(".0", "")
+        assert f"--gpu-memory-gib must be in [1, 4096], got {value}" in r.stderr.replace(".0", "")
     r = run(*small, "--plot", str(tmp_path / "nowhere" / "plan.png"))
     assert r.returncode == 2 and f"--plot: no directory {tmp_path / 'nowhere'}" in r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
 import sys
 from collections.abc import Sequence
 
@@ -97,6 +99,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 2
         return int(args.func(args))
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # a socket or a child's pipe broke, not our reader: a real failure
+        # A reader that stops early (`| head`) ends the command quietly, as `_emit` in
+        # simulate/cli.py does: point stdout at /dev/null so that the interpreter's own flush
+        # at exit finds no pipe either, and exit 0, since stopping to read is not a failure.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except ModuleNotFoundError as e:
         root = (e.name or "").split(".")[0]
         extra = extra_for(command, root)
@@ -108,6 +118,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe (or socket) its reader has closed: poll flags it POLLERR (Linux)
+    or POLLHUP. Without poll (Windows) a broken pipe is taken to be stdout's."""
+    if not hasattr(select, "poll"):
+        return True
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an object with no descriptor
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
 
 
 if __name__ == "__main__":

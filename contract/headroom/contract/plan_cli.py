@@ -24,7 +24,9 @@ from headroom.contract.budget import (
 )
 from headroom.contract.outputs import chart_error
 
-MAX_GPU_MEMORY_GIB = 4096  # the CRD's gpu.memoryGiB bound
+# The CRD's gpu.memoryGiB bounds (operator/crd/models.py), so a plan is one the operator takes.
+MIN_GPU_MEMORY_GIB = 1
+MAX_GPU_MEMORY_GIB = 4096
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -46,7 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--weight-dtype",
         choices=sorted(WEIGHT_BYTES),
         help="what the weights are stored as (default: the preset's, or config.json's "
-        "quantization_config and torch_dtype)",
+        "quantization_config and torch_dtype, float32 priced at the 16 bits vLLM serves it in)",
     )
     p.add_argument("--gpu", default="h100-80gb", help="GPU preset (default h100-80gb)")
     p.add_argument("--gpu-memory-gib", type=float, help="GPU memory in GiB, for any other GPU")
@@ -96,26 +98,24 @@ def render_plan(p: Plan) -> str:
 def build_input(args: argparse.Namespace) -> PlanInput:
     """Turn CLI flags into a validated `PlanInput` (raises UnknownPreset / ValidationError)."""
     if args.model_config is not None:
-        if args.params is not None and not 0 < args.params <= 1e6:  # NaN and inf fail too
-            raise ValueError(f"--params must be billions in (0, 1e6], got {args.params}")
-        params = int(args.params * 1e9) if args.params else None
+        params = _parameter_count(args.params)
         arch = from_hf_config(args.model_config, params, args.weight_dtype)
     else:
+        if args.params is not None:
+            # A preset states its own count: ignoring --params priced the preset's weights
+            # while the user believed theirs were.
+            raise ValueError(
+                f"--params goes with --model-config; the preset {args.model!r} states its own "
+                "parameter count"
+            )
         arch = model_preset(args.model)
         if args.weight_dtype is not None:
             arch = arch.model_copy(update={"weight_dtype": args.weight_dtype})
     if args.tp >= 1 and (split := tp_split_error(arch, args.tp, "--tp")) is not None:
         raise ValueError(split)
-    if args.gpu_memory_gib is not None:
-        # NaN fails every comparison: the test is written so that NaN and inf fail it too.
-        if not 0 < args.gpu_memory_gib <= MAX_GPU_MEMORY_GIB:
-            raise ValueError(
-                f"--gpu-memory-gib must be in (0, {MAX_GPU_MEMORY_GIB}], got {args.gpu_memory_gib}"
-            )
-        gpu_name, memory = f"{args.gpu_memory_gib:g} GiB GPU", int(args.gpu_memory_gib * GIB)
-    else:
-        gpu = gpu_preset(args.gpu)
-        gpu_name, memory = gpu.name, gpu.memory_bytes
+    if (pods := _pod_split_error(args.tp, args.gpus_per_pod)) is not None:
+        raise ValueError(pods)
+    gpu_name, memory = _gpu(args)
     return PlanInput(
         model=arch,
         gpu_name=gpu_name,
@@ -132,13 +132,60 @@ def build_input(args: argparse.Namespace) -> PlanInput:
     )
 
 
+def _parameter_count(billions: float | None) -> int | None:
+    """--params as a parameter count (None: estimate it from config.json)."""
+    if billions is None:
+        return None
+    # NaN fails every comparison: the test is written so that NaN and inf fail it too.
+    if not 0 < billions <= 1e6:  # 1e6 billion: arch.MAX_PARAMETERS
+        raise ValueError(f"--params must be billions in (0, 1e6], got {billions}")
+    count = round(billions * 1e9)
+    if count < 1:  # 1e-10 billion is no parameter at all, not a model
+        raise ValueError(f"--params must be at least 1e-09 billion (one parameter), got {billions}")
+    return count
+
+
+def _pod_split_error(tp: int, gpus_per_pod: int | None) -> str | None:
+    """Why --tp cannot split --gpus-per-pod into pipeline stages (None: it can, or a bound
+    check of either flag will name it)."""
+    if gpus_per_pod is None or tp < 1 or gpus_per_pod < 1 or gpus_per_pod % tp == 0:
+        return None
+    return (
+        f"--tp {tp} does not divide --gpus-per-pod {gpus_per_pod}: a pod runs "
+        "--gpus-per-pod / --tp pipeline stages of --tp GPUs each"
+    )
+
+
+def _gpu(args: argparse.Namespace) -> tuple[str, int]:
+    """The GPU's name and bytes: --gpu-memory-gib within the CRD's gpu.memoryGiB bounds, else
+    the --gpu preset's."""
+    if args.gpu_memory_gib is None:
+        gpu = gpu_preset(args.gpu)
+        return gpu.name, gpu.memory_bytes
+    gib = args.gpu_memory_gib
+    # NaN fails every comparison: the test is written so that NaN and inf fail it too. Below
+    # 1 GiB the operator refuses the spec, and 1e-12 GiB rounded to a GPU of no bytes.
+    if not MIN_GPU_MEMORY_GIB <= gib <= MAX_GPU_MEMORY_GIB:
+        raise ValueError(
+            f"--gpu-memory-gib must be in [{MIN_GPU_MEMORY_GIB}, {MAX_GPU_MEMORY_GIB}], got {gib}"
+        )
+    return f"{gib:g} GiB GPU", int(gib * GIB)
+
+
+# PlanInput's fields that no flag of the same name sets.
+_FLAGS = {"gpu_memory_bytes": "--gpu-memory-gib"}
+
+
 def _validation_message(err: ValidationError) -> str:
-    flags = {"context": "--context", "concurrency": "--concurrency", "tp": "--tp"}
+    """Each error under the flag the user typed, without pydantic's "Value error, " prefix."""
     parts = []
     for e in err.errors():
-        field = ".".join(str(x) for x in e["loc"]) or "input"
-        flag = flags.get(field, "--" + field.replace("_", "-"))
-        parts.append(f"{flag}: {e['msg']}")
+        msg = e["msg"].removeprefix("Value error, ")
+        field = ".".join(str(x) for x in e["loc"])
+        if not field:  # a check across fields: its message names them
+            parts.append(msg)
+            continue
+        parts.append(f"{_FLAGS.get(field, '--' + field.replace('_', '-'))}: {msg}")
     return "; ".join(parts)
 
 

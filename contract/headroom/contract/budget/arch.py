@@ -33,6 +33,11 @@ DTYPE_NAMES: dict[str, WeightDtype] = {
     "int4": "int4",
 }
 MAX_PARAMETERS = 10**15  # a thousand times the largest model published
+# What a serving runtime holds a float32 checkpoint's weights in. vLLM's `--dtype auto` does
+# "Downcast for float32 models" (vllm/config/model.py, `_resolve_auto_dtype`) to the platform's
+# preferred dtype: bf16 on CUDA from compute capability 8.0, fp16 before it and for pooling
+# models; 2 bytes a weight either way, and the 16-bit KV plan.py prices goes with it.
+FP32_SERVED_AS: WeightDtype = "bf16"
 
 
 class AttentionKind(StrEnum):
@@ -111,7 +116,10 @@ def from_hf_config(
     num_parameters: int | None = None,
     weight_dtype: WeightDtype | None = None,
 ) -> ModelArch:
-    """Read a local Hugging Face `config.json` (a file or the model directory)."""
+    """Read a local Hugging Face `config.json` (a file or the model directory), its weights
+    priced as a serving runtime holds them: a float32 checkpoint in 16 bits (FP32_SERVED_AS)
+    unless `weight_dtype` says otherwise. (`from_hf_dict` keeps the checkpoint's dtype: the
+    headroom engine loads by it.)"""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
@@ -122,7 +130,7 @@ def from_hf_config(
     except OSError as exc:
         raise ValueError(f"{p}: cannot read it as JSON: {exc}") from None
     try:
-        return from_hf_dict(cfg, p.parent.name, num_parameters, weight_dtype)
+        arch = from_hf_dict(cfg, p.parent.name, num_parameters, weight_dtype)
     except ValidationError as exc:  # name each field on one line, without pydantic's links
         raise ValueError(f"{p}: {fields_line(exc)}") from None
     except ValueError as exc:
@@ -133,6 +141,9 @@ def from_hf_config(
             f"{p}: not a model config this reads ({type(exc).__name__}: {exc}); it needs "
             "num_attention_heads, hidden_size, num_hidden_layers and vocab_size"
         ) from None
+    if weight_dtype is None and arch.weight_dtype == "fp32":  # 4 bytes a weight was twice vLLM's
+        arch = arch.model_copy(update={"weight_dtype": FP32_SERVED_AS})
+    return arch
 
 
 # quant_method values whose weights are `bits` (GPTQ, AutoRound) or `w_bit` (AWQ) wide.
@@ -222,7 +233,10 @@ def from_hf_dict(
         hidden_size=hidden,
         intermediate_size=int(inter) if inter else None,
         vocab_size=vocab,
-        max_position_embeddings=int(_get(cfg, "max_position_embeddings", default=4096)),
+        # n_positions: GPT-2 and GPT-J's name for it (their configs map it, as n_head and n_embd).
+        max_position_embeddings=int(
+            _get(cfg, "max_position_embeddings", "n_positions", default=4096)
+        ),
         num_parameters=num_parameters,
         weight_dtype=weight_dtype,
         kv_lora_rank=_get(cfg, "kv_lora_rank"),
