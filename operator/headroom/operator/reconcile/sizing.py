@@ -76,10 +76,11 @@ def model_arch(model: ModelSpec, fallback_context: int) -> ModelArch:
         raise SpecError(f"model architecture: {where}: {first['msg']}") from None
 
 
-# vLLM runs an MLA model (DeepSeek V2/V3) on FlashMLA or FlashInfer MLA with 64-token blocks,
-# and on Blackwell on CUTLASS MLA with 128: it raises any other --block-size to that
-# (vllm/platforms/cuda.py, check_and_update_config) and then still allocates the
-# --num-gpu-blocks-override it was given, 4-8x the planned pool. The plan uses its block size.
+# vLLM runs an MLA model (DeepSeek V2/V3) on FlashMLA with 64-token blocks, and on Blackwell on
+# CUTLASS MLA with 128: v0.11.0 sets any other --block-size to exactly that (`!= 64`, not a
+# multiple: vllm/platforms/cuda.py, check_and_update_config; 128 on Hopper became 64) and then
+# still allocates the --num-gpu-blocks-override it was given, at the forced size. The plan and
+# the flag use that size.
 VLLM_MLA_BLOCK_SIZE = 64
 VLLM_MLA_BLOCK_SIZE_BLACKWELL = 128
 _BLACKWELL_GPUS = frozenset({"b200-192gb"})
@@ -95,8 +96,7 @@ def _engine_block_size(spec: InferenceDeploymentSpec, arch: ModelArch) -> int:
         blackwell = spec.gpu.type is not None and gpu_preset(spec.gpu.type).name in _BLACKWELL_GPUS
     except UnknownPreset:
         blackwell = False
-    need = VLLM_MLA_BLOCK_SIZE_BLACKWELL if blackwell else VLLM_MLA_BLOCK_SIZE
-    return size if size % need == 0 else need
+    return VLLM_MLA_BLOCK_SIZE_BLACKWELL if blackwell else VLLM_MLA_BLOCK_SIZE
 
 
 def plan_input(spec: InferenceDeploymentSpec) -> PlanInput:
