@@ -19,8 +19,9 @@ tokens, max model length, parallelism, memory fraction) is passed, so the engine
 arithmetic `status.budget` shows. The API key (`engine.apiKeySecret`) reaches each engine as an
 environment variable from the Secret, never as a literal: headroom reads HEADROOM_API_KEY, vLLM
 VLLM_API_KEY, and SGLang, which has only `--api-key`, gets `--api-key $(HEADROOM_API_KEY)`, which
-the kubelet expands. All three guard the OpenAI routes only; /health and /metrics (and
-headroom's /ready and /stats) stay open for the probes and the sidecar.
+the kubelet expands, and `--log-level warning`, below the line where it logs its arguments. All
+three guard the OpenAI routes only; /health and /metrics (and headroom's /ready and /stats) stay
+open for the probes and the sidecar.
 """
 
 from __future__ import annotations
@@ -189,7 +190,10 @@ def sglang_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> 
         args.append("--disable-radix-cache")
     key_env = _key_env(spec)
     if key_env:
-        args += ["--api-key", f"$({key_env})"]  # the kubelet expands it from the env
+        # The kubelet expands it from the env. SGLang 0.5.3 logs its whole ServerArgs at info
+        # as it starts (entrypoints/engine.py, `logger.info(f"{server_args=}")`), the key in
+        # plain text among them: at warning, `kubectl logs` does not show the Secret.
+        args += ["--api-key", f"$({key_env})", "--log-level", "warning"]
     return EngineCommand(
         command=["python3", "-m", "sglang.launch_server"],
         args=args,
