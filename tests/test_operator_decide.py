@@ -652,21 +652,6 @@ def test_an_old_pod_a_restarted_operator_first_sees_not_ready_is_no_start_and_no
     assert run(3, [*pods, slow], memory=mem).reason == "StartingNotNeeded"
 
 
-def test_no_scale_in_while_a_pod_is_full_or_preempting() -> None:
-    # One pod preempts with requests waiting (a few long prompts landed on it) while the
-    # deployment's demand would fit two pods: removing pods only adds to the shortage.
-    hot = pod("a", 1.0, arrivals=1.0, preempt=0.5, waiting=3)
-    cool = [pod(name, 0.05, arrivals=1.0) for name in "bcd"]
-    mem = replace(history(1150, 600), scale_in=ScaleInWindow(NOW - 400, ((NOW - 15, 2),)))
-    d = run(4, [hot, *cool], memory=mem)
-    assert (d.replicas, d.reason, d.saturated) == (4, "Hold", True), d.message
-    assert "scale-in to 2 possible but KV cache full or preempting" in d.message
-    assert d.memory.scale_in is None
-    # The same deployment with the pod no longer full scales in at the end of its window.
-    calm = run(4, [pod("a", 0.05, arrivals=1.0), *cool], memory=mem)
-    assert calm.action == "scale-in", calm.message
-
-
 def test_departures_counted_near_zero_do_not_make_the_demand_infinite() -> None:
     # Rates a pod may report (each within usable()'s bounds), but a block-second per departure
     # of 1e12 / 1e-300 is infinite: math.ceil raised in the decision at every tick.

@@ -770,16 +770,6 @@ def _rule_scale_in(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Deci
             f"{floor:.0%} and {p.target_occupancy:.0%}",
             memory=quiet,
         )
-    if base.saturated:
-        # A pod full or preempting is short of KV whatever the forecast says (the load is
-        # uneven, or demand measured under saturation reads low): fewer pods only add to it.
-        return replace(
-            base,
-            reason="Hold",
-            message=f"scale-in to {recommend} possible but {base.saturated_message}; "
-            f"holding {current}",
-            memory=quiet,
-        )
     history_span = now - _since(d.memory, now)
     learned = history_span >= d.forecast.horizon
     if pods.metrics == "ok" and pods.on_the_way > 0 and learned:
