@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import select
 import sys
 from collections.abc import Sequence
+
+from headroom.contract.outputs import stdout_to_devnull
 
 # name -> (module, registration function, one-line help). Only the chosen subcommand's module is
 # imported, so `headroom plan` never pays for torch, aiohttp or kopf. A subcommand that does not
@@ -103,9 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not _stdout_closed():
             raise  # a socket or a child's pipe broke, not our reader: a real failure
         # A reader that stops early (`| head`) ends the command quietly, as `_emit` in
-        # simulate/cli.py does: point stdout at /dev/null so that the interpreter's own flush
-        # at exit finds no pipe either, and exit 0, since stopping to read is not a failure.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        # simulate/cli.py does, and with 0: stopping to read is not a failure.
+        stdout_to_devnull()
         return 0
     except ModuleNotFoundError as e:
         root = (e.name or "").split(".")[0]

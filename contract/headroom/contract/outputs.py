@@ -1,9 +1,10 @@
 """Checks on a file a command will write, made before the work: a run of minutes must not be
-lost to a path it cannot write at the end."""
+lost to a path it cannot write at the end; and what a command does when its reader goes."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 CHART_SUFFIXES = (".png", ".svg", ".pdf")  # what matplotlib writes here without extra backends
@@ -28,3 +29,9 @@ def chart_error(path: Path, flag: str) -> str | None:
     if path.suffix.lower() not in CHART_SUFFIXES:
         return f"{flag}: {path} must end in {', '.join(CHART_SUFFIXES)}"
     return output_error(path, flag)
+
+
+def stdout_to_devnull() -> None:
+    """After a reader stopped early (`| head`): point stdout at /dev/null, so that later output
+    and the interpreter's own flush at exit find no closed pipe."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -51,6 +51,7 @@ from headroom.operator.status import (
     SCALING_MANAGER,
     Outcome,
     get_condition,
+    log_fields,
 )
 
 log = logging.getLogger("headroom.operator")
@@ -172,11 +173,6 @@ async def _write(ctx: Context, body: dict[str, Any], outcome: Outcome, manager: 
         _post(body, owner, outcome)
 
 
-def _about(namespace: str | None, name: str | None) -> dict[str, str | None]:
-    """The `extra=` that names the object a log line is about (JSON logs filter on it)."""
-    return {"namespace": namespace, "inferencedeployment": name}
-
-
 def _post(body: dict[str, Any], owner: Owner, outcome: Outcome) -> None:
     for ev in outcome.events:
         kopf.event(
@@ -193,7 +189,7 @@ def _post(body: dict[str, Any], owner: Owner, outcome: Outcome) -> None:
             owner.name,
             ev.reason,
             ev.message,
-            extra={**_about(owner.namespace, owner.name), "reason": ev.reason},
+            extra={**log_fields(owner.namespace, owner.name), "reason": ev.reason},
         )
 
 
@@ -207,7 +203,7 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> None:
             # Not a denial: the namespace (and the children with it) is going away.
             log.info("%s/%s: the namespace is being deleted, nothing to apply",
                      meta.get("namespace"), meta.get("name"),
-                     extra=_about(meta.get("namespace"), meta.get("name")))  # fmt: skip
+                     extra=log_fields(meta.get("namespace"), meta.get("name")))  # fmt: skip
             return
         ctx.metrics.reconciles.labels("error").inc()
         if not permanent_apply_error(exc.status, exc.message):
@@ -285,7 +281,7 @@ async def _tick(
     stopped: kopf.DaemonStopped | None = None,
 ) -> Memory | None:
     meta = body["metadata"]
-    about = _about(meta["namespace"], meta["name"])
+    about = log_fields(meta["namespace"], meta["name"])
     if parsed.spec is None:
         return memory
     try:
@@ -353,13 +349,13 @@ async def owned_deployment(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> N
     log.info(
         "%s %s/%s: re-applying the children",
         "deleted" if event["type"] == "DELETED" else "drifted", key[0], key[1],
-        extra=_about(key[0], owner["name"]),
+        extra=log_fields(key[0], owner["name"]),
     )  # fmt: skip
     try:
         await _reconcile(ctx, body)
     except kopf.TemporaryError as exc:
         log.warning("re-applying %s/%s: %s", key[0], owner["name"], exc,
-                    extra=_about(key[0], owner["name"]))  # fmt: skip
+                    extra=log_fields(key[0], owner["name"]))  # fmt: skip
 
 
 def _drifted(body: dict[str, Any], live: dict[str, Any]) -> bool:

@@ -17,6 +17,12 @@ RECONCILE_MANAGER = "headroom-reconcile"
 SCALING_MANAGER = "headroom-scaling"
 
 
+def log_fields(namespace: str | None, name: str | None) -> dict[str, str | None]:
+    """The `extra=` that names the InferenceDeployment a log line is about (JSON logs filter on
+    it)."""
+    return {"namespace": namespace, "inferencedeployment": name}
+
+
 def rfc3339(ts: float) -> str:
     """Unix seconds as the RFC 3339 UTC form Kubernetes stores (second precision)."""
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -330,14 +330,18 @@ def _pods(inp: Inputs) -> _Pods:
         ready=len(ready),
         on_the_way=max(0, inp.current_replicas - len(ready)),
         dipped=dipped,
-        stuck=sum(
-            1 for pod in live if not pod.ready and now - pod.created_at > p.startup_grace_seconds
-        ),
+        stuck=sum(1 for pod in live if not pod.ready and _past_grace(pod, inp)),
         samples=samples,
         draining=draining,
         metrics=metrics,
         names=tuple(pod.name for pod in (*fresh, *leaving)),
     )
+
+
+def _past_grace(pod: PodView, inp: Inputs) -> bool:
+    """Whether the pod is older than the startup grace: stuck if not ready, and past the age
+    at which a pod first seen not ready can be taken for one starting."""
+    return inp.now - pod.created_at > inp.policy.startup_grace_seconds
 
 
 def _has_served(pod: PodView, inp: Inputs) -> bool:
@@ -348,10 +352,7 @@ def _has_served(pod: PodView, inp: Inputs) -> bool:
     return (
         pod.name in memory.seen_ready
         or (s is not None and (s.running > 0 or (s.used_blocks or 0) > 0 or s.occupancy > 0))
-        or (
-            pod.name not in memory.seen_starting
-            and inp.now - pod.created_at > inp.policy.startup_grace_seconds
-        )
+        or (pod.name not in memory.seen_starting and _past_grace(pod, inp))
     )
 
 
@@ -375,11 +376,7 @@ def _observe_pods(inp: Inputs) -> Memory:
     # Starting: not ready and young. An older pod first seen not ready (by an operator that
     # has just started) may have served for days and dropped out of readiness: its creation to
     # its next ready is no start time, and it has not "served nothing".
-    starting = {
-        pod.name
-        for pod in live
-        if not pod.ready and inp.now - pod.created_at <= inp.policy.startup_grace_seconds
-    }
+    starting = {pod.name for pod in live if not pod.ready and not _past_grace(pod, inp)}
     seen_starting = ((mem.seen_starting | starting) - seen_ready) & present
     return replace(
         mem,

@@ -52,6 +52,7 @@ from headroom.operator.status import (
     condition_changed,
     get_condition,
     last_feasible_ready,
+    log_fields,
     parse_time,
     ready_condition,
     rfc3339,
@@ -307,8 +308,8 @@ async def tick(
         records.append(decision_record(d, current, now, applied=True))
         log.info(
             "scaled %s/%s %d -> %d (%s)", owner.namespace, owner.name, current, d.replicas,
-            d.reason, extra={"namespace": owner.namespace, "inferencedeployment": owner.name,
-                             "from": current, "to": d.replicas, "reason": d.reason},
+            d.reason, extra={**log_fields(owner.namespace, owner.name), "from": current,
+                             "to": d.replicas, "reason": d.reason},
         )  # fmt: skip
     else:
         # Nothing acted on: the decision's record of a change must not stand.

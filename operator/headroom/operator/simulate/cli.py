@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from headroom.contract.outputs import stdout_to_devnull
 
 if TYPE_CHECKING:
     from headroom.operator.simulate.progress import Progress
@@ -178,8 +179,7 @@ def _emit(text: str) -> None:
     try:
         print(text, flush=True)
     except BrokenPipeError:
-        # Point stdout at /dev/null so that the interpreter's own flush at exit finds no pipe.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        stdout_to_devnull()  # the work goes on (a PNG to write), silently
 
 
 def run_profile(args: argparse.Namespace) -> int:
