@@ -105,6 +105,37 @@ def posted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
     return out
 
 
+@pytest.mark.parametrize("reason", ["OPERATOR_PAUSING", "RESOURCE_DELETED"])
+async def test_a_stopped_scaling_loop_leaves_no_frozen_series_on_metrics(
+    posted: list[tuple[str, str, str]], reason: str
+) -> None:
+    # A replica kopf pauses for a peer of higher priority keeps serving /metrics: its last
+    # decision must not stand there beside the active replica's live one.
+    from kopf._cogs.aiokits import aioenums
+    from kopf._core.intents import stoppers
+
+    kube, b = await created({**SPEC, "scaling": {"mode": "advisory", "intervalSeconds": 1}})
+    ctx = Context(Options(), kube, source_factory=lambda k, c: FakeSource(0.95, arrivals=2.0))
+    ctx.clock = lambda: NOW
+    labels = {"namespace": "ns", "inferencedeployment": "chat", "mode": "advisory"}
+    setter: aioenums.FlagSetter[stoppers.DaemonStoppingReason] = aioenums.FlagSetter()
+    task = asyncio.create_task(
+        handlers.scale(
+            body=kopf.Body(b),
+            stopped=aioenums.AsyncFlagWaiter(setter),  # type: ignore[arg-type]
+            memo=kopf.Memo(ctx=ctx),
+        )
+    )
+    for _ in range(100):
+        if ctx.metrics.registry.get_sample_value("headroom_desired_replicas", labels):
+            break
+        await asyncio.sleep(0.05)
+    assert ctx.metrics.registry.get_sample_value("headroom_desired_replicas", labels)
+    setter.set(getattr(stoppers.DaemonStoppingReason, reason))
+    await asyncio.wait_for(task, 5)
+    assert ctx.metrics.registry.get_sample_value("headroom_desired_replicas", labels) is None
+
+
 async def test_a_scale_whose_status_write_fails_is_remembered_and_its_events_posted(
     posted: list[tuple[str, str, str]],
 ) -> None:

@@ -454,6 +454,25 @@ async def test_the_learned_pod_start_is_kept_in_status() -> None:
     assert res.outcome.status["podStartsObserved"] == 4
 
 
+@pytest.mark.parametrize(
+    ("scaling", "source"),
+    [
+        ({"metricsSource": "prometheus"}, lambda: FakeSource(None, fail=True)),  # no metrics
+        ({"minReplicas": 6}, lambda: FakeSource(0.5, arrivals=1.0)),  # the spec's bounds
+    ],
+)
+async def test_a_tick_that_learns_nothing_keeps_the_learned_pod_start(
+    scaling: dict[str, Any], source: Any
+) -> None:
+    # The status apply deletes what it leaves out, and after a restart status is the only copy.
+    kube, b = await created({**SPEC, "scaling": scaling})
+    b["status"] |= {"podStartSeconds": 420.0, "podStartsObserved": 7}
+    res = await tick(kube, source(), b, parse(b["spec"]), NOW, None)
+    assert res.decision.figures.pod_start_seconds is None
+    assert res.outcome.status["podStartSeconds"] == 420.0
+    assert res.outcome.status["podStartsObserved"] == 7
+
+
 def test_an_invalid_child_becomes_a_condition_not_a_retry_loop() -> None:
     exc = KubeError(
         422, "Invalid", 'Service "a.b" is invalid: metadata.name: must not contain dots'

@@ -266,11 +266,18 @@ async def scale(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, *
     the decision's memory, owned here and nowhere else."""
     ctx = _ctx(memo)
     memory: Memory | None = None
-    while not stopped:
-        live = dict(body)  # the latest the watch has seen, parsed once per decision
-        parsed = parse(live.get("spec"))
-        memory = await _tick(ctx, live, parsed, memory, stopped)
-        await stopped.wait(parsed.spec.scaling.interval_seconds if parsed.spec else 60)
+    meta = body["metadata"]
+    try:
+        while not stopped:
+            live = dict(body)  # the latest the watch has seen, parsed once per decision
+            parsed = parse(live.get("spec"))
+            memory = await _tick(ctx, live, parsed, memory, stopped)
+            await stopped.wait(parsed.spec.scaling.interval_seconds if parsed.spec else 60)
+    finally:
+        # Whatever ends the loop (deleted, this replica paused for a peer with priority, the
+        # operator exiting), its last decision must not stay on /metrics as a frozen series
+        # beside the active replica's live one.
+        ctx.metrics.forget(meta.get("namespace") or "", meta["name"])
 
 
 async def _tick(

@@ -333,6 +333,11 @@ async def tick(
     if d.figures.pod_start_seconds is not None and (starts or "podStartSeconds" in status):
         st["podStartSeconds"] = round(d.figures.pod_start_seconds, 1)
         st["podStartsObserved"] = max(len(starts), int(status.get("podStartsObserved") or 0))
+    else:
+        # A tick that stopped before the horizon (no metrics, no pods, spec bounds) learned
+        # nothing; leaving the fields out of this apply would delete what earlier ticks learned,
+        # the only copy a restarted operator has.
+        st |= carried(status, ("podStartSeconds", "podStartsObserved"), ())
     _conditions(body, st, d, auto, current, now, out, scale_failed)
     if not reconcile_failed(body):
         set_status_condition(body, st, "Ready", *ready_condition(live), now)
