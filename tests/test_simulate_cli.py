@@ -146,7 +146,11 @@ def test_profile_of_the_mooncake_trace_as_json_finds_its_prefix_overlap() -> Non
         "prefix caching": "on (engine.prefixCaching: true)",
         "KV quantization": "not sized",
     }
-    assert out["spec"]["traffic"]["prefixHitRatio"] == 0.65
+    # 65% of prompt tokens were seen before, mostly by the turn before, long finished: requests
+    # in flight together share little, and that is all sharing saves in memory.
+    shared = out["shared_in_flight"]
+    assert shared["10"] == 0.0 and 0.0 < shared["90"] < 0.2
+    assert out["spec"]["traffic"]["prefixHitRatio"] == 0.0
     assert yaml.safe_load(out["spec_yaml"]) == out["spec"]
     InferenceDeploymentSpec.model_validate({**BASE, **out["spec"]})
 

@@ -19,7 +19,9 @@ from headroom.operator.simulate.profile import (
     ideal_hit_ratio,
     in_flight,
     profile,
+    shared_in_flight,
 )
+from headroom.operator.simulate.render import profile_text
 from headroom.operator.simulate.trace import Trace, scaled
 
 PROMPT, OUTPUT = 1000, 198  # at 10,000 and 20 tokens/s: 0.1 s of prefill + 9.9 s of decode
@@ -144,7 +146,7 @@ def test_a_pod_already_on_fp8_kv_is_told_to_keep_it_only_if_kv_check_passed() ->
 
 def test_the_suggested_spec_parses_as_yaml_and_validates_against_the_operator_models() -> None:
     trace = steady(rate=8.0, seconds=1800.0)
-    p = replace(profile(trace), ideal_hit_ratio=0.4567)
+    p = replace(profile(trace), ideal_hit_ratio=0.4567, shared_in_flight={10: 0.29, 50: 0.4})
     s = spec("l4-24gb")
     sized = parse(s.model_dump(by_alias=True)).sizing
     assert sized is not None
@@ -154,7 +156,7 @@ def test_the_suggested_spec_parses_as_yaml_and_validates_against_the_operator_mo
     assert doc["traffic"] == {
         "peakConcurrency": math.ceil(p.concurrency[99]),
         "contextTokens": PROMPT + OUTPUT,
-        "prefixHitRatio": 0.45,  # rounded down: it is an upper bound already
+        "prefixHitRatio": 0.29,  # p10 of what is shared in flight (0.29 * 100 is 28.999...)
     }
     assert doc["scaling"]["minReplicas"] == f.min_replicas
     assert doc["scaling"]["maxReplicas"] == f.max_replicas >= f.peak_replicas
@@ -163,12 +165,13 @@ def test_the_suggested_spec_parses_as_yaml_and_validates_against_the_operator_mo
     full = InferenceDeploymentSpec.model_validate(
         {"model": {"preset": "llama-3.1-8b"}, "gpu": {"type": "l4-24gb"}, **doc}
     )
-    assert full.traffic.prefix_hit_ratio == 0.45
-    assert "upper bound" in text
+    assert full.traffic.prefix_hit_ratio == 0.29
+    assert "the 46% ideal hit ratio saves prefill, not memory" in text
 
 
 def test_without_a_pod_the_suggestion_leaves_replicas_out_and_still_validates() -> None:
-    p = replace(profile(steady(seconds=600.0)), ideal_hit_ratio=0.9999)
+    p = replace(profile(steady(seconds=600.0)), ideal_hit_ratio=0.9999,
+                shared_in_flight={10: 0.9999})  # fmt: skip
     doc = yaml.safe_load(verdict.to_yaml(verdict.suggest(p, None, ScalingSpec(), False), []))
     assert "minReplicas" not in doc["scaling"] and "maxReplicas" not in doc["scaling"]
     assert doc["traffic"]["prefixHitRatio"] == 0.99  # the CRD takes < 1
@@ -225,3 +228,74 @@ def test_the_ideal_hit_ratio_of_a_scaled_trace_is_the_recorded_trace_s() -> None
     copies = scaled(trace, 3.0, seed=1, jitter_seconds=5.0)
     assert ideal_hit_ratio(trace) == 0.0 and ideal_hit_ratio(copies) == pytest.approx(2 / 3)
     assert profile(copies, recorded=trace).ideal_hit_ratio == 0.0
+
+
+def _blocks(trace: Trace, ids: list[tuple[int, ...]]) -> Trace:
+    return Trace(trace.name, trace.arrival, trace.prompt, trace.output, tuple(ids))
+
+
+def test_a_system_prompt_every_request_in_flight_holds_is_shared_in_flight() -> None:
+    # 20 in flight, each 1,000-token prompt two blocks (512 + 488 tokens): the first the same
+    # for all, held once for the 20.
+    trace = steady(seconds=600.0)
+    shared = shared_in_flight(_blocks(trace, [(0, 1 + i) for i in range(len(trace))]), 20, 1e4)
+    assert shared is not None
+    n = 2.0 * LIFETIME
+    assert np.median(shared) == pytest.approx((n - 1) * 512 / (n * HELD))
+
+
+def test_a_conversation_s_earlier_turns_are_hits_but_not_shared_in_flight() -> None:
+    # Two conversations side by side, each turn repeating its whole history 20 s after the last
+    # (done 10 s after it started): every block but the new one is a hit, none is shared.
+    turns = 30
+    arrival = np.repeat(np.arange(turns) * 20.0, 2) + np.tile([0.25, 0.5], turns)
+    ids = [tuple(range(c * 1000, c * 1000 + t + 1)) for t in range(turns) for c in (0, 1)]
+    prompt = np.array([512 * len(b) for b in ids])
+    trace = Trace("chat", arrival, prompt, np.full(len(ids), OUTPUT), tuple(ids))
+    assert ideal_hit_ratio(trace) > 0.9
+    shared = shared_in_flight(trace, 20, 1e4)
+    assert shared is not None and len(shared) > 0 and shared.max() == 0.0
+    p = profile(trace)
+    doc = yaml.safe_load(verdict.to_yaml(verdict.suggest(p, None, ScalingSpec(), False), []))
+    assert doc["traffic"]["prefixHitRatio"] == 0.0  # the sizing stores it once for all in flight
+
+
+def test_a_scaled_trace_s_copies_do_not_share_in_flight_what_the_recorded_trace_does_not() -> None:
+    n = 300
+    blocks = tuple((2 * i, 2 * i + 1) for i in range(n))
+    trace = Trace("distinct", np.arange(n, dtype=float), np.full(n, 1024), np.full(n, 10), blocks)
+    copies = scaled(trace, 3.0, seed=1, jitter_seconds=5.0)
+    assert profile(copies, recorded=trace).shared_in_flight == dict.fromkeys((10, 50, 90), 0.0)
+
+
+def test_a_spec_s_scaling_fields_come_with_the_block_that_replaces_its_scaling() -> None:
+    # Pasted, the block replaces the section: without the spec's scaleOutOccupancy the CRD's
+    # default 0.95 is below the kept targetOccupancy, and 0.99999 must not print as 1.0.
+    scaling = ScalingSpec.model_validate(
+        {
+            "targetOccupancy": 0.99999,
+            "scaleOutOccupancy": 1.0,
+            "mode": "advisory",
+            "intervalSeconds": 30,
+        }
+    )
+    p = profile(steady(seconds=600.0))
+    doc = yaml.safe_load(verdict.to_yaml(verdict.suggest(p, None, scaling, True), []))
+    assert doc["scaling"] == {
+        "targetOccupancy": 0.99999,
+        "forecastQuantile": 0.95,
+        "mode": "advisory",
+        "scaleOutOccupancy": 1.0,
+        "intervalSeconds": 30,
+    }
+    ScalingSpec.model_validate(doc["scaling"], strict=True)
+
+
+def test_burstiness_needs_ten_whole_windows_and_a_short_trace_reads_in_seconds() -> None:
+    # 90 of 100 requests in the first 5 s of 100: one 60 s window would read as regular (0.00).
+    arrival = np.sort(np.concatenate([np.linspace(0, 5, 90), np.linspace(5, 100, 10)]))
+    trace = Trace("front", arrival, np.full(100, 100), np.full(100, 10))
+    assert [b.window for b in profile(trace).burstiness] == [1.0, 10.0]
+    blink = Trace("blink", np.array([0.0, 1.5]), np.full(2, 100), np.full(2, 10))
+    text = profile_text(blink, 1.0, profile(blink), verdict.load(blink, 20, 1e4), None, (), "")
+    assert "over 1.5 s" in text

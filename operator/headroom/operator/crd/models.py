@@ -612,7 +612,13 @@ class TrafficSpec(CRDModel):
         ge=1, le=10_000_000, description="tokens per sequence, prompt + output, p95"
     )
     prefix_hit_ratio: float = Field(
-        default=0.0, ge=0.0, lt=1.0, description="expected share of prompt tokens found cached"
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        description=(
+            "share of each sequence's tokens that the sequences in flight hold together (a "
+            "shared prefix), stored once per pod; a prefix cache's hit ratio is an upper bound"
+        ),
     )
 
 

@@ -19,7 +19,12 @@ import numpy as np
 from headroom.operator.simulate.trace import Trace
 
 PERCENTILES = (50, 90, 95, 99)
+# Of the share of in-flight KV that requests in flight together hold once: the low one sizes.
+SHARED_PERCENTILES = (10, 50, 90)
 BURST_WINDOWS = (1.0, 10.0, 60.0)
+# A window's dispersion needs this many whole windows of the trace: the variance of one count is
+# 0 and would read as perfectly regular arrivals, whatever they were.
+MIN_BURST_WINDOWS = 10
 # Below this ideal hit ratio the prefix cache's bookkeeping buys little; above it, turn it on.
 PREFIX_WORTHWHILE = 0.10
 
@@ -53,6 +58,9 @@ class Profile:
     # An unlimited cache, from the block ids of the trace as recorded (not of a --rate copy);
     # None if it has none.
     ideal_hit_ratio: float | None
+    # Percentile -> share of in-flight KV that a paged cache holds once for several requests in
+    # flight (SHARED_PERCENTILES, over the seconds with two or more); None without block ids.
+    shared_in_flight: dict[int, float] | None
     decode_tps: float
     prefill_tps: float
 
@@ -122,6 +130,68 @@ def ideal_hit_ratio(trace: Trace) -> float | None:
     return int(size[hit].sum()) / total if total else None
 
 
+def shared_in_flight(
+    trace: Trace, decode_tps: float, prefill_tps: float, step: float = 1.0
+) -> np.ndarray | None:
+    """The share of in-flight KV tokens (as `in_flight` counts them) that a paged cache stores
+    once for several requests, at every `step` seconds with two or more in flight: a prompt block
+    another request in flight also holds. None without block ids.
+
+    This, not the ideal hit ratio, is what prefix sharing saves in memory: a block found cached
+    from a request that has finished is held again, by its new owner, like any other."""
+    if trace.prefix_blocks is None or not any(trace.prefix_blocks):
+        return None
+    ends = trace.arrival + trace.prompt / prefill_tps + trace.output / decode_tps
+    start = np.ceil(trace.arrival / step).astype(np.int64)
+    stop = np.ceil(ends / step).astype(np.int64)
+    bt = trace.prefix_block_tokens
+    # Each request's blocks with their token counts (the last may be partial).
+    blocks = [
+        [(h, min(bt, int(p) - j * bt)) for j, h in enumerate(ids) if int(p) > j * bt]
+        for ids, p in zip(trace.prefix_blocks, trace.prompt, strict=True)
+    ]
+    held = trace.prompt + trace.output / 2
+    by_start = np.argsort(start, kind="stable")
+    by_stop = np.argsort(stop, kind="stable")
+    holders: dict[int, int] = {}
+    shared = 0.0  # tokens held by a second (third, ...) holder of a block
+    total = 0.0
+    count = 0
+    i = j = 0
+    out: list[float] = []
+    for k in range(int(start.min()), int(stop.max()) + 1):
+        # A request counts at k for start <= k < stop (as in in_flight): leave, then arrive.
+        while j < len(by_stop) and stop[by_stop[j]] <= k:
+            r = int(by_stop[j])
+            j += 1
+            if start[r] >= stop[r]:
+                continue  # never sampled in flight
+            for h, n in blocks[r]:
+                c = holders[h] - 1
+                if c:
+                    holders[h] = c
+                    shared -= n
+                else:
+                    del holders[h]
+            total -= held[r]
+            count -= 1
+        while i < len(by_start) and start[by_start[i]] <= k:
+            r = int(by_start[i])
+            i += 1
+            if start[r] >= stop[r]:
+                continue
+            for h, n in blocks[r]:
+                c = holders.get(h, 0)
+                holders[h] = c + 1
+                if c:
+                    shared += n
+            total += held[r]
+            count += 1
+        if count >= 2 and total > 0:
+            out.append(min(1.0, max(0.0, shared / total)))
+    return np.asarray(out)
+
+
 def profile(
     trace: Trace,
     decode_tps: float = 20.0,
@@ -129,10 +199,13 @@ def profile(
     recorded: Trace | None = None,
 ) -> Profile:
     """Profile `trace` under the given service rates. `recorded`: the trace `trace` was scaled
-    from (`--rate`), whose prompts give the ideal hit ratio: a scaled copy replays each request
-    several times, and its copies would find each other's whole prompts cached."""
+    from (`--rate`), whose prompts give the prefix figures: a scaled copy replays each request
+    several times, and its copies would find each other's whole prompts cached (and would share
+    them in flight)."""
     count, tokens = in_flight(trace, decode_tps, prefill_tps)
     duration = max(trace.duration, 1e-9)
+    source = recorded if recorded is not None else trace
+    shared = shared_in_flight(source, decode_tps, prefill_tps)
     return Profile(
         name=trace.name,
         requests=len(trace),
@@ -145,8 +218,18 @@ def profile(
         context=_pct(trace.prompt + trace.output),
         prompt=_pct(trace.prompt),
         output=_pct(trace.output),
-        burstiness=tuple(burstiness(trace, w) for w in BURST_WINDOWS if w < duration),
-        ideal_hit_ratio=ideal_hit_ratio(recorded if recorded is not None else trace),
+        burstiness=tuple(
+            burstiness(trace, w) for w in BURST_WINDOWS if w * MIN_BURST_WINDOWS <= duration
+        ),
+        ideal_hit_ratio=ideal_hit_ratio(source),
+        shared_in_flight=(
+            None
+            if shared is None
+            else {
+                q: float(np.percentile(shared, q)) if len(shared) else 0.0
+                for q in SHARED_PERCENTILES
+            }
+        ),
         decode_tps=decode_tps,
         prefill_tps=prefill_tps,
     )

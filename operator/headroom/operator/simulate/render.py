@@ -32,6 +32,8 @@ def _num(x: float) -> str:
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.1f} s"
     return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.1f} min"
 
 
@@ -112,6 +114,14 @@ def profile_text(
             f"upper bound{recorded})",
             18,
         )
+        if p.shared_in_flight is not None:
+            shared = ", ".join(f"p{q} {v:.1%}" for q, v in p.shared_in_flight.items())
+            lines += _wrapped(
+                "",
+                f"shared in flight: {shared} of the KV requests in flight hold together, "
+                "what sharing saves in memory (seconds with two or more in flight)",
+                18,
+            )
     if f is not None:
         lines += _wrapped(
             "pod",

@@ -9,7 +9,9 @@ Pods are counted on the KV the requests hold in flight with no prefix sharing, a
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import textwrap
 from dataclasses import dataclass
 
@@ -18,7 +20,12 @@ import numpy as np
 from headroom.contract.budget import Plan, plan
 from headroom.operator.crd.models import InferenceDeploymentSpec, ScalingSpec
 from headroom.operator.reconcile.sizing import Sizing, plan_input
-from headroom.operator.simulate.profile import PREFIX_WORTHWHILE, Profile, in_flight
+from headroom.operator.simulate.profile import (
+    PREFIX_WORTHWHILE,
+    SHARED_PERCENTILES,
+    Profile,
+    in_flight,
+)
 from headroom.operator.simulate.trace import Trace
 
 LOW_PERCENTILE = 5  # minReplicas holds this percentile of the in-flight KV
@@ -77,7 +84,7 @@ class Entry:
     """One suggested field, with the comment that says where its value comes from."""
 
     key: str
-    value: int | float
+    value: int | float | str
     comment: str
 
 
@@ -274,14 +281,20 @@ def suggest(
         ),
         context_entry,
     ]
-    if hit is None:
+    shared = profile.shared_in_flight
+    if hit is None or shared is None:
         traffic.append(Entry("prefixHitRatio", 0.0, "unknown: the trace has no block hashes"))
     else:
+        # The sizing stores this share of each sequence once for all in flight: only blocks
+        # requests in flight hold together save memory. A hit on a block of a request that
+        # has finished saves its prefill, and then the block is held again like any other.
+        low = SHARED_PERCENTILES[0]
         traffic.append(
             Entry(
                 "prefixHitRatio",
-                min(0.99, math.floor(hit * 100) / 100),
-                "an unlimited cache's ideal: an upper bound",
+                min(0.99, math.floor(shared[low] * 100 + 1e-9) / 100),
+                f"p{low} of the KV requests in flight share (the {hit:.0%} ideal hit ratio "
+                "saves prefill, not memory)",
             )
         )
     whose = "your spec's" if from_spec else "the CRD default"
@@ -311,10 +324,20 @@ def suggest(
             f"{whose}: forecast band sized for; `headroom simulate` tunes it",
         ),
     ]
+    if from_spec:
+        # Pasted, this block replaces the spec's whole scaling section: what it leaves out
+        # would fall back to the CRD defaults, which the fields it keeps may contradict
+        # (targetOccupancy 0.96 needs the spec's scaleOutOccupancy above it).
+        shown = {e.key for e in rows}
+        for name, field in ScalingSpec.model_fields.items():
+            key = field.alias or name
+            value = getattr(scaling, name)
+            if name in scaling.model_fields_set and key not in shown and value is not None:
+                rows.append(Entry(key, value, "your spec's"))
     return {"traffic": tuple(traffic), "scaling": tuple(rows)}
 
 
-def wire(suggestion: dict[str, tuple[Entry, ...]]) -> dict[str, dict[str, int | float]]:
+def wire(suggestion: dict[str, tuple[Entry, ...]]) -> dict[str, dict[str, int | float | str]]:
     """The suggestion as the spec's fields."""
     return {section: {e.key: e.value for e in rows} for section, rows in suggestion.items()}
 
@@ -348,6 +371,14 @@ def maxlen_note(
     )
 
 
+def _scalar(value: int | float | str) -> str:
+    """A value as YAML reads it back exactly: a float in full (0.99999 rounded to 1.0 is a
+    targetOccupancy the CRD refuses), a word plain, anything else quoted."""
+    if isinstance(value, str):
+        return value if re.fullmatch(r"[a-z][A-Za-z0-9-]*", value) else json.dumps(value)
+    return str(value) if isinstance(value, int) else repr(float(value))
+
+
 def to_yaml(suggestion: dict[str, tuple[Entry, ...]], notes: list[str]) -> str:
     """The suggestion as YAML to paste under `spec:`, each value with its comment."""
     lines = ["# spec.traffic and spec.scaling: paste under spec: of your InferenceDeployment"]
@@ -356,7 +387,6 @@ def to_yaml(suggestion: dict[str, tuple[Entry, ...]], notes: list[str]) -> str:
     for section, rows in suggestion.items():
         lines.append(f"{section}:")
         for e in rows:
-            value = e.value if isinstance(e.value, int) else round(float(e.value), 4)
-            text = f"  {e.key}: {value}"
+            text = f"  {e.key}: {_scalar(e.value)}"
             lines.append(f"{text:<{YAML_COMMENT_COLUMN}} # {e.comment}")
     return "\n".join(lines) + "\n"
