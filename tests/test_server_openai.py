@@ -164,6 +164,39 @@ def test_chat_without_max_tokens_fills_the_context_limit(client: openai.OpenAI) 
     assert out.usage.prompt_tokens + out.usage.completion_tokens == MAX_MODEL_LEN
 
 
+def test_each_prompt_gets_its_own_budget_without_max_tokens(client: openai.OpenAI) -> None:
+    # As vLLM: max_tokens null gives each prompt the room it leaves, not the least room of all.
+    prompts = ["x" * 300, "x" * 450]  # 301 and 451 tokens with BOS: room for 211 and 61
+    kw = dict(model="tiny-test", prompt=prompts, max_tokens=None, temperature=0, n=2,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    out = client.completions.create(**kw)  # type: ignore[call-overload]
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert all(c.finish_reason == "length" for c in out.choices)
+    assert out.usage is not None and out.usage.prompt_tokens == 301 + 451
+    assert out.usage.completion_tokens == 2 * (211 + 61)
+    chunks = list(client.completions.create(  # type: ignore[call-overload]
+        stream=True, stream_options={"include_usage": True}, **kw))  # fmt: skip
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2 * (211 + 61)
+
+
+def test_chat_rejections_name_the_fields_the_request_sent(client: openai.OpenAI) -> None:
+    # OpenAI and vLLM name the field the client sent: a chat request has no `prompt`, and
+    # may give its budget as `max_completion_tokens`.
+    short = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match="leaving no room") as info:
+        client.chat.completions.create(
+            model="tiny-test", messages=[{"role": "user", "content": "x" * 600}]
+        )
+    assert (info.value.param, info.value.code) == ("messages", "context_length_exceeded")
+    with pytest.raises(openai.BadRequestError, match=r"\+ max_completion_tokens 600 =") as info:
+        client.chat.completions.create(model="tiny-test", messages=short, max_completion_tokens=600)
+    assert info.value.param == "max_completion_tokens"
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match=r"\+ max_tokens 600 =") as info:
+        client.chat.completions.create(model="tiny-test", messages=short, max_tokens=600)
+    assert info.value.param == "max_tokens"
+
+
 def test_too_long_request_is_a_bad_request_with_both_numbers(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny-test", prompt="x" * 100, max_tokens=450)

@@ -102,6 +102,44 @@ def test_unsupported_settings_are_refused_by_name(body: dict[str, Any], word: st
     assert "not supported" in message
 
 
+@pytest.mark.parametrize(
+    ("model", "body", "field"),
+    [
+        (CompletionRequest, {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        (ChatCompletionRequest, {"frequency_penalty": -1.0}, "frequency_penalty"),
+        (CompletionRequest, {"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+        (CompletionRequest, {"prompt": "x", "echo": True}, "echo"),
+        (CompletionRequest, {"prompt": "x", "suffix": "z"}, "suffix"),
+        (CompletionRequest, {"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    ],
+)  # fmt: skip
+def test_unsupported_settings_name_their_field_as_param(
+    model: type[BaseModel], body: dict[str, Any], field: str
+) -> None:
+    # OpenAI and vLLM put the offending field in `param`; these were null (model-level checks).
+    if model is ChatCompletionRequest:
+        body = {"messages": [{"role": "user", "content": "a"}], **body}
+    message, param = _error(model, body)
+    assert param == field and "not supported" in message, message
+
+
+def test_stream_options_without_stream_is_refused_naming_the_field() -> None:
+    # vLLM (and OpenAI) answer 400 instead of silently ignoring the options.
+    options = {"stream_options": {"include_usage": True}}
+    msgs = [{"role": "user", "content": "a"}]
+    for model, body in (
+        (CompletionRequest, {"prompt": "x"}),
+        (ChatCompletionRequest, {"messages": msgs}),
+    ):
+        for stream in ({}, {"stream": False}):
+            message, param = _error(model, {**body, **stream, **options})
+            assert param == "stream_options" and "stream=True" in message, message
+        assert model.model_validate({**body, "stream": True, **options})
+        # As vLLM: null or empty options set nothing, so they pass.
+        assert model.model_validate({**body, "stream_options": None})
+        assert model.model_validate({**body, "stream_options": {}})
+
+
 def test_neutral_values_of_unsupported_settings_pass() -> None:
     req = CompletionRequest.model_validate(
         {"prompt": "x", "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": None,
@@ -139,7 +177,8 @@ def test_chat_message_parts_and_max_tokens_alias() -> None:
             "max_completion_tokens": 7,
         }
     )  # fmt: skip
-    assert req.messages[0].text == "ab"
+    # Text parts are joined by newlines, as vLLM renders them.
+    assert req.messages[0].text == "a\nb"
     assert req.requested_max_tokens == 7
     _, param = _error(
         ChatCompletionRequest,

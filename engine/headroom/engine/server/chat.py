@@ -66,7 +66,11 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
     req = await parse_request(request, ChatCompletionRequest)
     model = check_model(st, req.model)
     ids = _chat_prompt(st, req)
-    params = sampling_params(req, check_prompts(st, [ids], req.requested_max_tokens))
+    budgets = check_prompts(
+        st, [ids], req.requested_max_tokens,
+        prompt_field="messages", max_tokens_field=req.max_tokens_field,
+    )  # fmt: skip
+    params = sampling_params(req, budgets)
     rid = new_id("chatcmpl")
     if req.stream:
         return await _stream_chat(request, st, rid, model, ids, params, req)
@@ -96,7 +100,7 @@ async def _stream_chat(
     rid: str,
     model: str,
     ids: list[int],
-    params: SamplingParams,
+    params: list[SamplingParams],
     req: ChatCompletionRequest,
 ) -> web.StreamResponse:
     created = now()

@@ -65,7 +65,7 @@ async def _stream_completion(
     rid: str,
     model: str,
     prompts: list[list[int]],
-    params: SamplingParams,
+    params: list[SamplingParams],
     req: CompletionRequest,
     prompt_tokens: int,
 ) -> web.StreamResponse:

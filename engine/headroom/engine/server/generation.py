@@ -18,6 +18,7 @@ from headroom.engine.sampling import SamplingParams
 from headroom.engine.server.errors import APIError, from_validation_error, rejected
 from headroom.engine.server.protocol import ChatCompletionRequest, CompletionRequest, Usage
 from headroom.engine.server.state import ServerState
+from headroom.engine.validation import resolve_max_tokens
 
 
 @dataclass
@@ -25,26 +26,34 @@ class _Job:
     index: int
     request_id: str
     prompt_ids: list[int]
+    params: SamplingParams
     finished: bool = False
 
 
 class Generation:
-    """One HTTP request's engine requests (one per prompt), merged into one event stream of
-    `(prompt_index, RequestOutput)`. Use as `async with`: leaving aborts what is unfinished."""
+    """One HTTP request's engine requests (one per prompt, each with its own parameters: its
+    own output budget), merged into one event stream of `(prompt_index, RequestOutput)`. Use as
+    `async with`: leaving aborts what is unfinished."""
 
     def __init__(
-        self, st: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams
+        self,
+        st: ServerState,
+        base_id: str,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
     ) -> None:
-        assert st.engine is not None
+        assert st.engine is not None and len(params) == len(prompts)
         self._engine = st.engine
-        self.jobs = [_Job(i, f"{base_id}-{i}", ids) for i, ids in enumerate(prompts)]
-        self._params = params
+        self.jobs = [
+            _Job(i, f"{base_id}-{i}", ids, p)
+            for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
+        ]
         self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
 
     async def _pump(self, job: _Job) -> None:
         try:
-            stream = self._engine.stream(job.request_id, job.prompt_ids, self._params)
+            stream = self._engine.stream(job.request_id, job.prompt_ids, job.params)
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     if out.finished:
@@ -110,25 +119,42 @@ def check_model(st: ServerState, model: str | None) -> str:
     return name
 
 
-def check_prompts(st: ServerState, prompts: list[list[int]], max_tokens: int | None) -> int:
-    """One output budget for all prompts, by the engine's own rules (`RequestRejected` names
-    the field); with no max_tokens given, the least room left among the prompts."""
+def check_prompts(
+    st: ServerState,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    *,
+    prompt_field: str = "prompt",
+    max_tokens_field: str = "max_tokens",
+) -> list[int]:
+    """Each prompt's output budget, by the engine's own rules (`RequestRejected` names the
+    field as the request sent it); with no max_tokens given, all the room that prompt leaves,
+    as vLLM does per prompt (not the least room among them)."""
     assert st.engine is not None
     engine = st.engine
-    return min(
-        engine.check_request(ids, max_tokens, where=f"prompt {i}" if i else "prompt")
-        for i, ids in enumerate(prompts)
-    )
+    budgets = []
+    for i, ids in enumerate(prompts):
+        where = f"prompt {i}" if i else "prompt"
+        # The length rules first with the request's own field names (chat's `messages` and
+        # `max_completion_tokens`), which the engine's check cannot know; then the engine's
+        # whole check (empty prompt, vocabulary), whose budget is the same.
+        resolve_max_tokens(
+            len(ids), max_tokens, engine.max_model_len, where=where,
+            prompt_param=prompt_field, max_tokens_param=max_tokens_field,
+        )  # fmt: skip
+        budgets.append(engine.check_request(ids, max_tokens, where=where))
+    return budgets
 
 
 def sampling_params(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int
-) -> SamplingParams:
-    """The request's sampling fields as the engine's `SamplingParams` (400 naming a bad one)."""
+    req: CompletionRequest | ChatCompletionRequest, budgets: list[int]
+) -> list[SamplingParams]:
+    """The request's sampling fields as the engine's `SamplingParams`, one per prompt with that
+    prompt's output budget (400 naming a bad field)."""
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=req.n,
-            max_tokens=max_tokens,
+            max_tokens=budgets[0],
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
@@ -139,6 +165,8 @@ def sampling_params(
         )
     except ValidationError as e:
         raise from_validation_error(e) from e
+    # The other budgets passed the same rules in `check_prompts` (each at least 1).
+    return [params] + [params.model_copy(update={"max_tokens": b}) for b in budgets[1:]]
 
 
 @dataclass

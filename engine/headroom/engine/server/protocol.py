@@ -18,9 +18,9 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
     field_validator,
     model_serializer,
-    model_validator,
 )
 
 from headroom.engine.sampling import MAX_STOP_TOKEN_IDS
@@ -76,13 +76,30 @@ class _SamplingFields(_Request):
             raise ValueError("stop strings must not be empty")
         return v
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> _SamplingFields:
-        _neutral("presence_penalty", self.presence_penalty, 0.0)
-        _neutral("frequency_penalty", self.frequency_penalty, 0.0)
-        if self.logit_bias:
+    # The unsupported settings are checked per field, not on the whole model, so the error's
+    # `param` names the field (as OpenAI's and vLLM's do), not null.
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _check_penalty(cls, v: float | None, info: ValidationInfo) -> float | None:
+        _neutral(str(info.field_name), v, 0.0)
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
             raise ValueError("logit_bias is not supported by this server")
-        return self
+        return v
+
+    @field_validator("stream_options", mode="before")
+    @classmethod
+    def _check_stream_options(cls, v: Any, info: ValidationInfo) -> Any:
+        # As vLLM and OpenAI: options of a stream that is not asked for are a mistake to
+        # report, not to ignore (null or {} set nothing). `stream` is declared first, so it
+        # is already in `info.data`.
+        if v and not info.data.get("stream"):
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return v
 
     @property
     def stop_list(self) -> list[str]:
@@ -131,13 +148,27 @@ class CompletionRequest(_SamplingFields):
             raise ValueError(f"logprobs={v!r} is not supported by this server (only null)")
         return v
 
-    @model_validator(mode="after")
-    def _unsupported_completion(self) -> CompletionRequest:
-        _neutral("echo", self.echo, False)
-        _neutral("suffix", self.suffix, "")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of={self.best_of} is not supported (only best_of == n)")
-        return self
+    @field_validator("echo")
+    @classmethod
+    def _check_echo(cls, v: bool) -> bool:
+        _neutral("echo", v, False)
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _check_suffix(cls, v: str | None) -> str | None:
+        _neutral("suffix", v, "")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, v: int | None, info: ValidationInfo) -> int | None:
+        # `n` (a shared field) is validated before this one; when `n` itself is invalid its
+        # own error is the one to report.
+        n = info.data.get("n")
+        if v is not None and n is not None and v != n:
+            raise ValueError(f"best_of={v} is not supported (only best_of == n)")
+        return v
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) of this request, one entry per engine request."""
@@ -165,7 +196,8 @@ class ChatMessage(_Request):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        # Parts joined by newlines, as vLLM's chat_utils renders a list of text parts.
+        return "\n".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -195,6 +227,11 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The output-budget field this request sent, for errors to name it."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
 
 # --- responses -----------------------------------------------------------------------------
