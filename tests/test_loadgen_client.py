@@ -124,8 +124,11 @@ def test_duration_mode_chat_endpoint_without_stats(
 
 
 def test_bad_flags_and_unreachable_server(capsys: pytest.CaptureFixture[str]) -> None:
+    # A rule across flags names the flags, not the spec's fields.
     assert _load("--shared-prefix-fraction", "0.5") == 2
-    assert "prefix_len" in capsys.readouterr().err
+    assert "--shared-prefix-fraction > 0 needs --prefix-len > 0" in capsys.readouterr().err
+    assert _load("--ramp-to", "4") == 2
+    assert "a ramp over a request count needs --ramp-duration" in capsys.readouterr().err
     assert _load("--url", f"http://127.0.0.1:{free_port()}", "-n", "1") == 2
     assert "headroom load:" in capsys.readouterr().err
     for flags, says in (

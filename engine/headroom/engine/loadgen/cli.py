@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -173,7 +174,15 @@ def _flag_errors(err: ValidationError) -> str:
         field = ".".join(str(x) for x in e["loc"])
         flag = flags.get(field, "--" + field.replace("_", "-").replace(".mean", "-len")) if field \
             else "workload"  # fmt: skip
-        parts.append(f"{flag}: {str(e['msg']).removeprefix('Value error, ')}")
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        if not field:
+            # A rule across fields names them as the spec does; the user typed flags.
+            msg = re.sub(
+                r"\b(?:" + "|".join(WorkloadSpec.model_fields) + r")\b",
+                lambda m: flags.get(m[0], "--" + m[0].replace("_", "-")),
+                msg,
+            )
+        parts.append(f"{flag}: {msg}")
     return "; ".join(parts)
 
 
