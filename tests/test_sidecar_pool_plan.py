@@ -44,7 +44,7 @@ def test_a_plan_of_no_blocks_exits_2_naming_the_flag(
     value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert run(_args("--planned-blocks", value)) == 2
-    assert "planned_blocks" in capsys.readouterr().err
+    assert "--planned-blocks: " in capsys.readouterr().err
 
 
 def test_a_plan_that_is_not_a_number_exits_2() -> None:

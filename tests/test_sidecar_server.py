@@ -170,17 +170,22 @@ def _free_port() -> int:
 @pytest.mark.parametrize(
     ("flags", "complaint"),
     [
-        (["--engine-url", "localhost:8000"], "engine_url must be http(s)"),
-        (["--engine-url", "http://127.0.0.1:99999"], "engine_url must be http(s)"),
-        (["--engine-url", "http://x:1", "--interval", "1", "--timeout", "2"], "must not exceed"),
-        (["--engine-url", "http://x:1", "--window", "0"], "window"),
+        # Each error names the flag the user typed, a rule across flags too.
+        (["--engine-url", "localhost:8000"], "--engine-url must be http(s)://HOST:PORT"),
+        (["--engine-url", "http://127.0.0.1:99999"], "--engine-url must be http(s)"),
+        (
+            ["--engine-url", "http://x:1", "--interval", "1", "--timeout", "2"],
+            "--timeout (2.0 s) must not exceed --interval (1.0 s)",
+        ),
+        (["--engine-url", "http://x:1", "--window", "0"], "--window: Input should be greater"),
+        (["--engine-url", "http://x:1", "--page-size", "0"], "--page-size: Input should be"),
         # An endless window would keep every sample, and each scrape would walk them all.
         (["--engine-url", "http://x:1", "--window", "inf"], "finite"),
-        (["--engine-url", "http://x:1", "--forecast-window", "1e308"], "forecast_window"),
+        (["--engine-url", "http://x:1", "--forecast-window", "1e308"], "--forecast-window: "),
         # Too short to hold the polls a forecast or a rate needs: they would never be exported.
         (["--engine-url", "http://x:1", "--forecast-window", "0.5"], "must hold 3 polls"),
-        (["--engine-url", "http://x:1", "--window", "0.5"], "at least one poll interval"),
-        (["--engine-url", "http://x:1", "--port", "70000"], "port"),
+        (["--engine-url", "http://x:1", "--window", "0.5"], "at least one --interval (1 s)"),
+        (["--engine-url", "http://x:1", "--port", "70000"], "--port: "),
         (["--engine-url", "http://x:1", "--source", "tgi"], "invalid choice"),
     ],
 )

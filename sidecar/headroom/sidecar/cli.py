@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -118,14 +119,34 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
     )
 
 
+def _flag(field: str) -> str:
+    return "--" + field.removeprefix("labels.").replace("_", "-")
+
+
+def flag_errors(exc: ValidationError) -> list[str]:
+    """Each error under the flag the user typed (`--page-size`, not `page_size`); a rule across
+    fields names them as flags too."""
+    out = []
+    for err in exc.errors(include_url=False):
+        field = ".".join(str(p) for p in err["loc"])
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if not field:
+            msg = re.sub(
+                r"\b(?:" + "|".join(SidecarConfig.model_fields) + r")\b",
+                lambda m: _flag(m[0]),
+                msg,
+            )
+        out.append(f"{_flag(field)}: {msg}" if field else msg)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the sidecar until SIGTERM/SIGINT; returns the exit code."""
     try:
         cfg = config_from_args(args)
     except ValidationError as exc:
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "config"
-            print(f"headroom sidecar: {where}: {err['msg']}", file=sys.stderr)
+        for line in flag_errors(exc):
+            print(f"headroom sidecar: {line}", file=sys.stderr)
         return 2
     level = logging.getLevelName(str(args.log_level).upper())
     if not isinstance(level, int):

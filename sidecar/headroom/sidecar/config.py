@@ -75,14 +75,14 @@ class SidecarConfig(BaseModel):
         except ValueError:
             port = -1
         if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
-            raise ValueError(f"engine_url must be http(s)://host:port, got {self.engine_url!r}")
+            raise ValueError(f"engine_url must be http(s)://HOST:PORT, got {self.engine_url!r}")
         key = self.api_key.get_secret_value() if self.api_key else ""
         if any(ord(c) < 32 or ord(c) == 127 for c in key):
             # An HTTP header cannot carry it (a multi-line Secret, say).
             raise ValueError(f"${API_KEY_ENV} holds a control character")
         if self.window < self.interval:
             raise ValueError(
-                f"window ({self.window:g} s) must hold at least one poll interval "
+                f"window ({self.window:g} s) must hold at least one interval "
                 f"({self.interval:g} s)"
             )
         fit = (self.min_forecast_points - 1) * self.interval
