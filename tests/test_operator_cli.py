@@ -95,20 +95,29 @@ def test_peering_priority_and_rate_window_flags() -> None:
     assert args.prometheus_rate_window == "4m"
 
 
+def test_namespace_globs_negations_and_a_prometheus_url_are_taken() -> None:
+    from headroom.operator.handlers import Options
+
+    o = Options(namespaces=["team-*", "!kube-*", "a"], prometheus_url="http://prom.mon:9090/x")
+    assert o.namespaces == ["team-*", "!kube-*", "a"]
+
+
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["--priority", "5"], "--priority: Value error, a peering priority needs --peering"),
+        (["--priority", "5"], "--priority: a peering priority needs --peering"),
         (["--peering", "p", "--priority", "-1"], "--priority:"),
-        (["--prometheus-rate-window", "60"], "--prometheus-rate-window: Value error, '60' is not"),
-        (
-            ["--prometheus-rate-window", "0s"],
-            "--prometheus-rate-window: Value error, 0s is outside",
-        ),
+        (["--prometheus-rate-window", "60"], "--prometheus-rate-window: '60' is not"),
+        (["--prometheus-rate-window", "0s"], "--prometheus-rate-window: 0s is outside"),
         (["--prometheus-rate-window", "2h"], "--prometheus-rate-window:"),
+        # Each would watch nothing, or fail every scaling tick, and say so only in its logs.
+        (["--namespace", ""], "--namespace: '' is not a namespace name or glob"),
+        (["--namespace", "Team-A"], "--namespace: 'Team-A' is not a namespace name"),
+        (["--prometheus-url", "prometheus:9090"], "--prometheus-url: must be an http://"),
+        (["--prometheus-url", "http://p:99999"], "--prometheus-url: must be an http://"),
     ],
 )
-def test_a_priority_or_rate_window_that_cannot_work_is_exit_2(
+def test_a_flag_that_cannot_work_is_exit_2(
     argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = parser().parse_args(["operator", *argv])

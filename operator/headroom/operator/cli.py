@@ -132,8 +132,10 @@ def run_operator(args: argparse.Namespace) -> int:
         )
     except ValidationError as exc:
         first = exc.errors()[0]
-        flag = str(first["loc"][0]).replace("_", "-")
-        print(f"headroom operator: --{flag}: {first['msg']}", file=sys.stderr)
+        field = str(first["loc"][0])
+        flag = "namespace" if field == "namespaces" else field.replace("_", "-")
+        msg = str(first["msg"]).removeprefix("Value error, ")
+        print(f"headroom operator: --{flag}: {msg}", file=sys.stderr)
         return 2
     try:
         kube = Kube.connect(options.kubeconfig)

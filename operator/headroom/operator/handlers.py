@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 import time
 from collections.abc import Callable
 from ipaddress import IPv4Address
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 import aiohttp
 import kopf
@@ -87,6 +89,33 @@ class Options(BaseModel):
         default=None, ge=0, description="kopf peering priority; None: drawn at startup"
     )
     max_workers: int = Field(default=8, ge=1, le=64)
+
+    @field_validator("namespaces")
+    @classmethod
+    def _namespace_patterns(cls, value: list[str]) -> list[str]:
+        # kopf takes names, globs (team-*) and negations (!kube-*): an empty one, or one no
+        # namespace can match, would watch nothing and say nothing.
+        for ns in value:
+            if not re.fullmatch(r"!?[a-z0-9*?\[\]-]{1,63}", ns):
+                raise ValueError(
+                    f"{ns!r} is not a namespace name or glob (lowercase letters, digits, '-', "
+                    "'*', '?', '[...]', a leading '!' to exclude; at most 63 characters)"
+                )
+        return value
+
+    @field_validator("prometheus_url")
+    @classmethod
+    def _an_http_url(cls, value: str | None) -> str | None:
+        # Checked at start: a typo (no scheme) would otherwise fail every scaling tick.
+        if value is not None:
+            parts = urlsplit(value)
+            try:
+                parts.port  # noqa: B018 (raises on a port past 65535 or not a number)
+            except ValueError:
+                parts = parts._replace(netloc="")
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"must be an http:// or https:// URL with a host, got {value!r}")
+        return value
 
     @field_validator("prometheus_rate_window")
     @classmethod
