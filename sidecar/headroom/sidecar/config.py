@@ -82,8 +82,7 @@ class SidecarConfig(BaseModel):
             raise ValueError(f"${API_KEY_ENV} holds a control character")
         if self.window < self.interval:
             raise ValueError(
-                f"window ({self.window:g} s) must hold at least one interval "
-                f"({self.interval:g} s)"
+                f"window ({self.window:g} s) must hold at least one interval ({self.interval:g} s)"
             )
         fit = (self.min_forecast_points - 1) * self.interval
         if self.forecast_window < fit:
