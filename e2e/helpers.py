@@ -385,6 +385,9 @@ class Operator:
             *headroom_argv(),
             "operator",
             "--all-namespaces",
+            # The scenarios' specs name their own Prometheus, on this machine.
+            "--allow-prometheus-url",
+            "http://127.0.0.1:*",
             "--kubeconfig",
             str(self.kubeconfig),
             "--metrics-port",

@@ -139,6 +139,7 @@ def test_operator_deployment_follows_the_values(helm: Path) -> None:
             helm,
             "operator.watchNamespaces={team-a,team-b}",
             "operator.prometheusUrl=http://prom.monitoring:9090",
+            "operator.allowedPrometheusURLs={http://*.monitoring.svc:9090}",
             "operator.healthPort=9000",
             "image.tag=9.9.9",
         ),
@@ -153,6 +154,7 @@ def test_operator_deployment_follows_the_values(helm: Path) -> None:
     assert "--namespace=team-a" in args and "--namespace=team-b" in args
     assert "--all-namespaces" not in args
     assert "--prometheus-url=http://prom.monitoring:9090" in args
+    assert "--allow-prometheus-url=http://*.monitoring.svc:9090" in args
     assert "--liveness-port=9000" in args
     # In a pod the kubelet probes, and the Service scrapes, the pod IP: bind all by default.
     assert "--metrics-host=0.0.0.0" in args and "--liveness-host=0.0.0.0" in args

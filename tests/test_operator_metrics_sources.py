@@ -257,6 +257,71 @@ async def test_prometheus_source_without_url_or_server() -> None:
             await PrometheusSource(http, f"http://127.0.0.1:{port}", timeout=2).sample(TARGET, [])
 
 
+async def _answering(handler: Any) -> tuple[web.Application, list[str]]:
+    """An app answering every GET and POST with `handler`, and the paths it was asked."""
+    asked: list[str] = []
+
+    async def any_path(request: web.Request) -> web.StreamResponse:
+        asked.append(request.path_qs)
+        return await handler(request)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", any_path)
+    return app, asked
+
+
+async def test_a_spec_s_prometheus_url_is_asked_only_where_the_operator_allows() -> None:
+    # Whoever may create an InferenceDeployment must not pick where the operator sends requests
+    # (an internal admin endpoint, a cloud metadata service).
+    async def ok(_: web.Request) -> web.Response:
+        doc = {"status": "success", "data": {"resultType": "vector", "result": []}}
+        return web.json_response(doc)
+
+    app, asked = await _answering(ok)
+    async with TestServer(app, host="127.0.0.1") as srv, aiohttp.ClientSession() as http:
+        url = f"http://127.0.0.1:{srv.port}/admin/flush?x="
+        spec = ScrapeTarget("llm", "chat", url)
+        with pytest.raises(MetricsError, match="--allow-prometheus-url"):
+            await PrometheusSource(http, "http://prometheus:9090").sample(spec, [])
+        assert asked == []
+        allowed = PrometheusSource(http, allowed=(f"http://127.0.0.1:{srv.port}/*",))
+        assert await allowed.sample(spec, []) == {}
+        assert len(asked) == 1
+        # The operator's own is always allowed, named by the spec or not.
+        own = PrometheusSource(http, f"http://127.0.0.1:{srv.port}")
+        assert await own.sample(ScrapeTarget("llm", "chat", own.default_url), []) == {}
+
+
+async def test_a_redirect_is_not_followed_and_an_endless_answer_not_read_whole() -> None:
+    # A pod's sidecar (its image is the tenant's choice) or a Prometheus may answer anything:
+    # a redirect elsewhere, or a body that would exhaust the operator's memory.
+    async def redirect(_: web.Request) -> web.Response:
+        raise web.HTTPFound("/latest/meta-data/iam/security-credentials/")
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for _ in range(64):  # 32 MiB in 512 KiB writes, stopped by the reader
+            await resp.write(b" " * (512 << 10))
+        return resp
+
+    for handler in (redirect, endless):
+        app, asked = await _answering(handler)
+        async with TestServer(app, host="127.0.0.1") as srv, aiohttp.ClientSession() as http:
+            pods = [PodInfo("chat-0", "127.0.0.1", True, 0.0)]
+            assert await SidecarSource(http, port=srv.port).sample(TARGET, pods) == {}
+            prom = PrometheusSource(http, f"http://127.0.0.1:{srv.port}", timeout=30)
+            with pytest.raises(MetricsError, match=r"HTTP 302|over 16,777,216 bytes"):
+                await prom.sample(TARGET, pods)
+        assert all("meta-data" not in a for a in asked), asked
+
+
+def test_a_prometheus_error_is_quoted_short_in_status() -> None:
+    with pytest.raises(MetricsError) as err:
+        parse_prometheus({"status": "error", "error": "x" * 10_000})
+    assert len(str(err.value)) < 300
+
+
 def test_rate_windows_are_promql_durations_within_reason() -> None:
     assert [rate_window_seconds(w) for w in ("1m", "90s", "1m30s", "4m", "1h")] == [
         60, 90, 90, 240, 3600,

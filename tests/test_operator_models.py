@@ -281,3 +281,25 @@ def test_examples_put_their_pods_on_their_gpu_type(path: Path) -> None:
     spec = InferenceDeploymentSpec.model_validate(yaml.safe_load(path.read_text())["spec"])
     assert spec.gpu.type == "h100-80gb"
     assert spec.gpu.node_selector == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+
+
+@pytest.mark.parametrize(
+    ("url", "ok"),
+    [
+        ("http://prometheus-operated.monitoring:9090", True),
+        ("https://prom.example.com/prometheus/", True),
+        ("http://[fd00::1]:9090", True),
+        ("http://internal-admin:8080/flush?confirm=yes&x=", False),  # a query bends the path
+        ("http://prom:9090/#", False),
+        ("http://user:pass@prom:9090", False),
+        ("prom:9090", False),
+        ("file:///etc/passwd", False),
+    ],
+)
+def test_a_prometheus_url_is_a_base_url_and_nothing_more(url: str, ok: bool) -> None:
+    raw = with_("scaling.prometheusURL", url)
+    if ok:
+        assert InferenceDeploymentSpec.model_validate(raw).scaling.prometheus_url == url
+    else:
+        with pytest.raises(ValidationError, match="prometheusURL"):
+            InferenceDeploymentSpec.model_validate(raw)

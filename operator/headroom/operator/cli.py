@@ -53,6 +53,15 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "--prometheus-url", help="Prometheus base URL for scaling.metricsSource: prometheus"
     )
     op.add_argument(
+        "--allow-prometheus-url",
+        action="append",
+        dest="allowed_prometheus_urls",
+        metavar="GLOB",
+        help="a spec's scaling.prometheusURL this operator may query (repeatable; a glob such as "
+        "'http://*.monitoring.svc:9090'). By default only --prometheus-url: whoever may create "
+        "an InferenceDeployment could otherwise have the operator send requests anywhere",
+    )
+    op.add_argument(
         "--prometheus-rate-window",
         default="1m",
         metavar="DURATION",
@@ -121,6 +130,7 @@ def run_operator(args: argparse.Namespace) -> int:
             namespaces=args.namespaces or [],
             kubeconfig=args.kubeconfig,
             prometheus_url=args.prometheus_url,
+            allowed_prometheus_urls=args.allowed_prometheus_urls or [],
             prometheus_rate_window=args.prometheus_rate_window,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,

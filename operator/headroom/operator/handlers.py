@@ -74,6 +74,10 @@ class Options(BaseModel):
     namespaces: list[str] = Field(default_factory=list, description="empty: all namespaces")
     kubeconfig: str | None = None
     prometheus_url: str | None = None
+    allowed_prometheus_urls: list[str] = Field(
+        default_factory=list,
+        description="globs a spec's scaling.prometheusURL must match (besides prometheus_url)",
+    )
     prometheus_rate_window: str = Field(
         default=DEFAULT_RATE_WINDOW, description="rate() range; at least 4x the scrape interval"
     )
@@ -178,6 +182,7 @@ class Context:
                 self.http,
                 self.options.prometheus_url,
                 rate_window=self.options.prometheus_rate_window,
+                allowed=tuple(self.options.allowed_prometheus_urls),
             )
         return SidecarSource(self.http, port=self.options.sidecar_port)
 

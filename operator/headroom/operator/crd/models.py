@@ -741,8 +741,13 @@ class ScalingSpec(CRDModel):
     prometheus_url: str | None = Field(
         default=None,
         max_length=1024,
+        # A base URL only: no user, query or fragment to bend the query path with.
+        pattern=r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?(/[A-Za-z0-9._~%/-]*)?$",
         alias="prometheusURL",
-        description="Prometheus base URL; defaults to the operator's --prometheus-url",
+        description=(
+            "Prometheus base URL (http(s)://host[:port][/path]); defaults to the operator's "
+            "--prometheus-url, and any other must match one of its --allow-prometheus-url"
+        ),
     )
     metrics_max_age_seconds: int = Field(
         default=60, ge=1, le=3600, description="older samples count as missing"

@@ -8,7 +8,9 @@ tested on its own; the fetching is a thin aiohttp shell.
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import ipaddress
+import json
 import math
 import re
 from collections.abc import Iterable
@@ -184,6 +186,24 @@ def sample_from_report(report: SaturationReport) -> PodSample | None:
     )
 
 
+# What the operator reads of one answer: a pod's sidecar or a Prometheus it was pointed at may be
+# anything, and an answer read whole could exhaust the operator (every tenant's scaling with it).
+SIDECAR_BODY_LIMIT = 1 << 20  # a /saturation report is a few KiB
+PROMETHEUS_BODY_LIMIT = 16 << 20  # 17 series a pod: tens of thousands of series
+
+
+async def read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The body of `resp`, refused (ValueError) past `limit` bytes before more is read."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise ValueError(f"answer of {resp.content_length:,} bytes (at most {limit:,})")
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(64 << 10):
+        body += chunk
+        if len(body) > limit:
+            raise ValueError(f"answer over {limit:,} bytes")
+    return bytes(body)
+
+
 class SidecarSource:
     """GET http://<pod IP>:<sidecar port>/saturation on every ready pod, concurrently."""
 
@@ -198,12 +218,13 @@ class SidecarSource:
         assert pod.ip is not None
         url = f"http://{_host(pod.ip)}:{self.port}/saturation"
         try:
-            async with self.session.get(url, timeout=self.timeout) as resp:
+            # A redirect would send the operator's request wherever the pod says.
+            async with self.session.get(url, timeout=self.timeout, allow_redirects=False) as resp:
                 if resp.status != 200:
                     return pod.name, None
-                body = await resp.read()
+                body = await read_capped(resp, SIDECAR_BODY_LIMIT)
             report = SaturationReport.model_validate_json(body)
-        except (aiohttp.ClientError, TimeoutError, ValidationError, OSError):
+        except (aiohttp.ClientError, TimeoutError, ValidationError, ValueError, OSError):
             return pod.name, None  # a silent pod: decide() holds rather than guess
         # A pod IP is reused once its pod is gone: a sidecar that names another pod or
         # deployment is not this pod's.
@@ -307,7 +328,11 @@ def parse_prometheus(doc: Any, window_seconds: float = 60.0) -> dict[str, PodSam
     if not isinstance(doc, dict):
         raise MetricsError(f"Prometheus answered {type(doc).__name__}, not a query result")
     if doc.get("status") != "success":
-        raise MetricsError(f"Prometheus query failed: {doc.get('error', 'unknown error')}")
+        # Quoted short: the answer of a Prometheus is not to be copied whole into status.
+        error = str(doc.get("error", "unknown error"))
+        raise MetricsError(
+            f"Prometheus query failed: {error[:200]}{'...' if len(error) > 200 else ''}"
+        )
     data = doc.get("data")
     if not isinstance(data, dict) or data.get("resultType") != "vector":
         got = data.get("resultType") if isinstance(data, dict) else data
@@ -385,32 +410,59 @@ class PrometheusSource:
         default_url: str | None = None,
         timeout: float = 5.0,
         rate_window: str = DEFAULT_RATE_WINDOW,
+        allowed: tuple[str, ...] = (),
     ) -> None:
         self.session = session
         self.default_url = default_url
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self.rate_window = rate_window
         self.window_seconds = rate_window_seconds(rate_window)
+        self.allowed = allowed
 
-    async def sample(self, target: ScrapeTarget, pods: list[PodInfo]) -> dict[str, PodSample]:
-        """Samples for the pods Prometheus has series for, restricted to `pods`."""
-        base = target.prometheus_url or self.default_url
-        if not base:
+    def base_url(self, target: ScrapeTarget) -> str:
+        """The Prometheus to ask for `target`: its spec's, if this operator allows that one,
+        else the operator's own (MetricsError when there is none, or the spec's is not allowed:
+        whoever may create an InferenceDeployment must not choose where the operator sends
+        requests)."""
+        own = target.prometheus_url
+        if own and own != self.default_url:
+            if not any(fnmatch.fnmatchcase(own, glob) for glob in self.allowed):
+                raise MetricsError(
+                    f"scaling.prometheusURL {own} is not one this operator may query: start it "
+                    "with --allow-prometheus-url (the chart's operator.allowedPrometheusURLs) "
+                    "matching it, or leave the field out to use its --prometheus-url"
+                )
+            return own
+        if not self.default_url:
             raise MetricsError(
                 "scaling.metricsSource is prometheus but neither scaling.prometheusURL nor the "
                 "operator's --prometheus-url is set"
             )
+        return self.default_url
+
+    async def sample(self, target: ScrapeTarget, pods: list[PodInfo]) -> dict[str, PodSample]:
+        """Samples for the pods Prometheus has series for, restricted to `pods`."""
+        base = self.base_url(target)
         url = base.rstrip("/") + "/api/v1/query"
         try:
             async with self.session.post(
-                url, data={"query": promql(target, self.rate_window)}, timeout=self.timeout
+                url,
+                data={"query": promql(target, self.rate_window)},
+                timeout=self.timeout,
+                allow_redirects=False,
             ) as resp:
-                doc = await resp.json(content_type=None)
+                body = await read_capped(resp, PROMETHEUS_BODY_LIMIT)
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
             raise MetricsError(f"Prometheus at {base} unreachable: {exc}") from None
-        if status != 200 and not isinstance(doc, dict):
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            doc = None
+        if status != 200 and not isinstance(doc, dict):  # its API answers errors in JSON
             raise MetricsError(f"Prometheus at {base} answered HTTP {status}")
+        if doc is None:
+            raise MetricsError(f"Prometheus at {base} answered something other than JSON")
         samples = parse_prometheus(doc, self.window_seconds)
         names = {p.name for p in pods}
         return {k: v for k, v in samples.items() if k in names}
