@@ -12,7 +12,7 @@ import pytest
 from headroom.engine.model.tokenizer import IncrementalDetokenizer
 from headroom.engine.requests import Completion, Request
 from headroom.engine.sampling import SamplingParams
-from headroom.engine.stops import add_token
+from headroom.engine.stops import _append_text, add_token
 
 
 class _MergedBytes:
@@ -33,8 +33,12 @@ class _MergedBytes:
         return b"".join(self.table[i] for i in token_ids).decode("utf-8", errors="replace")
 
 
+def _comp() -> Completion:
+    return Completion(0, 0, None, IncrementalDetokenizer(_MergedBytes(), [0]))
+
+
 def _run(tokens: list[int], params: SamplingParams) -> Completion:
-    comp = Completion(0, 0, None, IncrementalDetokenizer(_MergedBytes(), [0]))
+    comp = _comp()
     for t in tokens:
         assert comp.finish_reason is None
         add_token(comp, t, params, frozenset())
@@ -89,3 +93,99 @@ def test_the_streamed_deltas_never_expose_a_stop_string_in_flushed_text() -> Non
     assert req.finished
     assert streamed == "Hi" and out.cumulative_text == "Hi"
     assert out.finish_reason == "stop"
+
+
+# Each stop string is searched only from its own length before the new text (as vLLM does): a
+# long stop string must not make the search for the others cover the whole text on every token.
+
+
+class _FindSpy(str):
+    """The completion's text, recording what each `find` is asked to scan: (stop string,
+    characters from the start of the search to the end of the text)."""
+
+    calls: ClassVar[list[tuple[str, int]]] = []
+
+    def __add__(self, other: str) -> _FindSpy:
+        return _FindSpy(str(self) + other)
+
+    def find(self, sub: str, start: object = None, end: object = None) -> int:
+        assert isinstance(start, int) and end is None
+        _FindSpy.calls.append((sub, len(self) - start))
+        return str.find(self, sub, start)
+
+
+def _feed(deltas: list[str], params: SamplingParams) -> Completion:
+    comp = _comp()
+    for d in deltas:
+        if comp.finish_reason is not None:
+            break
+        _append_text(comp, d, params)
+    return comp
+
+
+def test_each_stop_string_is_searched_only_where_it_could_end_in_the_new_text() -> None:
+    long_stop = "x" * 1000
+    params = SamplingParams(max_tokens=4096, stop=["<|end|>", "\n\n", long_stop])
+    comp = _comp()
+    comp.text = _FindSpy("")
+    _FindSpy.calls = []
+    deltas = ["word "] * 500
+    for d in deltas:
+        assert not _append_text(comp, d, params)
+    assert len(_FindSpy.calls) == len(deltas) * 3
+    for sub, scanned in _FindSpy.calls:
+        assert scanned <= len(sub) - 1 + len("word ")  # not the long sibling's window
+    # The short strings' total scan stays per-token constant however long the text grows.
+    short = sum(n for sub, n in _FindSpy.calls if sub != long_stop)
+    assert short <= len(deltas) * (len("<|end|>") - 1 + len("\n\n") - 1 + 2 * len("word "))
+
+
+@pytest.mark.parametrize("long_first", [False, True])
+def test_a_stop_string_spanning_deltas_is_found_beside_a_long_one(long_first: bool) -> None:
+    stop = ["<|end|>", "y" * 500]
+    params = SamplingParams(max_tokens=64, stop=stop[::-1] if long_first else stop)
+    comp = _feed(["some text <", "|e", "n", "d|", "> more"], params)
+    assert comp.text == "some text "
+    assert comp.finish_reason == "stop" and comp.stop_reason == "<|end|>"
+
+
+def test_a_longer_stop_string_begun_in_earlier_text_wins_over_a_later_short_one() -> None:
+    # "abcdef" started in the previous delta; "S" lies wholly in the new one, listed first.
+    comp = _feed(["xxabc", "defS"], SamplingParams(max_tokens=8, stop=["S", "abcdef"]))
+    assert comp.text == "xx" and comp.stop_reason == "abcdef"
+
+
+def test_the_earliest_match_wins_and_a_tie_goes_to_the_first_listed() -> None:
+    params = SamplingParams(max_tokens=8, stop=["cdef", "abcdefgh"])
+    comp = _feed(["ab", "cdefgh"], params)  # both end in the same delta: the longer starts first
+    assert comp.text == "" and comp.stop_reason == "abcdefgh"
+    comp = _feed(["ab", "cdef", "gh"], params)  # "cdef" ends first and stops the completion
+    assert comp.text == "ab" and comp.stop_reason == "cdef"
+    comp = _feed(["xab", "cd"], SamplingParams(max_tokens=8, stop=["abc", "abcd", "ab"]))
+    assert comp.text == "x" and comp.stop_reason == "ab"  # "ab" ended in the first delta
+    comp = _feed(["xa", "bcd"], SamplingParams(max_tokens=8, stop=["abcd", "abc", "ab"]))
+    assert comp.text == "x" and comp.stop_reason == "abcd"  # all start at 1: first listed
+
+
+def test_multibyte_stop_strings_are_found_across_deltas_beside_a_long_one() -> None:
+    params = SamplingParams(max_tokens=64, stop=["終わり", "\U0001f600" * 300])
+    comp = _feed(["これで終", "わり です"], params)
+    assert comp.text == "これで" and comp.stop_reason == "終わり"
+    comp = _run([0, 1, 2], SamplingParams(max_tokens=3, stop=["\n\u2014", "z" * 300]))
+    assert comp.text == "Hi" and comp.stop_reason == "\n\u2014"
+
+
+def test_streaming_beside_a_long_stop_string_never_leaks_part_of_a_short_one() -> None:
+    params = SamplingParams(max_tokens=64, stop=["<end>", "Z" * 20])
+    req = Request("r", [0], params, 0.0)
+    comp = _comp()
+    req.completions.append(comp)
+    streamed = ""
+    for ch in "hello there, friend <end> and more":
+        if req.finished:
+            break
+        _append_text(comp, ch, params)
+        out = req.output([comp], req.finished).outputs[0]
+        streamed += out.text
+        assert "hello there, friend ".startswith(streamed)
+    assert streamed == "hello there, friend " and out.finish_reason == "stop"

@@ -30,13 +30,16 @@ def _append_text(comp: Completion, delta: str, params: SamplingParams) -> bool:
         return False
     old = len(comp.text)
     comp.text += delta
-    # Only a stop string ending in the new text can be new: search from just before it.
-    start = max(0, old - params.max_stop_len + 1)
-    hits = [(i, s) for s in params.stop if (i := comp.text.find(s, start)) >= 0]
+    # Only a stop string ending in the new text can be new (one wholly in the old text ended
+    # the completion when it arrived), so each is searched from its own length before the new
+    # text, as vLLM does: a long stop string must not widen the others' search to the whole
+    # text on every token. The first match of each is the same as from any earlier start.
+    text = comp.text
+    hits = [(i, s) for s in params.stop if (i := text.find(s, max(0, old - len(s) + 1))) >= 0]
     if not hits:
         return False
     at, stop = min(hits, key=lambda h: h[0])  # the earliest; a tie goes to the first listed
-    comp.text = comp.text[:at]
+    comp.text = text[:at]
     comp.finish_reason = "stop"
     comp.stop_reason = stop
     return True
