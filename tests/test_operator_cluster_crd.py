@@ -398,3 +398,42 @@ def test_an_object_stored_before_the_name_rule_takes_status_and_loses_its_finali
         crd.kubectl("patch", "infd", name, "-n", ns, "--type=merge",
                     "-p", '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
         crd.kubectl("delete", "infd", name, "-n", ns, "--ignore-not-found", check=False)
+
+
+def test_an_upgraded_crd_applies_over_the_old_one_and_ratchets_its_new_rules(
+    crd: Cluster, cluster_namespace: str
+) -> None:
+    """What the README tells a user upgrading: the new CRD applied server-side over the one an
+    older release installed, and an object stored before a new pattern still takes updates that
+    leave that field alone (validation ratcheting); changing the field checks it."""
+    old = yaml.safe_load(crd_yaml())
+    scaling = old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"
+    ]["scaling"]["properties"]
+    del scaling["prometheusURL"]["pattern"]  # the CRD before the pattern
+    name, ns = "ratcheted", cluster_namespace
+    bent = "http://admin.internal:8080/flush?x="
+    try:
+        crd.apply([old])
+        deadline = time.monotonic() + 30
+        spec = {**VALID, "scaling": {"metricsSource": "prometheus", "prometheusURL": bent}}
+        while (proc := create(crd, ns, name, spec)).returncode != 0:
+            assert time.monotonic() < deadline, proc.stderr
+            time.sleep(0.5)
+        new = crd.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
+                          input=crd_yaml())  # fmt: skip
+        assert "serverside-applied" in new.stdout, new.stdout + new.stderr
+        deadline = time.monotonic() + 30
+        while create(crd, ns, "another", spec, dry_run=True).returncode == 0:
+            assert time.monotonic() < deadline, "the pattern never came"
+            time.sleep(0.5)
+        grow = json.dumps({"spec": {"scaling": {"maxReplicas": 7}}})
+        assert crd.kubectl("patch", "infd", name, "-n", ns, "--type=merge", "-p", grow,
+                           check=False).returncode == 0  # fmt: skip
+        other = json.dumps({"spec": {"scaling": {"prometheusURL": bent + "y"}}})
+        refused = crd.kubectl("patch", "infd", name, "-n", ns, "--type=merge", "-p", other,
+                              check=False)  # fmt: skip
+        assert refused.returncode != 0 and "prometheusURL" in refused.stderr, refused.stderr
+    finally:
+        crd.apply(crd_yaml())
+        crd.kubectl("delete", "infd", name, "-n", ns, "--ignore-not-found", check=False)
