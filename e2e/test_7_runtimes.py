@@ -167,8 +167,9 @@ class StandIn:
 
     The families and labels are those of the pinned releases, rendered by prometheus-client:
     vLLM 0.11 (`vllm:kv_cache_usage_perc`, `vllm:cache_config_info{num_gpu_blocks}`); SGLang
-    0.5.3 (`sglang:token_usage`, `sglang:num_used_tokens`, the `sglang:total_retracted_reqs`
-    gauge, and no pool size: that is in `GET /get_server_info`, served as 0.5.3 shapes it).
+    0.5.3 (`sglang:token_usage`, `sglang:num_used_tokens`, no retraction total: 0.5.3 has only
+    the per-log `sglang:num_retracted_reqs` gauge; and no pool size: that is in
+    `GET /get_server_info`, served as 0.5.3 shapes it).
     """
 
     def __init__(self, runtime: str, blocks: int, block_size: int) -> None:
@@ -224,7 +225,7 @@ class StandIn:
                 ("num_used_tokens", round(u * tokens)),
                 ("num_running_reqs", running),
                 ("num_queue_reqs", 0),
-                ("total_retracted_reqs", 0),
+                ("num_retracted_reqs", 0),  # per stats log: not read
             ):
                 Gauge(f"sglang:{metric}", f"The {metric}.", list(labels),
                       registry=reg).labels(**labels).set(value)  # fmt: skip

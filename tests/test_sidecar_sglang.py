@@ -12,9 +12,11 @@ no `_created` samples, and a `pid` label on `sglang:num_retracted_reqs`, the one
 declares without a `multiprocess_mode`.
 
 Checked-in renderings (run this file as a script to regenerate them):
-- `prometheus/sglang_metrics_0.5.3.txt`: one scheduler of the pinned release, 0.5.3, whose
-  scheduler exports no `sglang:max_total_num_tokens` and no retraction counter, only the gauge
-  `sglang:total_retracted_reqs` holding the running total (`render_053_fixture`); beside it
+- `prometheus/sglang_metrics_0.5.3.txt` (`render_053_fixture`): one scheduler of the pinned
+  release, 0.5.3, whose scheduler exports no `sglang:max_total_num_tokens` and no retraction
+  total, only the gauge `sglang:num_retracted_reqs` of the requests retracted since its last
+  stats log (reset at every log; the counter `sglang:num_retracted_requests_total` came in
+  0.5.7); beside it
   `prometheus/sglang_server_info_0.5.3.json`, its `GET /get_server_info` answer, trimmed to
   the fields around those the sidecar reads (the real body carries every ServerArgs field);
 - `prometheus/sglang_metrics_tp1.txt`: one scheduler (`render_tp1_fixture`);
@@ -89,24 +91,21 @@ SCHEDULER_GAUGES = {
 }
 
 
-# 0.5.3's SchedulerMetricsCollector: no pool-size gauge, a running total of retractions as a
-# gauge, and the grammar queue.
+# 0.5.3's SchedulerMetricsCollector (sglang/srt/metrics/collector.py): no pool-size gauge, no
+# retraction total (only the per-log `sglang:num_retracted_reqs`), and the grammar queue.
 SCHEDULER_GAUGES_053 = {
     **{k: v for k, v in SCHEDULER_GAUGES.items() if k != "max_total_num_tokens"},
     "num_grammar_queue_reqs": (
         "sglang:num_grammar_queue_reqs",
         "The number of requests in the grammar waiting queue.",
     ),
-    "total_retracted_reqs": (
-        "sglang:total_retracted_reqs",
-        "The total number of retracted requests due to kvcache full.",
-    ),
 }
 
 
 class Scheduler:
     """One scheduler process's SchedulerMetricsCollector (the part the sidecar reads), as a
-    later release declares it, or as 0.5.3 does (`release="0.5.3"`)."""
+    later release (0.5.7 on, with the retraction counter) declares it, or as 0.5.3 does
+    (`release="0.5.3"`)."""
 
     def __init__(self, labels: dict[str, str], release: str = "later") -> None:
         names = list(labels)
@@ -118,7 +117,6 @@ class Scheduler:
             )
             for key, (name, doc) in declared.items()
         }
-        self.total_retracted = 0
         # Declared without a multiprocess_mode, so prometheus-client's default, "all": one
         # series per process, with a `pid` label.
         self.retracted_gauge = Gauge(
@@ -140,15 +138,12 @@ class Scheduler:
 
     def log_stats(self, **stats: float) -> None:
         """`SchedulerMetricsCollector.log_stats`: every gauge at once, retractions since the
-        last log into the gauge (and the counter, or 0.5.3's running-total gauge)."""
+        last log into the gauge (and into the counter, which 0.5.3 does not have)."""
         for key, value in stats.items():
             if key == "num_retracted_reqs":
                 self.retracted_gauge.set(value)
-                self.total_retracted += int(value)
                 if self.retracted is not None:
                     self.retracted.inc(value)
-                else:
-                    self.gauges["total_retracted_reqs"].set(self.total_retracted)
             else:
                 self.gauges[key].set(value)
 
@@ -327,14 +322,15 @@ def render_dp2_tp4_fixture(directory: Path) -> str:
 
 def render_053_fixture(directory: Path) -> str:
     """SGLang 0.5.3, one scheduler, page size 16: 3,584 of 14,336 tokens used (a quarter); 2
-    requests retracted; 5 finished, 4 running, 1 queued, 1 waiting for its grammar."""
+    requests retracted, which only one log's gauge showed; 5 finished, 4 running, 1 queued, 1
+    waiting for its grammar."""
     srv = SglangServer(directory)
     sched = srv.scheduler(release="0.5.3")
     tok = srv.tokenizer()
     sched.log_stats(num_used_tokens=3584, token_usage=0.25, num_running_reqs=4, num_queue_reqs=1,
                     num_grammar_queue_reqs=1, cache_hit_rate=0.2, gen_throughput=640.0,
                     num_retracted_reqs=2)  # fmt: skip
-    sched.log_stats(num_retracted_reqs=0)  # the next log: none since, the total stays
+    sched.log_stats(num_retracted_reqs=0)  # the next log: none since, and no total kept
     for i in range(5):
         tok.finish(prompt=700, cached=100 * i, generated=60, ttft=0.2, itl=0.02)
     return srv.text()
@@ -488,14 +484,18 @@ def test_legacy_release() -> None:
 
 
 def test_sglang_0_5_3_metrics_alone_have_no_pool_size() -> None:
-    """The pinned release's /metrics: occupancy, requests and retractions, but no block count
-    (no `sglang:max_total_num_tokens`)."""
-    r = parse_sglang_metrics(_fixture("sglang_metrics_0.5.3.txt"), page_size=16)
+    """The pinned release's /metrics: occupancy and requests, but no block count (no
+    `sglang:max_total_num_tokens`) and no retraction total."""
+    text = _fixture("sglang_metrics_0.5.3.txt")
+    r = parse_sglang_metrics(text, page_size=16)
     assert r.occupancy == pytest.approx(0.25)
     assert r.capacity_blocks is None and r.used_blocks is None and r.free_blocks is None
     assert (r.running, r.waiting) == (4, 1)
-    # 0.5.3's retraction total is the gauge sglang:total_retracted_reqs, not the per-log one
-    assert r.preemptions_total == 2
+    # 0.5.3 has only the per-log gauge sglang:num_retracted_reqs (back to 0 at the next log):
+    # preemptions are unknown
+    retract = {f.name for f in text_string_to_metric_families(text) if "retract" in f.name}
+    assert retract == {"sglang:num_retracted_reqs"}
+    assert r.preemptions_total is None
     assert r.requests_departed_total == 5
     assert r.requests_arrived_total == 5 + 4 + 1 + 1  # + the one waiting for its grammar
     assert r.prompt_tokens_arrived_total is None  # counted at the finish: not arrivals
@@ -591,10 +591,11 @@ def test_retracted_reqs_as_gauge_or_counter() -> None:
     )
     # a gauge of retractions since the last stats log is not a running total: not read
     assert parse_sglang_metrics(gauge).preemptions_total is None
+    # 0.5.7's counter, one pool's ranks read once
     counter = (
-        _USAGE + "# TYPE sglang:num_retracted_reqs counter\n"
-        'sglang:num_retracted_reqs_total{model_name="m",tp_rank="0"} 7.0\n'
-        'sglang:num_retracted_reqs_total{model_name="m",tp_rank="1"} 7.0\n'
+        _USAGE + "# TYPE sglang:num_retracted_requests_total counter\n"
+        'sglang:num_retracted_requests_total{model_name="m",tp_rank="0"} 7.0\n'
+        'sglang:num_retracted_requests_total{model_name="m",tp_rank="1"} 7.0\n'
     )
     assert parse_sglang_metrics(counter).preemptions_total == 7
     both = (
@@ -602,6 +603,10 @@ def test_retracted_reqs_as_gauge_or_counter() -> None:
         'sglang:num_retracted_requests_total{model_name="m",tp_rank="0"} 40.0\n'
     )
     assert parse_sglang_metrics(both).preemptions_total == 40
+    # names no SGLang release exports are not read
+    for name in ("sglang:total_retracted_reqs", "sglang:num_retracted_reqs_total"):
+        other = _USAGE + f'{name}{{model_name="m",tp_rank="0"}} 5.0\n'
+        assert parse_sglang_metrics(other).preemptions_total is None
 
 
 def test_without_token_usage_used_over_max_is_read() -> None:
@@ -878,9 +883,11 @@ async def test_sidecar_reports_an_sglang_0_5_3_pool_and_the_plan(info_route: str
     assert samples[("headroom_kv_blocks_capacity", model)] == 896
     assert samples[("headroom_kv_blocks_planned", model)] == 1024
     assert samples[("headroom_kv_blocks", (*model, ("state", "free")))] == 672
-    assert samples[("headroom_preemptions_total", model)] == 2
+    assert ("headroom_preemptions_total", model) not in samples  # 0.5.3 has no total
     assert samples[("headroom_requests_departed_total", model)] == 5
-    assert samples[("headroom_requests_arrived_total", model)] == 11
+    # 5 departed + 4 running + 1 queued; the one waiting for its grammar is counted once it
+    # reaches the queue or finishes (PollState reads arrivals as of the stats log)
+    assert samples[("headroom_requests_arrived_total", model)] == 10
 
 
 async def test_sglang_without_server_info_still_reports_occupancy() -> None:

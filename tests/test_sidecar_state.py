@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import replace
 
 import pytest
 from synthetic_engine import SyntheticEngine
 
+from headroom.sidecar.accrual import ArrivalCounter
 from headroom.sidecar.config import SidecarConfig
+from headroom.sidecar.sglang_source import SglangServerInfo, parse_sglang_metrics
 from headroom.sidecar.sources import parse_headroom_stats
 from headroom.sidecar.state import PollState, figures
 
@@ -219,3 +222,155 @@ def test_no_request_counters_no_demand() -> None:
         reading = replace(parse_headroom_stats(eng.body()), requests_arrived_total=None)
         state.record_success(reading, float(t))
     assert figures(state, CFG, now=3.0).demand is None
+
+
+# ---------------------------------------------------------------- SGLang 0.5.3's stale gauges
+
+STEP_S = 0.02  # one decode step
+PROMPT = 1000  # tokens a request holds at its start; one more per decode step
+
+
+class Sglang053:
+    """What SGLang 0.5.3's `/metrics` says while requests come and go (one scheduler, page 1).
+
+    Its scheduler sets the request and KV gauges only when it logs stats: at a new prefill
+    batch (before the batch joins the running one: the new requests are neither running nor
+    queued in that log), every 40 decode steps, and after 30 s idle. The tokenizer counts a
+    request in `sglang:num_requests_total` as it finishes, a series created at the first.
+    Time is in decode steps; `requests` are (arrival step, steps to run).
+    """
+
+    POOL = 14336
+
+    def __init__(self, requests: list[tuple[int, int]]) -> None:
+        self.pending = sorted(requests)
+        self.running: list[tuple[int, int]] = []  # (start step, end step)
+        self.step = self.decode_steps = self.departed = 0
+        self.gauges: tuple[int, int] | None = None  # running, used tokens, as last logged
+        self.last_log = 0
+        self.token_seconds = 0.0  # what the requests really held
+
+    def used(self) -> int:
+        return sum(PROMPT + self.step - start for start, _ in self.running)
+
+    def log(self) -> None:
+        self.gauges = (len(self.running), self.used())
+        self.last_log = self.step
+
+    def advance(self) -> None:
+        """One decode step."""
+        self.step += 1
+        if self.pending and self.pending[0][0] <= self.step:
+            self.log()  # the prefill log, before the new batch joins
+            while self.pending and self.pending[0][0] <= self.step:
+                _, steps = self.pending.pop(0)
+                self.running.append((self.step, self.step + steps))
+        left = [r for r in self.running if r[1] > self.step]
+        self.departed += len(self.running) - len(left)  # counted at once, gauges as they were
+        self.running = left
+        if self.running:
+            self.decode_steps += 1
+            if self.decode_steps % 40 == 0:
+                self.log()
+        elif (self.step - self.last_log) * STEP_S > 30:
+            self.log()  # idle
+        self.token_seconds += self.used() * STEP_S
+
+    def metrics(self) -> str | None:
+        """The exposition, or None before the first log (SGLang's has no gauges yet)."""
+        if self.gauges is None:
+            return None
+        running, used = self.gauges
+        text = (
+            f'sglang:token_usage{{tp_rank="0"}} {round(used / self.POOL, 2)}\n'
+            f'sglang:num_used_tokens{{tp_rank="0"}} {used}\n'
+            f'sglang:num_running_reqs{{tp_rank="0"}} {running}\n'
+            'sglang:num_queue_reqs{tp_rank="0"} 0\n'
+            'sglang:num_grammar_queue_reqs{tp_rank="0"} 0\n'
+        )
+        if self.departed:
+            text += f'sglang:num_requests_total{{model_name="m"}} {self.departed}\n'
+        return text
+
+
+def _sglang_poll(
+    state: PollState, arrivals: ArrivalCounter, engine: Sglang053, steps: int, t0: float = 0.0
+) -> float:
+    """Run `engine` for `steps` decode steps (from monotonic time `t0`), polled as the poller
+    does every second, half a second after the steps its requests start on. Returns the used
+    blocks as SGLang reports them, integrated over the polls."""
+    info = SglangServerInfo((Sglang053.POOL,), 1)
+    reported, used = 0.0, None
+    for _ in range(steps):
+        engine.advance()
+        if engine.step % 50 == 25 and (text := engine.metrics()) is not None:
+            reading = arrivals.apply(parse_sglang_metrics(text, server_info=info))
+            reported += (used or 0) * 1.0
+            used = reading.used_blocks
+            state.record_success(reading, t0 + engine.step * STEP_S)
+    return reported
+
+
+def test_sglang_sparse_requests_are_counted_once_and_stop_holding_blocks_when_they_finish() -> None:
+    """One 4 s request every 20 s. Each finishes between two logs: departed at once, still
+    running in the gauges until the next arrival's log. It is one arrival, and its blocks are
+    held for its 4 s, not the 20 s until that log (the demand this traffic makes, not 5x it)."""
+    n, period, steps = 6, 1000, 200  # every 20 s, for 4 s
+    engine = Sglang053([(1 + i * period, steps) for i in range(n)])
+    state, arrivals = PollState(horizon=120.0), ArrivalCounter()
+    _sglang_poll(state, arrivals, engine, n * period)
+    assert engine.departed == n
+    last = state.samples[-1].demand
+    assert last is not None
+    assert last.arrived == n and last.departed == n  # not 2n
+    assert state.last_reading is not None and state.last_reading.requests_arrived_total == n
+    # A request's first log comes 40 steps after it starts, and is seen at the next poll: up to
+    # a poll interval of each request's blocks is missed, never 16 s of them added.
+    most = PROMPT + steps
+    assert abs(last.block_seconds - engine.token_seconds) <= n * 1.0 * most
+    fig = figures(state, CFG.model_copy(update={"window": 60.0}), now=n * period * STEP_S)
+    truth = (n / (n * period * STEP_S)) * engine.token_seconds / n  # arrival rate x per request
+    assert fig.demand is not None and fig.demand.demand_blocks is not None
+    assert 0.5 * truth <= fig.demand.demand_blocks <= 1.5 * truth
+
+
+@pytest.mark.parametrize("rate", [0.5, 2.0])
+def test_sglang_steady_traffic_reads_as_reported(rate: float) -> None:
+    """Requests arriving at random (5 s each) keep the scheduler logging every 40 steps: the
+    arrivals are the requests that came, and the block-seconds those of the used blocks as
+    SGLang reports them, within a few percent."""
+    rng = random.Random(1)
+    requests, t = [], rng.expovariate(rate)
+    while t < 300:
+        requests.append((1 + round(t / STEP_S), 250))
+        t += rng.expovariate(rate)
+    engine = Sglang053(requests)
+    state, arrivals = PollState(horizon=1e9), ArrivalCounter()
+    reported = _sglang_poll(state, arrivals, engine, round(300 / STEP_S))
+    last = state.samples[-1].demand
+    assert last is not None
+    arrived = len(requests) - len(engine.pending)
+    assert last.arrived == pytest.approx(arrived, rel=0.02)
+    assert last.block_seconds == pytest.approx(reported, rel=0.04)
+    assert last.block_seconds == pytest.approx(engine.token_seconds, rel=0.08)
+
+
+def test_sglang_restart_starts_the_stats_log_afresh() -> None:
+    """After a restart the old server's log and arrivals are forgotten: the new server's first
+    request, finished while its gauges still run it, is one arrival of the new epoch, and its
+    blocks stop counting when it finishes."""
+    state, arrivals = PollState(horizon=1e9), ArrivalCounter()
+    old = Sglang053([(1, 200), (300, 200), (600, 200)])
+    _sglang_poll(state, arrivals, old, 1500)
+    assert state.samples[-1].demand is not None and state.samples[-1].demand.arrived == 3
+    new = Sglang053([(1, 200)])  # counters from zero, no gauges before its first log
+    _sglang_poll(state, arrivals, new, 1500, t0=state.samples[-1].t)
+    assert state.restarts_total == 1 and state.epoch == 1
+    last = state.samples[-1].demand
+    assert last is not None and last.epoch == 1
+    assert last.arrived == 1 and last.departed == 1  # not 2, nor the old server's 3
+    # The integral restarts with the epoch, at the poll that sees the counter fall (after the
+    # request finished): from there a poll interval of the log's blocks at most, not the 25 s
+    # that the stale gauges still show them.
+    assert 0 < last.block_seconds <= 1.0 * (PROMPT + 200)
+    assert state.sglang_held == 0.0

@@ -34,19 +34,14 @@ from headroom.sidecar.sources import EngineReading, GarbageError
 # `/server_info` by later releases.
 SERVER_INFO_PATHS = ("/get_server_info", "/server_info")
 
-# SGLang's TPOT histogram became inter-token latency. Retractions (SGLang's preemptions): the
-# counter `sglang:num_retracted_requests_total` in later releases; in 0.5.x the gauge
-# `sglang:total_retracted_reqs`, which holds the scheduler's running total (it only ever grows
-# until a restart), so it is read as a counter. The older `sglang:num_retracted_reqs` is a
-# gauge of the requests retracted since the scheduler's last stats log (reset at every log),
-# not a running total: it is read only where it is typed as a counter
-# (`sglang:num_retracted_reqs_total`), never summed up by the sidecar.
+# SGLang's TPOT histogram became inter-token latency. Retractions (SGLang's preemptions) are
+# the counter `sglang:num_retracted_requests_total`, which SGLang added in 0.5.7 (0.5.6's
+# collector.py has none). Before it, the pinned 0.5.3 included, SGLang exports only the gauge
+# `sglang:num_retracted_reqs`: the requests retracted since the scheduler's last stats log,
+# reset at every log, not a running total. It is not read (summing it over polls would miss
+# or repeat logs), so on those releases preemptions are unknown.
 TPOT = ("sglang:time_per_output_token_seconds", "sglang:inter_token_latency_seconds")
-RETRACTIONS = (
-    "sglang:num_retracted_requests_total",
-    "sglang:num_retracted_reqs_total",
-    "sglang:total_retracted_reqs",
-)
+RETRACTIONS = ("sglang:num_retracted_requests_total",)
 
 
 # SGLang rounds `sglang:token_usage` to 2 decimals; `sglang:num_used_tokens` is exact. A ratio
@@ -120,8 +115,10 @@ def parse_sglang_metrics(
     early release without either has no prefix figures; the
     per-batch `sglang:cache_hit_rate` gauge is not a windowed ratio and is not read. Departures
     are `sglang:num_requests_total` (counted when a request finishes), arrivals the departures
-    plus the requests running and queued now. Ranks and data-parallel pools combine by the rule
-    in `exposition`.
+    plus the requests running and queued as the gauges say. SGLang 0.5.3 updates those gauges
+    (and the used tokens) only at its scheduler's stats logs, while the counter rises at once:
+    `PollState` reads them as of their log (`state._sglang_demand`). Ranks and data-parallel
+    pools combine by the rule in `exposition`.
     """
     if page_size < 1:
         raise ValueError(f"page_size must be at least 1, got {page_size}")

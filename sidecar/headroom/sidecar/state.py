@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 from headroom.contract.demand import CounterSample, DemandRates, rates
@@ -51,26 +51,64 @@ class PollState:
     samples: deque[Sample] = field(default_factory=deque)
     # Block-seconds integrated here, poll to poll, for sources that do not count them
     # (vLLM, SGLang): sampled at the poll interval, not exact like the engine's own counter.
+    # vLLM's used blocks are integrated as reported, SGLang's as `_sglang_demand` reads them.
     integrated_block_seconds: float = 0.0
     # The last value of each restart marker (instance id, counters) in the last reading that
     # had it: a restarted SGLang exports its request counters only after its first request
     # finishes, so comparing with the previous reading alone would miss the fall.
     seen: dict[str, object] = field(default_factory=dict)
+    # SGLang only (see `_sglang_demand`): the last stats log seen, the arrivals counted in this
+    # epoch, and the blocks the requests in flight hold now (integrated up to the next poll).
+    sglang_log: SglangLog | None = None
+    sglang_arrived: float | None = None
+    sglang_held: float | None = None
 
     def record_success(self, reading: EngineReading, t: float) -> bool:
         """Keep a good reading taken at monotonic time `t`; returns True if the engine restarted.
 
         Everything is computed before anything is kept: a reading this raises on leaves the
         state as it was (the poller counts it as an internal error).
+
+        An SGLang reading is kept (as `last_reading` and in the window) with its arrivals
+        replaced by the estimate of `_sglang_demand`, so that `/metrics`, `/saturation` and the
+        demand rates all count the same arrivals; its other fields stay as parsed.
         """
         markers = _markers(reading)
         restarted = _restarted(self.seen, markers)
         epoch = self.epoch + 1 if restarted else self.epoch
         integrated = 0.0 if restarted else self.integrated_block_seconds
         if not restarted and self.samples and self.last_reading is not None:
-            used = self.last_reading.used_blocks
+            used: float | None = (
+                self.sglang_held
+                if self.last_reading.source == "sglang"
+                else self.last_reading.used_blocks
+            )
             if used is not None:
                 integrated += used * max(t - self.samples[-1].t, 0.0)
+        sglang_log = sglang_arrived = sglang_held = None
+        if reading.source == "sglang":
+            # The departures at the last poll, where it was this server's: without the counter,
+            # none had finished (the new server's, where the counter has since come back lower).
+            before: float | None = None
+            last = self.last_reading
+            if (
+                last is not None
+                and last.source == "sglang"
+                and (not restarted or last.requests_departed_total is None)
+            ):
+                before = last.requests_departed_total or 0.0
+            if not restarted:
+                sglang_log, sglang_arrived = self.sglang_log, self.sglang_arrived
+            elif self.sglang_log is not None and not self.sglang_log.counted:
+                # logged by the new server before its first request finished: its own log
+                sglang_log = self.sglang_log
+            sglang_log, estimate, sglang_held = _sglang_demand(
+                reading, sglang_log, sglang_arrived, before
+            )
+            if estimate is not None:
+                sglang_arrived = estimate
+                if reading.requests_arrived_total is not None:
+                    reading = replace(reading, requests_arrived_total=estimate)
         sample = Sample(
             t=t,
             epoch=epoch,
@@ -85,6 +123,8 @@ class PollState:
             self.seen = {}
         self.epoch = epoch
         self.integrated_block_seconds = integrated
+        self.sglang_log, self.sglang_arrived = sglang_log, sglang_arrived
+        self.sglang_held = sglang_held
         self.seen.update(markers)
         self.polls_total += 1
         self.last_reading = reading
@@ -123,6 +163,89 @@ def _demand_counters(
             return None
         block_seconds = integrated_block_seconds
     return CounterSample(t, arrived, departed, block_seconds, epoch)
+
+
+@dataclass(frozen=True, slots=True)
+class SglangLog:
+    """An SGLang scheduler stats log, as read at the first poll that saw its gauges."""
+
+    gauges: tuple[int, int, int | None, float]  # running, waiting, used blocks, occupancy
+    counted: bool  # whether the server had its request counter then
+    departed: float  # the fewest requests that can have departed when it was logged
+    arrived: float  # the requests that had arrived when it was logged, as best known
+    in_flight: int  # running + waiting, as it reported them
+    used_blocks: int | None  # the used blocks it reported
+
+
+def _sglang_demand(
+    reading: EngineReading, log: SglangLog | None, arrived: float | None, before: float | None
+) -> tuple[SglangLog | None, float | None, float | None]:
+    """An SGLang `reading`'s stats log, arrivals, and used blocks to integrate until the next
+    poll; given the last `log`, the arrivals counted so far this epoch (`arrived`) and the
+    departures at the last poll this epoch (`before`, None at its first). Arrivals are None
+    where the reading lacks the request gauges or counter.
+
+    SGLang 0.5.3 sets its scheduler gauges (`sglang:num_running_reqs`, `num_queue_reqs`,
+    `num_used_tokens`, `token_usage`) only when its scheduler logs stats: at a new prefill
+    batch, every 40 decode steps (`--decode-log-interval`) and after 30 s idle. Its
+    `sglang:num_requests_total` rises the moment a request finishes. Between two logs, a
+    request that has finished is both departed and, in the stale gauges, still running:
+    departed + running counts it twice, and its used tokens would be integrated until the next
+    log, up to 30 s after the last request left. So the gauges are read as of their log, which
+    a poll sees as new when they differ from the last log's:
+    - Arrivals are the departures at the log plus the requests in flight it reported, never
+      fewer than the departures now, and never falling within an epoch. The log was written
+      at some time since the last poll: the departures then are taken as the last poll's, so
+      that a request that finished after the log is not counted twice (one that finished
+      before it was counted by an earlier log, or is by the departures now). At an epoch's
+      first poll, with no last poll, they are the departures now.
+    - Used blocks logged since the last poll are at most a poll interval old and are
+      integrated as reported, as vLLM's are: under steady traffic, about as many requests
+      arrived since the log (which it cannot show yet) as finished since.
+    - At later polls, the blocks held are the log's used blocks in proportion to the requests
+      it reported in flight that have not finished since (all of them, while the arrivals
+      exceed the departures, where it reported none in flight). Departures since the log are
+      counted from the last poll before it (from none at an epoch's first poll): requests that
+      the log did not show finishing then make this too low, until the next log, at most 40
+      decode steps later while any request runs. What the last requests held stops being
+      integrated as they finish, not at the next log, up to 30 s later.
+    A new prefill batch is logged before it joins the running batch, so arrivals lag by up to
+    one log interval, and the blocks of a request in that interval are not integrated.
+    In flight is running + waiting, not the reading's arrivals less departures: the poller's
+    `ArrivalCounter` has turned those into a counter that keeps every rise, double counts
+    included. That leaves out the grammar queue: such a request is counted when it reaches the
+    scheduler's queue (the next log) or finishes.
+    SGLang creates `sglang:num_requests_total` when its first request finishes: until then
+    (after a start or a restart) no request has departed, so the gauges cannot count a
+    departed one and are read as reported, and a log read then had 0 departures.
+    """
+    running, waiting, departed = reading.running, reading.waiting, reading.requests_departed_total
+    if running is None or waiting is None:
+        return None, None, reading.used_blocks
+    gauges = (running, waiting, reading.used_blocks, reading.occupancy)
+    # A server does not lose its counter: without it after a log read with it, this is a new
+    # server, whose gauges are a log of its own even where they read the same.
+    new = log is None or log.gauges != gauges or (departed is None and log.counted)
+    if log is None or new:
+        in_flight = running + waiting
+        if departed is None:
+            fewest = level = 0.0
+        elif before is None:
+            fewest, level = 0.0, departed
+        else:
+            fewest = level = min(before, departed)
+        log = SglangLog(
+            gauges, departed is not None, fewest, level + in_flight, in_flight, reading.used_blocks
+        )
+    if departed is None:
+        return log, None, reading.used_blocks
+    arrived = max(arrived or 0.0, log.arrived, departed)
+    if new or log.used_blocks is None:
+        return log, arrived, reading.used_blocks
+    if log.in_flight > 0:
+        left = max(log.in_flight - (departed - log.departed), 0.0)
+        return log, arrived, log.used_blocks * left / log.in_flight
+    return log, arrived, float(log.used_blocks) if arrived > departed else 0.0
 
 
 _COUNTERS = (
