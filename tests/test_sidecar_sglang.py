@@ -518,6 +518,17 @@ def _info(**doc: object) -> bytes:
     return json.dumps(doc).encode()
 
 
+@pytest.mark.parametrize(("disabled", "enabled"), [(True, False), (False, True), ("no", None)])
+def test_a_server_with_its_radix_cache_off_says_so(disabled: object, enabled: bool | None) -> None:
+    # Off, hits read 0: without the flag HeadroomPrefixCacheIneffective would fire on a cache
+    # that is not there (`engine.prefixCaching: false` runs SGLang with --disable-radix-cache).
+    info = parse_sglang_server_info(_info(max_total_num_tokens=14336,
+                                          disable_radix_cache=disabled))  # fmt: skip
+    assert info.prefix_cache_enabled is enabled
+    r = parse_sglang_metrics(_fixture("sglang_metrics_0.5.3.txt"), server_info=info)
+    assert r.prefix_cache_enabled is enabled
+
+
 @pytest.mark.parametrize(
     ("body", "pool", "page"),
     [

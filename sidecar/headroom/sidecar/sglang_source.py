@@ -56,6 +56,9 @@ class SglangServerInfo:
 
     pool_tokens: tuple[int, ...]  # one entry per data-parallel rank's pool
     page_size: int | None  # the server's --page-size, when it says
+    # Whether the radix (prefix) cache is on: the endpoint carries every server argument, so
+    # `--disable-radix-cache` (what the operator passes for engine.prefixCaching: false) shows.
+    prefix_cache_enabled: bool | None = None
 
 
 def parse_sglang_server_info(body: bytes) -> SglangServerInfo:
@@ -84,7 +87,12 @@ def parse_sglang_server_info(body: bytes) -> SglangServerInfo:
             "SGLang server info has neither internal_states[].memory_usage.token_capacity nor "
             "max_total_num_tokens"
         )
-    return SglangServerInfo(pool_tokens=pool, page_size=_positive_int(doc.get("page_size")))
+    disabled = doc.get("disable_radix_cache")
+    return SglangServerInfo(
+        pool_tokens=pool,
+        page_size=_positive_int(doc.get("page_size")),
+        prefix_cache_enabled=(not disabled) if isinstance(disabled, bool) else None,
+    )
 
 
 def _positive_int(value: object) -> int | None:
@@ -175,7 +183,8 @@ def parse_sglang_metrics(
         cached_blocks=None,
         block_size=page,
         bytes_per_token=None,
-        prefix_cache_enabled=None,
+        # Off, hits read 0 and would look like a cache that finds nothing.
+        prefix_cache_enabled=server_info.prefix_cache_enabled if server_info else None,
         prefix_queries_tokens_total=queries,
         prefix_hits_tokens_total=hits,
         running=running,
