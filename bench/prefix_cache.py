@@ -33,7 +33,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from bench.verdicts import Verdicts
 from headroom.engine.loadgen.client import LoadResult, Target, run_load
@@ -106,6 +106,9 @@ def _cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+_T = TypeVar("_T", int, float)
+
+
 @dataclass(frozen=True, slots=True)
 class UniqueRun:
     summary: LoadSummary
@@ -113,7 +116,18 @@ class UniqueRun:
 
     @property
     def tokens(self) -> int:
-        return self.summary.prompt_tokens + self.summary.output_tokens
+        return _reported(self.summary.prompt_tokens) + self.summary.output_tokens
+
+    @property
+    def tokens_per_s(self) -> float:
+        return _reported(self.summary.total_tokens_per_s)
+
+
+def _reported(value: _T | None) -> _T:
+    """A figure `headroom load` knows only from the stream's usage, which headroom serve sends."""
+    if value is None:
+        raise RuntimeError("the server sent no usage counts: its token figures are unknown")
+    return value
 
 
 def unique(srv: ServerProcess, tpw: float, seed: int) -> UniqueRun:
@@ -205,16 +219,13 @@ def main() -> int:
     mean_on = statistics.median(b.ttft.mean for _, b, _ in shared)
     p99_off = statistics.median(a.ttft.p99 for a, _, _ in shared)
     p99_on = statistics.median(b.ttft.p99 for _, b, _ in shared)
-    paired = [
-        b.summary.total_tokens_per_s / a.summary.total_tokens_per_s
-        for a, b in zip(runs_off, runs_on, strict=True)
-    ]
+    paired = [b.tokens_per_s / a.tokens_per_s for a, b in zip(runs_off, runs_on, strict=True)]
     wall_cost = 1 - statistics.median(paired)
     cpu_off, cpu_on = _cpu_per_1k_tokens(runs_off), _cpu_per_1k_tokens(runs_on)
     cpu_cost = cpu_on / cpu_off - 1 if cpu_off and cpu_on is not None else None
     cost = cpu_cost if cpu_cost is not None else wall_cost
-    med_off = statistics.median(r.summary.total_tokens_per_s for r in runs_off)
-    med_on = statistics.median(r.summary.total_tokens_per_s for r in runs_on)
+    med_off = statistics.median(r.tokens_per_s for r in runs_off)
+    med_on = statistics.median(r.tokens_per_s for r in runs_on)
 
     verdict = Verdicts()
     ttft_ok = verdict(speedup >= TTFT_TARGET, "shared-prefix TTFT speed-up")
@@ -243,8 +254,8 @@ def main() -> int:
         (f"{UNIQUE_PAIRS} x {UNIQUE_REQUESTS} requests each", "total tok/s (median)",
          f"{med_off:,.0f}", f"{med_on:,.0f}", f"{wall_cost:+.1%} cost (paired median)", "", ""),
         ("", "runs (total tok/s)",
-         " ".join(f"{r.summary.total_tokens_per_s:,.0f}" for r in runs_off),
-         " ".join(f"{r.summary.total_tokens_per_s:,.0f}" for r in runs_on), "", "", ""),
+         " ".join(f"{r.tokens_per_s:,.0f}" for r in runs_off),
+         " ".join(f"{r.tokens_per_s:,.0f}" for r in runs_on), "", "", ""),
     ]  # fmt: skip
     header = ("workload", "metric", "caching off", "caching on", "change", "target", "result")
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]

@@ -7,6 +7,7 @@ import csv
 import http.server
 import io
 import json
+import select
 import threading
 import time
 import urllib.request
@@ -216,10 +217,18 @@ def test_an_unreachable_server_or_a_bad_port_exits_2_before_the_run(
 
 
 class Scripted:
-    """A server whose /v1/completions answers `body` as `content_type`, whatever was asked."""
+    """A server whose /v1/completions answers `body` as `content_type`, whatever was asked.
+
+    `body` may be a list of parts, written `pause_s` apart. With `hangup_wait_s`, the answer
+    waits that long after its headers for the client to hang up before writing any part;
+    `parts_written` then holds, per request, how many parts went out before the client hung up
+    (or all of them)."""
 
     def __init__(self) -> None:
-        self.body, self.content_type = b"", "text/event-stream"
+        self.body: bytes | list[bytes] = b""
+        self.content_type = "text/event-stream"
+        self.pause_s = self.hangup_wait_s = 0.0
+        self.parts_written: list[int] = []
         scripted = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -230,11 +239,31 @@ class Scripted:
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 self._answer(scripted.body, scripted.content_type)
 
-            def _answer(self, body: bytes, content_type: str) -> None:
+            def _answer(self, body: bytes | list[bytes], content_type: str) -> None:
                 self.send_response(200)
                 self.send_header("Content-Type", content_type)
                 self.end_headers()
-                self.wfile.write(body)
+                if isinstance(body, bytes):
+                    self.wfile.write(body)
+                    return
+                self.wfile.flush()
+                written = 0
+                if not (scripted.hangup_wait_s and self._hung_up(scripted.hangup_wait_s)):
+                    for i, part in enumerate(body):
+                        if i:
+                            time.sleep(scripted.pause_s)
+                        try:
+                            self.wfile.write(part)
+                            self.wfile.flush()
+                        except OSError:  # the client hung up
+                            break
+                        written += 1
+                scripted.parts_written.append(written)
+
+            def _hung_up(self, wait_s: float) -> bool:
+                """Whether the client closes its end within `wait_s` (it sends nothing more)."""
+                readable, _, _ = select.select([self.connection], [], [], wait_s)
+                return bool(readable) and self.connection.recv(1) == b""
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -290,8 +319,86 @@ def test_a_stream_with_its_usage_counts_is_a_served_request(
     scripted.body = _events('{"choices": [{"text": "a"}]}', '{"choices": [{"text": "b"}]}', usage)
     assert _load("--url", scripted.url, "-n", "1", "--tokens-per-word", "1", "--no-stats",
                  "--json", "-") == 0  # fmt: skip
+    data = json.loads(capsys.readouterr().out)
+    (rec,) = data["records"]
+    assert (rec["prompt_tokens"], rec["output_tokens"], rec["usage_reported"]) == (5, 2, True)
+    s = data["summary"]
+    assert (s["prompt_tokens"], s["requests_without_usage"], s["warnings"]) == (5, 0, [])
+
+
+def test_a_stream_without_usage_counts_reports_unknown_prompt_tokens_and_warns(
+    scripted: Scripted, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A server that ignores stream_options.include_usage: 2 text chunks, 1 empty, no usage.
+    scripted.body = _events('{"choices": [{"text": "a b"}]}', '{"choices": [{"text": ""}]}',
+                            '{"choices": [{"text": "c", "finish_reason": "length"}]}')  # fmt: skip
+    assert _load("--url", scripted.url, "-n", "2", "-c", "1", "--tokens-per-word", "1",
+                 "--no-stats", "--json", "-") == 0  # fmt: skip
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert [(r["prompt_tokens"], r["output_tokens"], r["usage_reported"])
+            for r in data["records"]] == [(None, 2, False)] * 2  # fmt: skip
+    s = data["summary"]
+    assert (s["prompt_tokens"], s["total_tokens_per_s"]) == (None, None)  # unknown, not 0
+    assert (s["requests_without_usage"], s["output_tokens_estimated"]) == (2, True)
+    assert s["output_tokens"] == 4 and s["output_tokens_per_s"] > 0  # chunks, an estimate
+    assert len(s["warnings"]) == 1 and "2 of 2 ok requests streamed no usage" in s["warnings"][0]
+    assert "WARNING: 2 of 2 ok requests streamed no usage counts" in captured.err
+    assert "output tok/s (estimated)   - total tok/s" in captured.err
+
+
+def _chunk(text: str) -> bytes:
+    return f"data: {json.dumps({'choices': [{'text': text}]})}\n\n".encode()
+
+
+def test_tpot_is_vllms_end_to_end_minus_ttft_over_the_tokens_after_the_first(
+    scripted: Scripted, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 3 tokens, then the usage chunk and [DONE] later: vLLM's benchmark_serving divides
+    # (e2e - TTFT), to [DONE], not the span to the last token, by output tokens - 1.
+    usage = b'data: {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}}\n\n'
+    scripted.body = [_chunk("a"), _chunk("b"), _chunk("c"), usage, b"data: [DONE]\n\n"]
+    scripted.pause_s = 0.05
+    assert _load("--url", scripted.url, "--model", "m", "--tokens-per-word", "1", "-n", "1",
+                 "--no-stats", "--json", "-") == 0  # fmt: skip
     (rec,) = json.loads(capsys.readouterr().out)["records"]
-    assert (rec["prompt_tokens"], rec["output_tokens"]) == (5, 2)
+    assert rec["output_tokens"] == 3
+    assert rec["tpot_s"] * 2 == pytest.approx(rec["e2e_s"] - rec["ttft_s"], rel=1e-9, abs=1e-12)
+
+
+def test_a_hang_up_at_0_tokens_closes_on_the_headers_before_any_token(
+    scripted: Scripted, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --output-len 1: every request draws disconnect_after = 0, "before the first token". The
+    # server holds its first chunk until the client hangs up (or 5 s pass).
+    scripted.body = [_chunk("a"), b"data: [DONE]\n\n"]
+    scripted.hangup_wait_s = 5.0
+    code = _load("--url", scripted.url, "--model", "m", "--tokens-per-word", "1", "-n", "1",
+                 "--output-len", "1", "--disconnect-fraction", "1", "--no-stats",
+                 "--json", "-")  # fmt: skip
+    assert code == 1
+    (rec,) = json.loads(capsys.readouterr().out)["records"]
+    assert (rec["error"], rec["output_tokens"]) == ("client_disconnect", 0)
+    assert rec["error_message"] == "hung up before the first token, as asked"
+    deadline = time.monotonic() + 10
+    while not scripted.parts_written and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scripted.parts_written == [0]  # the server never got to write a token
+
+
+def test_a_hang_up_after_n_counts_text_chunks(
+    scripted: Scripted, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --output-len 4 --seed 3: the first request hangs up after 2 text chunks; an event without
+    # text (a role or usage chunk) does not count.
+    scripted.body = [_chunk("a"), _chunk(""), _chunk("b c"), _chunk("d"), b"data: [DONE]\n\n"]
+    code = _load("--url", scripted.url, "--model", "m", "--tokens-per-word", "1", "-n", "1",
+                 "--output-len", "4", "--disconnect-fraction", "1", "--seed", "3", "--no-stats",
+                 "--json", "-")  # fmt: skip
+    assert code == 1
+    (rec,) = json.loads(capsys.readouterr().out)["records"]
+    assert (rec["error"], rec["output_tokens"]) == ("client_disconnect", 2)
+    assert rec["error_message"] == "hung up after 2 text chunks, as asked"
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from headroom.engine.loadgen.client import LoadResult, RequestRecord, RunState, StatsSample
+from headroom.engine.loadgen.client import (
+    LoadResult,
+    RequestRecord,
+    RunState,
+    StatsSample,
+    parse_stats,
+)
 from headroom.engine.loadgen.progress import ProgressBar, render_line
 from headroom.engine.loadgen.stats import (
     percentile,
@@ -47,13 +53,33 @@ def test_spec_needs_exactly_one_bound_and_a_prefix_length() -> None:
 
 
 def test_ramp_schedule_steps_from_start_to_end() -> None:
+    # The levels 1..5 each hold 2 s of the 10 s ramp, 5 included: with the ramp as long as the
+    # run (the default), a schedule that reached 5 only at t = 10 would never dispatch at it.
     spec = WorkloadSpec(duration_s=10.0, concurrency=1, ramp_to=5)
-    levels = [spec.concurrency_at(t) for t in (0, 2.4, 2.6, 5.0, 9.99, 10, 100)]
-    assert levels == [1, 1, 2, 3, 4, 5, 5]
+    levels = [spec.concurrency_at(t) for t in (0, 1.99, 2.01, 5.0, 7.99, 8.01, 9.99, 10, 100)]
+    assert levels == [1, 1, 2, 3, 4, 5, 5, 5, 5]
     assert spec.max_concurrency == 5
-    down = WorkloadSpec(num_requests=10, concurrency=8, ramp_to=2, ramp_s=6.0)
-    assert [down.concurrency_at(t) for t in (0, 3, 6)] == [8, 5, 2]
+    down = WorkloadSpec(num_requests=10, concurrency=8, ramp_to=2, ramp_s=7.0)
+    assert [down.concurrency_at(t) for t in (0, 0.99, 1.01, 3.5, 5.99, 6.01, 7)] == [
+        8, 8, 7, 5, 3, 2, 2
+    ]  # fmt: skip
     assert WorkloadSpec(num_requests=1, concurrency=3).concurrency_at(50) == 3
+
+
+@pytest.mark.parametrize(("start", "end"), [(1, 32), (32, 1), (4, 5), (7, 7)])
+def test_a_ramp_as_long_as_the_run_spends_an_equal_share_at_every_level(
+    start: int, end: int
+) -> None:
+    # README's form: `-c 1 --ramp-to 32 --duration 60`, the ramp's length defaulting to the
+    # run's. Sending stops at t = 60, so every level must be reached before it.
+    spec = WorkloadSpec(duration_s=60.0, concurrency=start, ramp_to=end)
+    ticks = [spec.concurrency_at(i / 100) for i in range(6000)]  # t in [0, 60)
+    counts = {c: ticks.count(c) for c in set(ticks)}
+    lo, hi = min(start, end), max(start, end)
+    assert set(counts) == set(range(lo, hi + 1))
+    share = 6000 / (hi - lo + 1)
+    assert all(abs(n - share) <= 1 for n in counts.values()), counts
+    assert ticks == sorted(ticks, reverse=end < start)
 
 
 def test_length_distributions_stay_in_bounds_and_center() -> None:
@@ -106,14 +132,16 @@ def _rec(i: int, ttft: float, tpot: float, out: int = 10, ok: bool = True, c: in
          err: str | None = None) -> RequestRecord:  # fmt: skip
     return RequestRecord(
         index=i, start=0.0, concurrency=c, shared_prefix=False, ok=ok, error=err,
-        prompt_tokens=5 if ok else None, output_tokens=out if ok else 0,
+        prompt_tokens=5 if ok else None, output_tokens=out if ok else 0, usage_reported=ok,
         ttft_s=ttft if ok else None, tpot_s=tpot if ok else None, e2e_s=ttft + tpot * 9,
     )  # fmt: skip
 
 
-def _sample(t: float, used: int, q: int, h: int, p: int, c: int = 1) -> StatsSample:
+def _sample(t: float, used: int, q: int, h: int, p: int, c: int = 1,
+            instance: str | None = None) -> StatsSample:  # fmt: skip
     return StatsSample(t=t, concurrency=c, used=used, capacity=100, queries_tokens=q,
-                       hits_tokens=h, preemptions=p, running=used // 10, waiting=0)  # fmt: skip
+                       hits_tokens=h, preemptions=p, running=used // 10, waiting=0,
+                       instance_id=instance)  # fmt: skip
 
 
 def test_engine_summary_uses_deltas_and_survives_a_restart() -> None:
@@ -190,3 +218,72 @@ def test_a_burst_between_polls_still_shows_in_peak_and_mean_occupancy() -> None:
     for samples in (restarted, old):
         e = summarize_engine(samples)
         assert e is not None and (e.peak_used_blocks, e.peak_occupancy) == (0, 0.0)
+
+
+def test_a_new_instance_id_is_a_restart_even_when_its_counters_are_higher() -> None:
+    # /stats: a changed instance_id means the counters reset. Instance B restarted between the
+    # 2nd and 3rd poll and its own counters are already past A's: all of B's count, from 0.
+    def poll(t: float, inst: str, q: int, h: int, p: int, bs: float) -> StatsSample:
+        return _sample(t, 10, q, h, p, instance=inst).model_copy(
+            update={"block_seconds": bs, "snapshot_time": 100.0 + t}
+        )
+
+    samples = [
+        poll(0, "A", 1000, 500, 5, 1000.0),
+        poll(1, "A", 1010, 505, 5, 1010.0),
+        poll(2, "B", 5000, 4000, 9, 5000.0),
+        poll(3, "B", 5000, 4000, 9, 5010.0),
+    ]
+    e = summarize_engine(samples)
+    assert e is not None
+    assert (e.prefix_queries_tokens, e.prefix_hits_tokens, e.preemptions) == (5010, 4005, 9)
+    assert e.hit_ratio == pytest.approx(4005 / 5010)
+    # B's block-seconds integral started again at its start: across the restart it proves
+    # nothing, so the mean comes from the polls (10 of 100 blocks in each).
+    assert e.mean_occupancy == pytest.approx(0.1) and e.peak_used_blocks == 10
+    # One instance throughout: the integral holds (10 block-seconds a second).
+    same = [s.model_copy(update={"instance_id": "A"}) for s in samples]
+    same = [same[0], same[1], same[1].model_copy(update={"block_seconds": 1030.0,
+                                                         "snapshot_time": 103.0})]  # fmt: skip
+    e = summarize_engine(same)
+    assert e is not None and e.mean_occupancy == pytest.approx(0.1)
+    assert (e.prefix_queries_tokens, e.preemptions) == (10, 0)
+
+
+def test_parse_stats_reads_the_instance_id() -> None:
+    body = {
+        "instance_id": "b7",
+        "time": 12.5,
+        "kv": {"used": 3, "capacity": 8},
+        "prefix_cache": {"queries_tokens_total": 7, "hits_tokens_total": 2},
+        "requests": {"running": 1, "waiting": 0},
+        "preemptions_total": 0,
+        "kv_block_seconds_total": 4.0,
+    }
+    s = parse_stats(body, t=1.0, concurrency=2)
+    assert (s.instance_id, s.used, s.snapshot_time, s.block_seconds) == ("b7", 3, 12.5, 4.0)
+    del body["instance_id"]
+    assert parse_stats(body, t=1.0, concurrency=2).instance_id is None
+
+
+def test_a_run_without_usage_counts_says_so_instead_of_reporting_zero_prompt_tokens() -> None:
+    with_usage = _rec(0, 0.1, 0.01)
+    chunks_only = _rec(1, 0.1, 0.01).model_copy(
+        update={"prompt_tokens": None, "usage_reported": False}
+    )
+    result = LoadResult(model="m", tokens_per_word=1.0, duration_s=2.0,
+                        records=[with_usage, chunks_only], samples=[])  # fmt: skip
+    s = summarize(result)
+    assert (s.prompt_tokens, s.total_tokens_per_s) == (None, None)
+    assert (s.requests_without_usage, s.output_tokens_estimated) == (1, True)
+    assert s.output_tokens == 20  # the chunk count kept, as an estimate
+    assert len(s.warnings) == 1 and "1 of 2 ok requests streamed no usage" in s.warnings[0]
+    text = render_summary(s)
+    assert "output tok/s (estimated)   - total tok/s" in text
+    assert "WARNING: 1 of 2 ok requests streamed no usage counts" in text
+    full = summarize(result.model_copy(update={"records": [with_usage]}))
+    assert full.prompt_tokens == 5 and full.total_tokens_per_s == pytest.approx(7.5)
+    assert (full.requests_without_usage, full.output_tokens_estimated, full.warnings) == (
+        0, False, []
+    )  # fmt: skip
+    assert "WARNING" not in render_summary(full) and "(estimated)" not in render_summary(full)

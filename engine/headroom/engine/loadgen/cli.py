@@ -67,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of requests that start with the shared prefix")  # fmt: skip
     w.add_argument("--prefix-len", type=int, default=0, help="shared prefix tokens")
     w.add_argument("--disconnect-fraction", type=float, default=0.0,
-                   help="fraction of requests that hang up mid-stream (chaos)")  # fmt: skip
+                   help="fraction of requests that hang up mid-stream (chaos), each after "
+                   "a random number of streamed text chunks (0: on the headers)")  # fmt: skip
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--tokens-per-word", type=float,
                    help="skip calibration and size prompts with this ratio")  # fmt: skip

@@ -70,8 +70,12 @@ class RequestRecord(BaseModel):
     error: str | None = None
     error_message: str | None = None
     status: int | None = None
+    # From the stream's `usage` chunk when `usage_reported`; without one (a server that ignores
+    # stream_options.include_usage) prompt_tokens is None and output_tokens counts text chunks,
+    # an estimate that a server sending several tokens per chunk undercounts.
     prompt_tokens: int | None = None
     output_tokens: int = 0
+    usage_reported: bool = False
     ttft_s: float | None = None
     tpot_s: float | None = None
     e2e_s: float | None = None
@@ -94,6 +98,9 @@ class StatsSample(BaseModel):
     # than the poll interval still shows in their difference (None from an older engine).
     block_seconds: float | None = None
     snapshot_time: float | None = None
+    # Chosen at engine start: a change means the engine restarted and its counters reset, even
+    # when the new ones are already above the old (None from an engine without it).
+    instance_id: str | None = None
 
     @property
     def occupancy(self) -> float:
@@ -116,6 +123,7 @@ def parse_stats(body: dict[str, Any], t: float, concurrency: int) -> StatsSample
         # Validated by the model like the rest of the sample; absent from an older engine.
         block_seconds=body.get("kv_block_seconds_total"),
         snapshot_time=body.get("time"),
+        instance_id=body.get("instance_id"),
     )
 
 
@@ -197,8 +205,9 @@ async def send_request(
         shared_prefix=req.shared_prefix,
         ok=False,
     )
-    token_times: list[float] = []
+    text_chunks = 0
     first: float | None = None
+    end = 0.0  # when [DONE] arrived
     usage: tuple[int, int] | None = None  # (prompt, completion) tokens
     chunks, done = 0, False
     try:
@@ -213,13 +222,18 @@ async def send_request(
                 rec.error = _error_name(resp.status, err_body)
                 rec.error_message = _error_message(err_body, text)
                 return rec
+            if req.disconnect_after == 0:
+                # Before the first token: hang up on the headers, with the stream unread.
+                rec.error = "client_disconnect"
+                rec.error_message = "hung up before the first token, as asked"
+                return rec
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
                 if data == b"[DONE]":
-                    done = True
+                    done, end = True, time.perf_counter()
                     break
                 chunk = _parse_chunk(data)
                 chunks += 1
@@ -232,15 +246,19 @@ async def send_request(
                     if choice.get("finish_reason"):
                         rec.finish_reason = str(choice["finish_reason"])
                 if _chunk_has_token(chunk):
-                    token_times.append(now)
+                    text_chunks += 1
                     if first is None:
                         first = now
-                if req.disconnect_after is not None and len(token_times) >= req.disconnect_after:
-                    # Leaving the `async with` closes the connection under the server's stream.
-                    rec.error = "client_disconnect"
-                    rec.error_message = f"hung up after {len(token_times)} tokens, as asked"
-                    rec.output_tokens = len(token_times)
-                    return rec
+                    if req.disconnect_after is not None and text_chunks >= req.disconnect_after:
+                        # Leaving the `async with` closes the connection under the server's
+                        # stream. Counted in text chunks, as output_tokens is without usage.
+                        rec.error = "client_disconnect"
+                        rec.error_message = (
+                            f"hung up after {text_chunks} text chunk"
+                            f"{'' if text_chunks == 1 else 's'}, as asked"
+                        )
+                        rec.output_tokens = text_chunks
+                        return rec
                 if chunk.get("usage"):
                     u = chunk["usage"]
                     usage = (_token_count(u, "prompt_tokens"), _token_count(u, "completion_tokens"))
@@ -263,16 +281,17 @@ async def send_request(
             else "HTTP 200 without an event stream: is this an OpenAI-compatible server?"
         )
         return rec
-    end = time.perf_counter()
     rec.ok = True
     rec.e2e_s = end - t0
-    rec.prompt_tokens, rec.output_tokens = usage if usage else (None, len(token_times))
+    rec.usage_reported = usage is not None
+    rec.prompt_tokens, rec.output_tokens = usage if usage else (None, text_chunks)
     if first is not None:
         rec.ttft_s = first - t0
-        if rec.output_tokens > 1 and token_times:
-            # Time per output token after the first (vLLM's TPOT definition); a chunk may carry
-            # several tokens, so divide the decode span by tokens, not by chunks.
-            rec.tpot_s = (token_times[-1] - first) / (rec.output_tokens - 1)
+        if rec.output_tokens > 1:
+            # Time per output token after the first, as vLLM's benchmark_serving defines it:
+            # (end to end - TTFT) / (output tokens - 1), the end being [DONE]. Divided by tokens,
+            # not chunks, since a chunk may carry several.
+            rec.tpot_s = (rec.e2e_s - rec.ttft_s) / (rec.output_tokens - 1)
     return rec
 
 

@@ -75,6 +75,11 @@ class LevelSummary(BaseModel):
 
 
 class LoadSummary(BaseModel):
+    """A run's report. When some ok request's stream had no `usage` chunk
+    (`requests_without_usage` > 0), `prompt_tokens` and `total_tokens_per_s` are None (unknown,
+    not 0), and `output_tokens`, its rate and TPOT count text chunks as tokens (an estimate:
+    `output_tokens_estimated`); `warnings` says so in words."""
+
     model: str
     duration_s: float
     requests: int
@@ -83,9 +88,12 @@ class LoadSummary(BaseModel):
     errors_by_type: dict[str, int]
     requests_per_s: float
     output_tokens: int
-    prompt_tokens: int
+    prompt_tokens: int | None
     output_tokens_per_s: float
-    total_tokens_per_s: float
+    total_tokens_per_s: float | None
+    requests_without_usage: int = 0
+    output_tokens_estimated: bool = False
+    warnings: list[str] = []
     ttft: Distribution
     tpot: Distribution
     e2e: Distribution
@@ -96,12 +104,13 @@ class LoadSummary(BaseModel):
 def summarize_engine(samples: Sequence[StatsSample]) -> EngineSummary | None:
     """Peak/mean occupancy and the run's hit ratio and preemptions, or None without samples.
     Counters are differenced between the first and last sample, so traffic before the run does
-    not count; a restart in between (a counter going backwards) restarts the difference."""
+    not count; a restart in between (see `_restarted`) restarts the difference: the new
+    instance's counters count from 0."""
     if not samples:
         return None
     queries = hits = preempt = 0
     for prev, cur in itertools.pairwise(samples):
-        restarted = cur.queries_tokens < prev.queries_tokens or cur.preemptions < prev.preemptions
+        restarted = _restarted(prev, cur)
         base_q, base_h, base_p = (
             (0, 0, 0) if restarted else (prev.queries_tokens, prev.hits_tokens, prev.preemptions)
         )
@@ -131,6 +140,18 @@ def summarize_engine(samples: Sequence[StatsSample]) -> EngineSummary | None:
     )
 
 
+def _restarted(prev: StatsSample, cur: StatsSample) -> bool:
+    """Whether the engine restarted between two polls: `/stats` says so by a new `instance_id`
+    (its counters may already be past the old ones), an engine without one by a counter going
+    backwards."""
+    return (
+        prev.instance_id != cur.instance_id
+        or cur.queries_tokens < prev.queries_tokens
+        or cur.hits_tokens < prev.hits_tokens
+        or cur.preemptions < prev.preemptions
+    )
+
+
 def _run_mean_used(samples: Sequence[StatsSample]) -> float | None:
     """Mean used blocks from the first poll to the last, from the engine's block-seconds integral
     and its own clock; None without the fields or across a restart. Only the whole run is exact:
@@ -139,8 +160,10 @@ def _run_mean_used(samples: Sequence[StatsSample]) -> float | None:
     clock = [s.snapshot_time for s in samples if s.snapshot_time is not None]
     if len(bs) < len(samples) or len(clock) < len(samples):
         return None  # an engine without the fields
-    if any(b < a for a, b in itertools.pairwise(bs)):
-        return None  # the engine restarted during the run
+    if any(b < a for a, b in itertools.pairwise(bs)) or any(
+        _restarted(p, c) for p, c in itertools.pairwise(samples)
+    ):
+        return None  # the engine restarted during the run: its integral started again
     span = clock[-1] - clock[0]
     return (bs[-1] - bs[0]) / span if span > 0 else None
 
@@ -177,7 +200,16 @@ def summarize(result: LoadResult) -> LoadSummary:
     errors = Counter(r.error or "unknown" for r in recs if not r.ok)
     dur = result.duration_s if result.duration_s > 0 else math.nan
     out_tokens = sum(r.output_tokens for r in ok)
-    prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    no_usage = sum(not r.usage_reported for r in ok)
+    prompt_tokens = None if no_usage else sum(r.prompt_tokens or 0 for r in ok)
+    warnings = []
+    if no_usage:
+        warnings.append(
+            f"{no_usage} of {len(ok)} ok requests streamed no usage counts (the server ignored "
+            "stream_options.include_usage): prompt tokens and total tok/s are unknown; output "
+            "tokens, output tok/s and time per output token count text chunks as tokens (an "
+            "estimate, low if the server sends several tokens per chunk)"
+        )
     return LoadSummary(
         model=result.model,
         duration_s=result.duration_s,
@@ -189,7 +221,10 @@ def summarize(result: LoadResult) -> LoadSummary:
         output_tokens=out_tokens,
         prompt_tokens=prompt_tokens,
         output_tokens_per_s=out_tokens / dur,
-        total_tokens_per_s=(out_tokens + prompt_tokens) / dur,
+        total_tokens_per_s=None if prompt_tokens is None else (out_tokens + prompt_tokens) / dur,
+        requests_without_usage=no_usage,
+        output_tokens_estimated=no_usage > 0,
+        warnings=warnings,
         ttft=Distribution.of([r.ttft_s for r in ok if r.ttft_s is not None]),
         tpot=Distribution.of([r.tpot_s for r in ok if r.tpot_s is not None]),
         e2e=Distribution.of([r.e2e_s for r in ok if r.e2e_s is not None]),
@@ -205,11 +240,14 @@ def _ms(x: float) -> str:
 
 def render_summary(s: LoadSummary) -> str:
     """The human-readable report."""
+    estimated = " (estimated)" if s.output_tokens_estimated else ""
+    total = "-" if s.total_tokens_per_s is None else f"{s.total_tokens_per_s:,.1f}"
     lines = [
         f"model {s.model}: {s.requests} requests in {s.duration_s:.1f} s, "
         f"{s.ok} ok, {s.errors} errors",
-        f"throughput  {s.requests_per_s:.2f} req/s   {s.output_tokens_per_s:,.1f} output tok/s   "
-        f"{s.total_tokens_per_s:,.1f} total tok/s",
+        f"throughput  {s.requests_per_s:.2f} req/s   {s.output_tokens_per_s:,.1f} output tok/s"
+        f"{estimated}   {total} total tok/s",
+        *(f"WARNING: {w}" for w in s.warnings),
         "",
         f"{'latency (ms)':<22}{'mean':>10}{'p50':>10}{'p95':>10}{'p99':>10}",
     ]

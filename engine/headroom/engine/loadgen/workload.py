@@ -62,7 +62,9 @@ class LengthDist(_Spec):
 
 class WorkloadSpec(_Spec):
     """A whole run. Exactly one of `num_requests` and `duration_s` bounds it; with `ramp_to`
-    the concurrency goes linearly from `concurrency` to `ramp_to` over `ramp_s` seconds."""
+    the concurrency steps linearly from `concurrency` to `ramp_to` over `ramp_s` seconds
+    (default: `duration_s`): |ramp_to - concurrency| + 1 levels, each held for an equal share
+    of the ramp, so `ramp_to` itself is held for the last share too."""
 
     num_requests: int | None = Field(default=None, ge=1)
     duration_s: float | None = Field(default=None, gt=0)
@@ -95,17 +97,17 @@ class WorkloadSpec(_Spec):
         return self.ramp_s or self.duration_s or 0.0
 
     def concurrency_at(self, t: float) -> int:
-        """Target concurrency `t` seconds into the run (integer steps along the ramp)."""
+        """Target concurrency `t` seconds into the run (integer steps along the ramp).
+
+        The ramp's span+1 levels (start and end included) each get 1/(span+1) of the ramp, so
+        a ramp as long as the run (the default) spends its last share at `ramp_to`; flooring
+        span*t/ramp would reach `ramp_to` only at the ramp's end, when a run stops sending."""
         if self.ramp_to is None or self.ramp_seconds <= 0:
             return self.concurrency
         frac = min(1.0, max(0.0, t / self.ramp_seconds))
-        # Floor toward the start value, so each step is held for a full share of the ramp.
         span = self.ramp_to - self.concurrency
-        return (
-            self.concurrency + math.floor(span * frac)
-            if span >= 0
-            else (self.concurrency - math.floor(-span * frac))
-        )
+        step = min(abs(span), math.floor((abs(span) + 1) * frac))
+        return self.concurrency + step if span >= 0 else self.concurrency - step
 
 
 @dataclass(slots=True, frozen=True)
@@ -117,7 +119,9 @@ class RequestSpec:
     prompt_tokens: int
     max_tokens: int
     shared_prefix: bool
-    # The client hangs up after this many streamed tokens (None: it reads to the end).
+    # The client hangs up after this many streamed text chunks (one token each from vLLM and
+    # `headroom serve`); 0: right after the response headers, before any token. None: it reads
+    # to the end.
     disconnect_after: int | None = None
 
 
