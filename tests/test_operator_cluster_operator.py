@@ -649,6 +649,48 @@ def test_drift_on_the_owned_deployment_is_undone(
     operator.check()
 
 
+def test_a_deleted_service_and_pdb_come_back_at_the_next_resync(
+    cluster: Cluster, operator: InProcessOperator, cluster_namespace: str
+) -> None:
+    """Only Deployments are watched: the resync daemon re-applies the rest. Run here with a
+    1 s period beside the in-process operator, against the same API server."""
+    import kopf
+    from kopf._cogs.aiokits import aioenums
+    from kopf._core.intents import stoppers
+
+    from headroom.operator import handlers
+
+    ns = cluster_namespace
+    apply_cr(cluster, ns, "lost", SPEC)
+    reconciled(cluster, ns, "lost")
+    for kind in ("service", "poddisruptionbudget"):
+        eventually(f"the {kind}", lambda kind=kind: get(cluster, kind, "lost", ns))
+        cluster.kubectl("delete", kind, "lost", "-n", ns)
+    time.sleep(2)
+    assert get(cluster, "service", "lost", ns) is None  # no watch brings it back
+
+    async def run_resync() -> None:
+        kube = Kube(load_configuration(str(operator.kubeconfig)))
+        ctx = Context(Options(resync_seconds=1.0), kube)
+        setter: aioenums.FlagSetter[stoppers.DaemonStoppingReason] = aioenums.FlagSetter()
+        body = kopf.Body(get(cluster, "infd", "lost", ns) or {})
+        task = asyncio.create_task(
+            handlers.resync(
+                body=body,
+                stopped=aioenums.AsyncFlagWaiter(setter),  # type: ignore[arg-type]
+                memo=kopf.Memo(ctx=ctx),
+            )
+        )
+        await asyncio.sleep(3)
+        setter.set(stoppers.DaemonStoppingReason.OPERATOR_EXITING)
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(run_resync())
+    assert get(cluster, "service", "lost", ns) is not None
+    assert get(cluster, "poddisruptionbudget", "lost", ns) is not None
+    operator.check()
+
+
 def test_a_deployment_it_did_not_create_is_left_alone_until_it_is_gone(
     cluster: Cluster, operator: InProcessOperator, cluster_namespace: str
 ) -> None:

@@ -136,6 +136,32 @@ async def test_a_stopped_scaling_loop_leaves_no_frozen_series_on_metrics(
     assert ctx.metrics.registry.get_sample_value("headroom_desired_replicas", labels) is None
 
 
+@pytest.mark.parametrize("reason", ["Available", "ApplyFailed"])
+async def test_the_resync_re_applies_unless_the_last_apply_was_refused_for_good(
+    posted: list[tuple[str, str, str]], reason: str
+) -> None:
+    # A refused apply waits for the next spec change: resyncing it would only repeat its Event.
+    from kopf._cogs.aiokits import aioenums
+    from kopf._core.intents import stoppers
+
+    kube, b = await created(SPEC)
+    b["status"]["conditions"] = [{"type": "Ready", "status": "False", "reason": reason}]
+    before = len(kube.applies)
+    ctx = Context(Options(resync_seconds=1.0), kube)
+    setter: aioenums.FlagSetter[stoppers.DaemonStoppingReason] = aioenums.FlagSetter()
+    task = asyncio.create_task(
+        handlers.resync(
+            body=kopf.Body(b),
+            stopped=aioenums.AsyncFlagWaiter(setter),  # type: ignore[arg-type]
+            memo=kopf.Memo(ctx=ctx),
+        )
+    )
+    await asyncio.sleep(1.5)
+    setter.set(stoppers.DaemonStoppingReason.OPERATOR_EXITING)
+    await asyncio.wait_for(task, 5)
+    assert (len(kube.applies) > before) is (reason != "ApplyFailed")
+
+
 async def test_a_scale_whose_status_write_fails_is_remembered_and_its_events_posted(
     posted: list[tuple[str, str, str]],
 ) -> None:
@@ -252,3 +278,22 @@ async def test_failed_ticks_and_events_name_the_object_in_json_logs(
     for doc in docs:
         assert (doc["namespace"], doc["inferencedeployment"]) == (ns, name), doc
         assert f"{ns}/{name}" in doc["message"], doc
+
+
+def test_a_quantity_the_server_stored_canonically_is_no_drift() -> None:
+    # engine.memory 32768Mi is stored as 32Gi: read as drift, every scale of the Deployment
+    # (a generation bump) re-applied the children and logged it.
+    from headroom.operator.handlers import _contains, _drifted
+    from headroom.operator.reconcile.children import render
+
+    body = {"metadata": {"name": "chat", "namespace": "ns", "uid": "u", "generation": 1},
+            "spec": {**SPEC, "engine": {"memory": "32768Mi"}}}  # fmt: skip
+    parsed = parse(body["spec"])
+    assert parsed.spec is not None and parsed.sizing is not None
+    (dep,) = [o for o in render(owner_of(body), parsed.spec, parsed.sizing, None)
+              if o["kind"] == "Deployment"]  # fmt: skip
+    live = json.loads(json.dumps(dep).replace('"32768Mi"', '"32Gi"'))
+    assert live != dep and not _drifted(body, live)
+    drifted = json.loads(json.dumps(dep).replace('"32768Mi"', '"16Gi"'))
+    assert _drifted(body, drifted)
+    assert _contains({"cpu": "500m"}, {"cpu": "0.5"}) and not _contains("nginx:1", "nginx:2")

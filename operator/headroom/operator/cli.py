@@ -71,6 +71,13 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     op.add_argument(
         "--sidecar-port", type=int, default=SIDECAR_PORT, help="sidecar /saturation port"
     )
+    op.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=300.0,
+        help="re-apply every InferenceDeployment's children this often (a deleted Service or "
+        "PodDisruptionBudget comes back; applying what is there writes nothing)",
+    )
     op.add_argument("--peering", help="kopf peering name to run several replicas (HA)")
     op.add_argument(
         "--priority",
@@ -139,6 +146,7 @@ def run_operator(args: argparse.Namespace) -> int:
             sidecar_port=args.sidecar_port,
             peering=args.peering,
             priority=args.priority,
+            resync_seconds=args.resync_seconds,
         )
     except ValidationError as exc:
         first = exc.errors()[0]

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import kopf
+from kubernetes.utils import parse_quantity
 from pydantic import BaseModel, ConfigDict, Field, IPvAnyAddress, ValidationInfo, field_validator
 
 from headroom.contract.ports import SIDECAR_PORT
@@ -93,6 +94,13 @@ class Options(BaseModel):
         default=None, ge=0, description="kopf peering priority; None: drawn at startup"
     )
     max_workers: int = Field(default=8, ge=1, le=64)
+    resync_seconds: float = Field(
+        default=300.0,
+        ge=1.0,
+        le=86400.0,
+        allow_inf_nan=False,
+        description="every InferenceDeployment's children are re-applied this often",
+    )
 
     @field_validator("namespaces")
     @classmethod
@@ -314,6 +322,32 @@ async def scale(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, *
         ctx.metrics.forget(meta.get("namespace") or "", meta["name"])
 
 
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10, registry=REGISTRY)
+async def resync(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any) -> None:
+    """Re-apply the children every --resync-seconds: a deleted Service or PodDisruptionBudget
+    (only Deployments are watched) or monitoring CRDs installed later are seen by no event.
+    Server-side apply of what is already there writes nothing."""
+    ctx = _ctx(memo)
+    while not stopped:
+        await stopped.wait(ctx.options.resync_seconds)
+        live = dict(body)
+        ready = get_condition((live.get("status") or {}).get("conditions"), "Ready") or {}
+        # A refused apply waits for the next spec change: retrying it would only repeat the
+        # ApplyFailed Event.
+        if (
+            stopped
+            or live["metadata"].get("deletionTimestamp")
+            or ready.get("reason") == ("ApplyFailed")
+        ):
+            continue
+        try:
+            await _reconcile(ctx, live)
+        except kopf.TemporaryError as exc:
+            meta = live["metadata"]
+            log.warning("re-applying %s/%s: %s", meta["namespace"], meta["name"], exc,
+                        extra=log_fields(meta["namespace"], meta["name"]))  # fmt: skip
+
+
 async def _tick(
     ctx: Context,
     body: dict[str, Any],
@@ -425,7 +459,14 @@ def _contains(live: Any, want: Any) -> bool:
             and len(live) == len(want)
             and all(_contains(a, b) for a, b in zip(live, want, strict=True))
         )
-    return bool(live == want or str(live) == str(want))
+    if live == want or str(live) == str(want):
+        return True
+    # The server stores quantities canonically (32768Mi as 32Gi): the same amount is no drift,
+    # or every scale of the Deployment would re-apply its children.
+    try:
+        return bool(parse_quantity(live) == parse_quantity(want))  # type: ignore[no-untyped-call]
+    except (TypeError, ValueError):
+        return False
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, registry=REGISTRY)
