@@ -145,7 +145,7 @@ def test_stock_runtime_deployment_carries_the_plan(
     if runtime == "vllm":
         assert container_arg(dep, "engine", "--max-model-len") == "16384"
     else:
-        assert container_arg(dep, "engine", "--context-length") == "16384"
+        assert container_arg(dep, "engine", "--context-length") == "16391"  # + SGLang's slack
         assert "--enable-metrics" in engine["args"]
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == "4"
     startup = engine["startupProbe"]

@@ -73,7 +73,7 @@ FLAG_TABLE: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         "--model-path": "/models/l8b", "--served-model-name": "llama-3.1-8b",
         "--host": "0.0.0.0", "--port": "8000", "--tp-size": "2", "--pp-size": "1",
         "--max-total-tokens": lambda b, k: str(b * k), "--page-size": "16",
-        "--kv-cache-dtype": "auto", "--context-length": "4096", "--enable-metrics": True,
+        "--kv-cache-dtype": "auto", "--context-length": "4103", "--enable-metrics": True,
         "--max-running-requests": "256", "--chunked-prefill-size": "8192",
         "--mem-fraction-static": "0.9",
     }),
@@ -339,7 +339,7 @@ KNOBS: list[tuple[str, dict[str, Any], dict[str, tuple[str, Any] | None]]] = [
         "sglang": ("--mem-fraction-static", "0.8")}),
     ("engine.max_model_len", {"engine": {"maxModelLen": 8192}}, {
         "headroom": ("--max-model-len", "8192"), "vllm": ("--max-model-len", "8192"),
-        "sglang": ("--context-length", "8192")}),
+        "sglang": ("--context-length", "8199")}),  # SGLang serves 7 tokens less
     ("gpu.tensor_parallel", {"gpu": {"type": "h100-80gb", "countPerPod": 4, "tensorParallel": 4}}, {
         "headroom": ("--tensor-parallel-size", "4"), "vllm": ("--tensor-parallel-size", "4"),
         "sglang": ("--tp-size", "4")}),
@@ -549,3 +549,21 @@ def test_every_cache_the_engine_writes_is_on_a_writable_mount(runtime: str) -> N
     for var in ("HOME", "XDG_CACHE_HOME", "HEADROOM_CACHE"):
         assert any(env[var] == w or env[var].startswith(w + "/") for w in writable), var
     assert e["securityContext"]["readOnlyRootFilesystem"]
+
+
+def test_sglang_s_context_length_serves_max_model_len_within_the_model_s_positions() -> None:
+    # SGLang 0.5.3 refuses a prompt + max_new_tokens of --context-length or more and aborts a
+    # prompt of context_length - 6: 7 more tokens serve what vLLM serves at maxModelLen. Past
+    # the model's max_position_embeddings SGLang would not start: capped there.
+    from headroom.operator.reconcile.runtimes import SGLANG_CONTEXT_SLACK, sglang_context_length
+    from headroom.operator.reconcile.sizing import parse
+
+    def length(max_model_len: int) -> int:
+        p = parse({"model": {"preset": "llama-3.1-8b", "path": "/m"}, "gpu": {"type": "h100-80gb"},
+                   "traffic": {"peakConcurrency": 64, "contextTokens": 4096},
+                   "engine": {"runtime": "sglang", "maxModelLen": max_model_len}})  # fmt: skip
+        assert p.spec is not None and p.sizing is not None, p.error
+        return sglang_context_length(p.spec, p.sizing)
+
+    assert length(8192) == 8192 + SGLANG_CONTEXT_SLACK == 8199
+    assert length(131_072) == length(131_070) == 131_072  # llama-3.1-8b's positions

@@ -36,6 +36,12 @@ from headroom.operator.reconcile.sizing import Sizing, model_arch, served_model_
 
 STARTUP_PERIOD_SECONDS = 10
 SGLANG_KV_DTYPE = {"auto": "auto", "fp8": "fp8_e4m3"}
+# SGLang 0.5.3 serves less than its --context-length: it refuses a prompt + max_new_tokens of
+# context_len or more (tokenizer_manager.py), aborts a prompt of context_len - 6 or more
+# (tp_worker.py: max_req_input_len = context_len - 1 - 5) and clips the output at
+# context_len - 2 - prompt (scheduler.py). This much more serves every request whose prompt +
+# max_tokens fits maxModelLen, as vLLM does.
+SGLANG_CONTEXT_SLACK = 7
 # The environment variable each engine reads its API key from (headroom's is
 # headroom.engine.server.auth.API_KEY_ENV; a test keeps them equal). SGLang reads none: its
 # --api-key argument names this variable for the kubelet to expand.
@@ -153,6 +159,13 @@ def vllm_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> En
     )
 
 
+def sglang_context_length(spec: InferenceDeploymentSpec, sizing: Sizing) -> int:
+    """`--context-length` for maxModelLen: with SGLang's slack, within the model's positions
+    (past them SGLang refuses to start; there the last few tokens of maxModelLen are refused)."""
+    limit = model_arch(spec.model, sizing.max_model_len).max_position_embeddings
+    return min(sizing.max_model_len + SGLANG_CONTEXT_SLACK, max(limit, sizing.max_model_len))
+
+
 def sglang_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> EngineCommand:
     """`sglang.launch_server`: `--max-total-tokens` is the planned pool in tokens (blocks x
     block size), paged by `--page-size` = the block size."""
@@ -177,7 +190,7 @@ def sglang_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> 
         "--kv-cache-dtype",
         SGLANG_KV_DTYPE[e.kv_cache_dtype],  # the CRD refuses int8
         "--context-length",
-        str(sizing.max_model_len),
+        str(sglang_context_length(spec, sizing)),
         "--max-running-requests",
         str(e.max_num_seqs),
         "--chunked-prefill-size",
