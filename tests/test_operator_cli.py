@@ -114,7 +114,7 @@ def test_namespace_globs_negations_and_a_prometheus_url_are_taken() -> None:
         (["--namespace", ""], "--namespace: '' is not a namespace name or glob"),
         (["--namespace", "Team-A"], "--namespace: 'Team-A' is not a namespace name"),
         (["--prometheus-url", "prometheus:9090"], "--prometheus-url: must be an http://"),
-        (["--prometheus-url", "http://p:99999"], "--prometheus-url: must be an http://"),
+        (["--prometheus-url", "http://p:99999"], "--prometheus-url: the port must be a number"),
     ],
 )
 def test_a_flag_that_cannot_work_is_exit_2(

@@ -105,34 +105,42 @@ def posted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
     return out
 
 
+class Daemon:
+    """A kopf daemon handler running as kopf runs it, until `stop()` says why it ends."""
+
+    def __init__(self, handler: Any, ctx: Context, body: dict[str, Any]) -> None:
+        from kopf._cogs.aiokits import aioenums
+
+        self.setter: aioenums.FlagSetter[Any] = aioenums.FlagSetter()
+        self.task = asyncio.create_task(
+            handler(body=kopf.Body(body), stopped=aioenums.AsyncFlagWaiter(self.setter),
+                    memo=kopf.Memo(ctx=ctx))
+        )  # fmt: skip
+
+    async def stop(self, reason: str) -> None:
+        from kopf._core.intents import stoppers
+
+        self.setter.set(getattr(stoppers.DaemonStoppingReason, reason))
+        await asyncio.wait_for(self.task, 5)
+
+
 @pytest.mark.parametrize("reason", ["OPERATOR_PAUSING", "RESOURCE_DELETED"])
 async def test_a_stopped_scaling_loop_leaves_no_frozen_series_on_metrics(
     posted: list[tuple[str, str, str]], reason: str
 ) -> None:
     # A replica kopf pauses for a peer of higher priority keeps serving /metrics: its last
     # decision must not stand there beside the active replica's live one.
-    from kopf._cogs.aiokits import aioenums
-    from kopf._core.intents import stoppers
-
     kube, b = await created({**SPEC, "scaling": {"mode": "advisory", "intervalSeconds": 1}})
     ctx = Context(Options(), kube, source_factory=lambda k, c: FakeSource(0.95, arrivals=2.0))
     ctx.clock = lambda: NOW
     labels = {"namespace": "ns", "inferencedeployment": "chat", "mode": "advisory"}
-    setter: aioenums.FlagSetter[stoppers.DaemonStoppingReason] = aioenums.FlagSetter()
-    task = asyncio.create_task(
-        handlers.scale(
-            body=kopf.Body(b),
-            stopped=aioenums.AsyncFlagWaiter(setter),  # type: ignore[arg-type]
-            memo=kopf.Memo(ctx=ctx),
-        )
-    )
+    daemon = Daemon(handlers.scale, ctx, b)
     for _ in range(100):
         if ctx.metrics.registry.get_sample_value("headroom_desired_replicas", labels):
             break
         await asyncio.sleep(0.05)
     assert ctx.metrics.registry.get_sample_value("headroom_desired_replicas", labels)
-    setter.set(getattr(stoppers.DaemonStoppingReason, reason))
-    await asyncio.wait_for(task, 5)
+    await daemon.stop(reason)
     assert ctx.metrics.registry.get_sample_value("headroom_desired_replicas", labels) is None
 
 
@@ -141,24 +149,12 @@ async def test_the_resync_re_applies_unless_the_last_apply_was_refused_for_good(
     posted: list[tuple[str, str, str]], reason: str
 ) -> None:
     # A refused apply waits for the next spec change: resyncing it would only repeat its Event.
-    from kopf._cogs.aiokits import aioenums
-    from kopf._core.intents import stoppers
-
     kube, b = await created(SPEC)
     b["status"]["conditions"] = [{"type": "Ready", "status": "False", "reason": reason}]
     before = len(kube.applies)
-    ctx = Context(Options(resync_seconds=1.0), kube)
-    setter: aioenums.FlagSetter[stoppers.DaemonStoppingReason] = aioenums.FlagSetter()
-    task = asyncio.create_task(
-        handlers.resync(
-            body=kopf.Body(b),
-            stopped=aioenums.AsyncFlagWaiter(setter),  # type: ignore[arg-type]
-            memo=kopf.Memo(ctx=ctx),
-        )
-    )
+    daemon = Daemon(handlers.resync, Context(Options(resync_seconds=1.0), kube), b)
     await asyncio.sleep(1.5)
-    setter.set(stoppers.DaemonStoppingReason.OPERATOR_EXITING)
-    await asyncio.wait_for(task, 5)
+    await daemon.stop("OPERATOR_EXITING")
     assert (len(kube.applies) > before) is (reason != "ApplyFailed")
 
 

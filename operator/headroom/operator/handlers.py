@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 from ipaddress import IPv4Address
 from typing import Any, cast
-from urllib.parse import urlsplit
 
 import aiohttp
 import kopf
@@ -33,6 +32,7 @@ from kubernetes.utils import parse_quantity
 from pydantic import BaseModel, ConfigDict, Field, IPvAnyAddress, ValidationInfo, field_validator
 
 from headroom.contract.ports import SIDECAR_PORT
+from headroom.contract.urls import http_url
 from headroom.operator.crd.models import GROUP, KIND, PLURAL, VERSION
 from headroom.operator.kube import Kube, KubeError, owner_of, with_retries
 from headroom.operator.reconcile.apply_errors import namespace_terminating, permanent_apply_error
@@ -119,15 +119,7 @@ class Options(BaseModel):
     @classmethod
     def _an_http_url(cls, value: str | None) -> str | None:
         # Checked at start: a typo (no scheme) would otherwise fail every scaling tick.
-        if value is not None:
-            parts = urlsplit(value)
-            try:
-                parts.port  # noqa: B018 (raises on a port past 65535 or not a number)
-            except ValueError:
-                parts = parts._replace(netloc="")
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"must be an http:// or https:// URL with a host, got {value!r}")
-        return value
+        return None if value is None else http_url(value)
 
     @field_validator("prometheus_rate_window")
     @classmethod

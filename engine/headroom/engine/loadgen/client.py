@@ -9,11 +9,11 @@ import json
 import time
 from collections.abc import Callable
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from headroom.contract.urls import http_url
 from headroom.engine.loadgen.workload import PromptFactory, RequestSpec, WorkloadSpec
 
 Endpoint = Literal["completions", "chat"]
@@ -35,16 +35,7 @@ class Target(BaseModel):
     @field_validator("base_url")
     @classmethod
     def _http_url(cls, url: str) -> str:
-        scheme, sep, rest = url.partition("://")
-        if not sep or scheme not in ("http", "https") or not rest.strip("/"):
-            raise ValueError(f"must be an http:// or https:// URL with a host, got {url!r}")
-        try:
-            port = urlsplit(url).port
-        except ValueError:  # not a number, or past 65535
-            port = -1
-        if port is not None and not 1 <= port <= 65535:
-            raise ValueError(f"the port must be a number from 1 to 65535, got {url!r}")
-        return url
+        return http_url(url)
 
     @property
     def root(self) -> str:
