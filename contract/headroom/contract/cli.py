@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import select
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from headroom.contract.outputs import stdout_to_devnull
+
+
+def fields_as_flags(message: str, fields: Iterable[str], flag: Callable[[str], str]) -> str:
+    """A validation `message` with each of `fields` (as a model names them) written as the flag
+    the user typed: a rule across fields reads `--timeout must not exceed --interval`."""
+    pattern = r"\b(?:" + "|".join(map(re.escape, fields)) + r")\b"
+    return re.sub(pattern, lambda m: flag(m[0]), message)
+
 
 # name -> (module, registration function, one-line help). Only the chosen subcommand's module is
 # imported, so `headroom plan` never pays for torch, aiohttp or kopf. A subcommand that does not

@@ -326,11 +326,8 @@ async def resync(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, 
         ready = get_condition((live.get("status") or {}).get("conditions"), "Ready") or {}
         # A refused apply waits for the next spec change: retrying it would only repeat the
         # ApplyFailed Event.
-        if (
-            stopped
-            or live["metadata"].get("deletionTimestamp")
-            or ready.get("reason") == ("ApplyFailed")
-        ):
+        refused = ready.get("reason") == "ApplyFailed"
+        if stopped or live["metadata"].get("deletionTimestamp") or refused:
             continue
         try:
             await _reconcile(ctx, live)

@@ -7,13 +7,13 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import signal
 import socket
 import sys
 
 from pydantic import ValidationError
 
+from headroom.contract.cli import fields_as_flags
 from headroom.contract.ports import SIDECAR_PORT
 from headroom.sidecar.config import API_KEY_ENV, IdentityLabels, SidecarConfig
 
@@ -131,11 +131,7 @@ def flag_errors(exc: ValidationError) -> list[str]:
         field = ".".join(str(p) for p in err["loc"])
         msg = str(err["msg"]).removeprefix("Value error, ")
         if not field:
-            msg = re.sub(
-                r"\b(?:" + "|".join(SidecarConfig.model_fields) + r")\b",
-                lambda m: _flag(m[0]),
-                msg,
-            )
+            msg = fields_as_flags(msg, SidecarConfig.model_fields, _flag)
         out.append(f"{_flag(field)}: {msg}" if field else msg)
     return out
 

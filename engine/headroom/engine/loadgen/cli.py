@@ -7,13 +7,13 @@ import asyncio
 import json
 import math
 import os
-import re
 import sys
 from pathlib import Path
 
 import aiohttp
 from pydantic import ValidationError
 
+from headroom.contract.cli import fields_as_flags
 from headroom.contract.outputs import output_error
 from headroom.engine.loadgen.client import LoadResult, RunState, Target, run_load
 from headroom.engine.loadgen.progress import ProgressBar
@@ -178,10 +178,8 @@ def _flag_errors(err: ValidationError) -> str:
         msg = str(e["msg"]).removeprefix("Value error, ")
         if not field:
             # A rule across fields names them as the spec does; the user typed flags.
-            msg = re.sub(
-                r"\b(?:" + "|".join(WorkloadSpec.model_fields) + r")\b",
-                lambda m: flags.get(m[0], "--" + m[0].replace("_", "-")),
-                msg,
+            msg = fields_as_flags(
+                msg, WorkloadSpec.model_fields, lambda f: flags.get(f, "--" + f.replace("_", "-"))
             )
         parts.append(f"{flag}: {msg}")
     return "; ".join(parts)
