@@ -116,6 +116,8 @@ def test_documents_are_read_from_jsonl_json_and_text(tmp_path: Path) -> None:
         ("missing.jsonl", None, "does not exist"),
         ("empty.jsonl", "  \n", "is empty"),
         ("bad.jsonl", '{"text": "ok"}\n{oops\n', "line 2 is not valid JSON"),
+        ("deep.jsonl", "[" * 100_000, "line 1 is not valid JSON: nested too deeply"),
+        ("deep.json", "[" * 100_000, "is not valid JSON: nested too deeply"),
         ("nofield.jsonl", '{"body": "x"}\n', "line 1: an object needs a string 'text'"),
         ("blank.jsonl", '{"text": "   "}\n', "line 1: the document is empty"),
         ("obj.json", '{"text": "x"}', "expected a non-empty JSON array"),

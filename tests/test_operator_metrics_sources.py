@@ -28,6 +28,7 @@ from headroom.operator.scaling.metrics_sources import (
     PrometheusSource,
     ScrapeTarget,
     SidecarSource,
+    client_session,
     parse_prometheus,
     pod_info,
     promql,
@@ -314,6 +315,62 @@ async def test_a_redirect_is_not_followed_and_an_endless_answer_not_read_whole()
             with pytest.raises(MetricsError, match=r"HTTP 302|over 16,777,216 bytes"):
                 await prom.sample(TARGET, pods)
         assert all("meta-data" not in a for a in asked), asked
+
+
+async def test_a_prometheus_that_hangs_or_nests_too_deep_is_a_metrics_error_that_says_why() -> None:
+    # Arrays nested past the JSON parser's recursion limit raise RecursionError, not
+    # ValueError: it escaped the tick, which then wrote no status at all.
+    async def deep(_: web.Request) -> web.Response:
+        return web.Response(text="[" * 100_000, content_type="application/json")
+
+    async def hang(_: web.Request) -> web.Response:
+        await asyncio.sleep(30)
+        return web.Response(text="{}")
+
+    for handler, why in ((deep, "something other than JSON"), (hang, r"no answer in 0\.5 s$")):
+        app, _ = await _answering(handler)
+        async with TestServer(app, host="127.0.0.1") as srv, aiohttp.ClientSession() as http:
+            prom = PrometheusSource(http, f"http://127.0.0.1:{srv.port}", timeout=0.5)
+            with pytest.raises(MetricsError, match=why):
+                await prom.sample(TARGET, [])
+
+
+async def test_pods_that_never_answer_do_not_silence_another_deployment_s_pods() -> None:
+    # One session serves every deployment's ticks. aiohttp's default pool holds 100
+    # connections for all hosts together: 150 pods behind a partition (they accept and never
+    # answer, still Ready) held every slot, and a healthy deployment's pod waited out its own
+    # timeout behind them and read as silent.
+    held: list[asyncio.StreamWriter] = []
+
+    async def accept_and_hang(_: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        held.append(w)
+
+    async def good(_: web.Request) -> web.Response:
+        body = report(pod=None).model_dump_json()
+        return web.Response(body=body, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/saturation", good)
+    async with TestServer(app, host="127.0.0.2") as ok:
+        hung = await asyncio.start_server(accept_and_hang, "127.0.0.3", ok.port, backlog=512)
+        try:
+            async with client_session() as http:
+                src = SidecarSource(http, port=ok.port, timeout=5.0)
+                partitioned = [PodInfo(f"big-{i}", "127.0.0.3", True, 0.0) for i in range(150)]
+                big = asyncio.create_task(src.sample(ScrapeTarget("llm", "big"), partitioned))
+                while len(held) < 100:  # the old pool's every slot is taken
+                    await asyncio.sleep(0.01)
+                healthy = await src.sample(TARGET, [PodInfo("chat-0", "127.0.0.2", True, 0.0)])
+                assert list(healthy) == ["chat-0"]
+                assert not big.done()  # heard while the partitioned pods still hang
+                big.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await big
+        finally:
+            hung.close()
+            for w in held:
+                w.close()
+            await hung.wait_closed()
 
 
 def test_a_prometheus_error_is_quoted_short_in_status() -> None:

@@ -371,9 +371,18 @@ async def test_tick_holds_when_metrics_are_missing_and_says_why() -> None:
     assert kube.scales == [] and res.outcome.status["desiredReplicas"] == 4
     limited = cond(res.outcome.status, "ScalingLimited")
     assert (limited["status"], limited["reason"]) == ("True", "MetricsUnavailable")
-    assert "unreachable" in limited["message"]
-    assert cond(res.outcome.status, "KVSaturated")["status"] == "Unknown"
-    assert any(e.reason == "MetricsUnavailable" for e in res.outcome.events)
+    # Said once, after the hold's lead-in (it was the error twice over).
+    assert limited["message"] == (
+        "scaling holds while KV metrics are missing or stale: "
+        "Prometheus at http://prom:9090 unreachable: refused; holding 4"
+    )
+    kv = cond(res.outcome.status, "KVSaturated")
+    assert (kv["status"], kv["message"]) == (
+        "Unknown",
+        "Prometheus at http://prom:9090 unreachable: refused; holding 4",
+    )
+    (ev,) = [e for e in res.outcome.events if e.reason == "MetricsUnavailable"]
+    assert ev.message == limited["message"]
 
 
 async def test_tick_reports_saturation_at_max() -> None:

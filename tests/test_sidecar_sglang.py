@@ -558,6 +558,7 @@ def test_server_info_pool_sizes(body: bytes, pool: tuple[int, ...], page: int | 
         b"",
         b"<html>404</html>",
         b"[1, 2]",
+        b"[" * 100_000,  # nested past the parser's recursion limit (a RecursionError)
         _info(page_size=16),  # no pool size anywhere
         _info(max_total_num_tokens=-5),
         _info(max_total_num_tokens=True),

@@ -10,6 +10,15 @@ from typing import Any
 from pydantic import ValidationError
 
 
+def parse_json(raw: str | bytes) -> Any:
+    """`json.loads`, with arrays or objects nested past the parser's recursion limit raised
+    as the ValueError every other malformed document raises (it is a RecursionError)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def read_text(file: Path) -> str:
     """The file's text; ValueError naming it when it is not UTF-8 (OSError as reading raises)."""
     try:
@@ -23,9 +32,7 @@ def read_json_object(file: Path, unreadable: str = "not valid JSON") -> dict[str
     (`unreadable` says so, then why) or not an object; OSError as reading raises it."""
     text = read_text(file)
     try:
-        data = json.loads(text)
-    except RecursionError:  # nested beyond the parser's recursion limit
-        raise ValueError(f"{file}: {unreadable}: nested too deeply") from None
+        data = parse_json(text)
     except ValueError as e:  # JSONDecodeError, or an integer of more digits than Python reads
         raise ValueError(f"{file}: {unreadable}: {e}") from None
     if not isinstance(data, dict):

@@ -47,6 +47,7 @@ from headroom.operator.scaling.metrics_sources import (
     MetricsSource,
     PrometheusSource,
     SidecarSource,
+    client_session,
     rate_window_seconds,
 )
 from headroom.operator.status import (
@@ -272,7 +273,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         # watched namespace): one object to create, and namespace globs need none per match.
         settings.peering.clusterwide = True
         log.info("peering %r at priority %d", ctx.options.peering, ctx.priority)
-    ctx.http = aiohttp.ClientSession()
+    ctx.http = client_session()
 
 
 @kopf.on.cleanup(registry=REGISTRY)

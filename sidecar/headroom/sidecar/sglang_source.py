@@ -9,10 +9,10 @@ scheduler) and `internal_states[i].memory_usage.token_capacity` (one per data-pa
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from headroom.contract.jsonfile import parse_json
 from headroom.sidecar.exposition import (
     Pool,
     PoolKey,
@@ -64,7 +64,7 @@ class SglangServerInfo:
 def parse_sglang_server_info(body: bytes) -> SglangServerInfo:
     """Parse SGLang's `GET /get_server_info` body; raises GarbageError."""
     try:
-        doc: Any = json.loads(body)
+        doc: Any = parse_json(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise GarbageError(f"SGLang server info is not JSON: {exc}") from exc
     if not isinstance(doc, dict):

@@ -7,10 +7,11 @@ problem is a `PromptsError` naming the file (and line) and what is wrong.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from headroom.contract.jsonfile import parse_json
 
 
 class PromptsError(ValueError):
@@ -50,8 +51,8 @@ def read_documents(path: Path) -> list[str]:
     suffix = path.suffix.lower()
     if suffix == ".json":
         try:
-            data = json.loads(raw)
-        except json.JSONDecodeError as exc:
+            data = parse_json(raw)
+        except ValueError as exc:
             raise PromptsError(f"{path} is not valid JSON: {exc}") from None
         if not isinstance(data, list) or not data:
             raise PromptsError(f"{path}: expected a non-empty JSON array of documents")
@@ -62,8 +63,8 @@ def read_documents(path: Path) -> list[str]:
             if not line.strip():
                 continue
             try:
-                item = json.loads(line)
-            except json.JSONDecodeError as exc:
+                item = parse_json(line)
+            except ValueError as exc:
                 raise PromptsError(f"{path} line {n} is not valid JSON: {exc}") from None
             docs.append(_text_of(item, f"{path} line {n}"))
         return docs

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -13,6 +12,7 @@ from typing import Any, Literal
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from headroom.contract.jsonfile import parse_json
 from headroom.contract.urls import http_url
 from headroom.engine.loadgen.workload import PromptFactory, RequestSpec, WorkloadSpec
 
@@ -159,7 +159,7 @@ def _chunk_has_token(chunk: dict[str, Any]) -> bool:
 def _parse_chunk(data: bytes) -> dict[str, Any]:
     """One stream event: an object whose `choices` are objects (ValueError for anything else,
     so a garbled stream fails its own request, not the run)."""
-    chunk = json.loads(data)
+    chunk = parse_json(data)
     if not isinstance(chunk, dict):
         raise ValueError(f"a stream event is not a JSON object: {data[:80]!r}")
     choices = chunk.get("choices") or []
@@ -207,8 +207,8 @@ async def send_request(
             if resp.status != 200:
                 text = await resp.text()
                 try:
-                    err_body: Any = json.loads(text)
-                except json.JSONDecodeError:
+                    err_body: Any = parse_json(text)
+                except ValueError:
                     err_body = None
                 rec.error = _error_name(resp.status, err_body)
                 rec.error_message = _error_message(err_body, text)
@@ -340,7 +340,7 @@ async def calibrate_tokens_per_word(
         async with session.post(target.api + path, json=body, headers=target.headers()) as resp:
             status, raw = resp.status, await resp.text(errors="replace")
         try:
-            data: Any = json.loads(raw)
+            data: Any = parse_json(raw)
         except ValueError:
             data = None
         usage = data.get("usage") if isinstance(data, dict) else None

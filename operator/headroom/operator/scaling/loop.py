@@ -389,7 +389,8 @@ def infeasible_outcome(body: dict[str, Any], live: dict[str, Any], now: float) -
 
 
 def _with_message(d: Decision, message: str) -> Decision:
-    return replace(d, message=message + f"; holding {d.replicas}", limited_message=message)
+    # decide()'s limited_message ("scaling holds while ...") stays the condition's lead-in.
+    return replace(d, message=message + f"; holding {d.replicas}")
 
 
 def _conditions(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import ipaddress
-import json
 import math
 import re
 from collections.abc import Iterable
@@ -22,6 +21,7 @@ from pydantic import ValidationError
 
 from headroom.contract import metric_names as m
 from headroom.contract.demand import CounterSample, DemandRates
+from headroom.contract.jsonfile import parse_json
 from headroom.contract.ports import SIDECAR_PORT
 from headroom.contract.report import SaturationReport
 from headroom.operator.scaling.decide import PodSample
@@ -190,6 +190,14 @@ def sample_from_report(report: SaturationReport) -> PodSample | None:
 # anything, and an answer read whole could exhaust the operator (every tenant's scaling with it).
 SIDECAR_BODY_LIMIT = 1 << 20  # a /saturation report is a few KiB
 PROMETHEUS_BODY_LIMIT = 16 << 20  # 17 series a pod: tens of thousands of series
+
+
+def client_session() -> aiohttp.ClientSession:
+    """The operator's one HTTP session for sidecars and Prometheus, with no cap on connections
+    in flight: a tick polls every pod at once, and the hung pods of one deployment (a node
+    partitioned away, still Ready for 40 s) must not hold the slots (aiohttp's default is 100
+    for all hosts together) that another deployment's pods need to be heard."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
 
 
 async def read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
@@ -453,10 +461,15 @@ class PrometheusSource:
             ) as resp:
                 body = await read_capped(resp, PROMETHEUS_BODY_LIMIT)
                 status = resp.status
-        except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
+        except TimeoutError:
+            # str(TimeoutError()) is empty: say what ran out.
+            raise MetricsError(
+                f"Prometheus at {base} unreachable: no answer in {self.timeout.total:g} s"
+            ) from None
+        except (aiohttp.ClientError, ValueError, OSError) as exc:
             raise MetricsError(f"Prometheus at {base} unreachable: {exc}") from None
         try:
-            doc = json.loads(body)
+            doc = parse_json(body)
         except ValueError:
             doc = None
         if status != 200 and not isinstance(doc, dict):  # its API answers errors in JSON
