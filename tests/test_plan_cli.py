@@ -49,6 +49,18 @@ def test_table_names_every_figure() -> None:
     assert "327,680 B" in r.stdout and "160.0 GiB" in r.stdout
 
 
+def test_capacity_counts_each_token_once_like_the_peak() -> None:
+    # MLA keeps one latent on every rank: 8 GPUs hold 8 copies of each token. The row showed
+    # the 8 pools' bytes (373.3 GiB) beside a peak counted once (34.3 GiB): 10x room that
+    # is not there; the pod holds 87 sequences for a peak of 64.
+    r = run("--model", "deepseek-v3", "--gpu", "h200-141gb", "--tp", "8",
+            "--concurrency", "64", "--context", "8192")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "KV for the peak      34.3 GiB  (64 seq x 8,192 tokens)" in r.stdout
+    assert "KV capacity / pod    46.7 GiB  (44,564 blocks of 16 = 713,024 tokens)" in r.stdout
+    assert "sequences / pod      87 at 8,192 tokens" in r.stdout
+
+
 def test_json_matches_the_library(capsys: object) -> None:
     assert main(["plan", *BASE, "--json", "--kv-dtype", "fp8", "--prefix-hit", "0.4"]) == 0
     out = json.loads(capsys.readouterr().out)  # type: ignore[attr-defined]

@@ -79,7 +79,9 @@ def render_plan(p: Plan) -> str:
          f"{p.kv_bytes_per_token_per_gpu:,} B per GPU)"),
         ("KV for the peak", f"{_gib(p.kv_bytes_for_peak)}  "
          f"({p.concurrency} seq x {p.context:,} tokens)"),
-        ("KV capacity / pod", f"{_gib(p.kv_bytes_per_gpu * p.gpus_per_pod)}  "
+        # Each token once, as in the peak's row: where every rank holds a copy (MLA, tp past
+        # the KV heads) the GPUs' pools together hold tp copies of the same tokens.
+        ("KV capacity / pod", f"{_gib(p.kv_tokens_per_pod * p.kv_bytes_per_token)}  "
          f"({p.kv_blocks_per_pod:,} blocks of {p.block_size} = {p.kv_tokens_per_pod:,} tokens)"),
         ("sequences / pod", f"{p.sequences_per_pod:,} at {p.context:,} tokens"
          + (f", prefix hit {p.prefix_hit:.0%}" if p.prefix_hit else "")),
