@@ -19,6 +19,7 @@ CHART = REPO / "charts" / "headroom"
 GENERATED_CRD = REPO / "crds" / "inferencedeployment.yaml"
 CHART_CRD = CHART / "crds" / "inferencedeployment.yaml"
 DASHBOARD = CHART / "files" / "grafana-dashboard.json"
+SCHEMA = CHART / "values.schema.json"
 VALUE_REF = re.compile(r"\.Values((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
 
 
@@ -110,6 +111,106 @@ def test_every_value_is_used_by_a_template() -> None:
     # A leaf is used when a template names it or a map above it (toYaml of a whole map).
     unused = sorted(p for p in top if not any(p == r or p.startswith(r + ".") for r in refs))
     assert not unused, f"values no template reads: {unused}"
+
+
+# ---------------------------------------------------------------------------- values.schema.json
+
+
+def _schema() -> dict[str, Any]:
+    assert SCHEMA.is_file(), f"{SCHEMA} is missing: bad values would install and crash-loop"
+    doc: dict[str, Any] = json.loads(SCHEMA.read_text())
+    return doc
+
+
+def _schema_paths(node: dict[str, Any], prefix: str = "") -> tuple[set[str], set[str]]:
+    """(every property path the schema names, the paths of its closed objects)."""
+    paths: set[str] = set()
+    closed: set[str] = {prefix} if node.get("additionalProperties") is False else set()
+    for key, sub in node.get("properties", {}).items():
+        path = f"{prefix}.{key}".lstrip(".")
+        paths.add(path)
+        more, shut = _schema_paths(sub, path)
+        paths |= more
+        closed |= shut
+    return paths, closed
+
+
+def _property(path: str) -> dict[str, Any]:
+    node = _schema()
+    for key in path.split("."):
+        node = node["properties"][key]
+    return node
+
+
+def test_the_schema_knows_every_value_and_no_other() -> None:
+    schema = _schema()
+    assert schema["$schema"] == "http://json-schema.org/draft-07/schema#"
+    values, _ = _documented_paths()
+    named, closed = _schema_paths(schema)
+    # additionalProperties: false refuses any key it does not list: it must list all of them.
+    missing = sorted(v for v in values if v not in named and v.rpartition(".")[0] in closed | {""})
+    assert not missing, f"values.yaml keys values.schema.json would refuse: {missing}"
+    # ... and name none that values.yaml does not document (global: Helm's, for a dependency).
+    stale = sorted(p for p in named if p not in values and p != "global")
+    assert not stale, f"values.schema.json names values values.yaml lacks: {stale}"
+    assert {"", "operator", "image", "metrics.serviceMonitor", "networkPolicy"} <= closed
+
+
+def test_the_schema_holds_the_operators_limits() -> None:
+    assert _property("operator.logFormat")["enum"] == ["json", "text"]
+    assert _property("image.pullPolicy")["enum"] == ["Always", "IfNotPresent", "Never"]
+    assert _property("operator.replicas")["minimum"] == 1
+    # The chart always renders the liveness probe: healthPort 0 ("off") is refused.
+    health = _property("operator.healthPort")
+    assert (health["minimum"], health["maximum"]) == (1, 65535)
+    metrics = _property("operator.metricsPort")
+    assert (metrics["minimum"], metrics["maximum"]) == (0, 65535)
+
+
+def _accepts(check: Any, value: str) -> bool:
+    """True when `check` takes `value` (it raises ValueError, pydantic's included, otherwise)."""
+    try:
+        check(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_a_duration(check: Any, value: str) -> bool:
+    """True when `check` takes `value` for a PromQL duration, in its range or not."""
+    try:
+        check(value)
+    except ValueError as exc:
+        return "outside" in str(exc)
+    return True
+
+
+URLS = [
+    "http://prometheus:9090", "https://p.monitoring.svc", "HTTP://p:9090/x?y#z",
+    "http://[::1]:9090", "http://user@p:1", "http://p:65535", "http://10.0.0.1/prom",
+    "prometheus:9090", "ftp://p", "http://", "http://:9090", "http://p:0", "http://p:70000",
+    "http://p:port", "p", "//p:9090",
+]  # fmt: skip
+WINDOWS = ["1m", "90s", "2m30s", "1h", "1000ms", "1d", "abc", "1", "m", "1.5m", "-1m", "1M"]
+NAMESPACES = ["team-a", "team-*", "!kube-system", "team-[ab]", "team-a,team-b", "Team", "a b"]
+
+
+def test_the_schema_patterns_agree_with_the_operators_checks() -> None:
+    from headroom.contract.urls import http_url
+    from headroom.operator.handlers import Options
+    from headroom.operator.scaling.metrics_sources import rate_window_seconds
+
+    url = re.compile(_property("operator.prometheusUrl")["pattern"])
+    for value in URLS:
+        assert bool(url.search(value)) == _accepts(http_url, value), value
+    assert url.search(""), "an empty prometheusUrl (none) must pass"
+    window = re.compile(_property("operator.prometheusRateWindow")["pattern"])
+    for value in WINDOWS:
+        # The schema checks the form; the operator's 1s..1h range is its own.
+        assert bool(window.search(value)) == _is_a_duration(rate_window_seconds, value), value
+    ns = re.compile(_property("operator.watchNamespaces")["items"]["pattern"])
+    for value in NAMESPACES:
+        assert bool(ns.search(value)) == _accepts(lambda v: Options(namespaces=[v]), value), value
 
 
 # ---------------------------------------------------------------------------- dashboard

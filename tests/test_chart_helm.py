@@ -8,7 +8,9 @@ helm and kubectl come from the e2e/cluster build (built once, cached under ~/.ca
 from __future__ import annotations
 
 import json
+import re
 import subprocess
+import tarfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -468,10 +470,11 @@ def test_network_policy_applies_with_server_dry_run(
     ), out.stdout
 
 
-@pytest.mark.parametrize("pattern", ["!kube-system", "team-a,team-b"])
+@pytest.mark.parametrize("pattern", ["!kube-system", "team-[ab]"])
 def test_kopf_namespace_patterns_keep_everything_cluster_wide(helm: Path, pattern: str) -> None:
-    # kopf reads `!` (exclude) and `,` (a list) as patterns: no Role can name such a namespace.
-    objs = render(helm, "operator.watchNamespaces[0]=" + pattern.replace(",", "\\,"))
+    # kopf reads `!` (exclude) and `[...]` as patterns: no Role can name such a namespace. (A
+    # comma-separated list is a kopf pattern too, but the operator refuses it: see the schema.)
+    objs = render(helm, "operator.watchNamespaces[0]=" + pattern)
     assert "Role" not in kinds(objs)
     assert_same_rules(one(objs, "ClusterRole")["rules"], cluster_role_rules())
 
@@ -494,3 +497,151 @@ def test_dashboard_labels_can_be_dropped(helm: Path) -> None:
     objs = render(helm, "grafanaDashboard.labels=null")
     (cm,) = [o for o in objs if o["kind"] == "ConfigMap" and "dashboard" in o["metadata"]["name"]]
     assert "grafana_dashboard" not in cm["metadata"]["labels"]
+
+
+# ---------------------------------------------------------------------------- values.schema.json
+
+# Each would install as "deployed" and leave an operator exiting 2 at every start, or fail
+# half-way through the install; the schema refuses it first, naming the value.
+BAD_VALUES = [
+    ("operator.logFormat=xml", "/operator/logFormat"),
+    ("operator.prometheusRateWindow=abc", "/operator/prometheusRateWindow"),
+    ("operator.prometheusUrl=prometheus:9090", "/operator/prometheusUrl"),
+    ("operator.prometheusUrl=http://prometheus:0", "/operator/prometheusUrl"),
+    ("operator.replicas=two", "/operator/replicas"),
+    ("operator.replicas=-1", "/operator/replicas"),
+    ("operator.healthPort=0", "/operator/healthPort"),
+    ("operator.metricsPort=70000", "/operator/metricsPort"),
+    ("operator.watchNamespaces[0]=team-a\\,team-b", "/operator/watchNamespaces/0"),
+    ("operator.metricsHost=localhost", "/operator/metricsHost"),
+    ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
+    ("image.digest=sha256:abc", "/image/digest"),
+    ("operator.logformat=text", "logformat"),  # a typo in a key
+    (
+        "podAnnotations.sidecar\\.istio\\.io/inject=false",
+        "/podAnnotations/sidecar.istio.io~1inject",
+    ),
+]
+
+
+@pytest.mark.parametrize(("value", "path"), BAD_VALUES, ids=[v for v, _ in BAD_VALUES])
+def test_the_schema_refuses_values_the_operator_or_kubernetes_would(
+    helm: Path, value: str, path: str
+) -> None:
+    for args in (["template", "x", str(CHART)], ["lint", "--strict", str(CHART)]):
+        out = _run(helm, *args, "--set", value, check=False)
+        said = out.stdout + out.stderr
+        assert out.returncode != 0, f"helm {args[0]} accepted {value}"
+        assert "don't meet the specifications of the schema" in said and path in said, said
+
+
+# The reviewer's non-default values: every section set, as a real installation would.
+REALISTIC_VALUES: dict[str, Any] = {
+    "nameOverride": "hrx",
+    "fullnameOverride": "a-very-long-full-name-override-for-the-headroom-operator-objects-xyz",
+    "image": {"tag": "0.3.0", "pullPolicy": "Always", "digest": "sha256:" + "ab" * 32},
+    "imagePullSecrets": [{"name": "regcred"}],
+    "operator": {
+        "replicas": 2,
+        "peering": "stress-peer",
+        "watchNamespaces": ["team-a", "inference", "!kube-system"],
+        "prometheusUrl": "https://prometheus-operated.monitoring.svc:9090/prom",
+        "allowedPrometheusURLs": ["http://*.monitoring.svc:9090"],
+        "prometheusRateWindow": "2m30s",
+        "metricsPort": 0,
+        "metricsHost": "::",
+        "healthPort": 9000,
+        "healthHost": "10.0.0.1",
+        "logFormat": "text",
+        "verbose": True,
+        "extraArgs": ["--resync-seconds=60"],
+        "extraEnv": [{"name": "FOO", "value": "bar"}],
+        "resources": {"limits": {"cpu": 1}},
+    },
+    "metrics": {
+        "service": {"enabled": False},
+        "serviceMonitor": {"enabled": True, "interval": "1m", "labels": {"release": "kps"}},
+    },
+    "serviceAccount": {"annotations": {"iam.gke.io/gcp-service-account": "x@y.iam"}},
+    "rbac": {"create": True},
+    "prometheusRule": {"enabled": False, "namespace": "monitoring", "labels": {"release": "kps"}},
+    "grafanaDashboard": {"namespace": "monitoring", "annotations": {"grafana_folder": "LLM"}},
+    "networkPolicy": {
+        "enabled": True,
+        "namespaces": ["inference"],
+        "gateway": {"namespaceSelector": {"matchLabels": {"role": "ingress"}}},
+    },
+    "podLabels": {"team": "ml"},
+    "podAnnotations": {"a": "b"},
+    "podSecurityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 2000},
+    "securityContext": {"readOnlyRootFilesystem": False},
+    "nodeSelector": {"kubernetes.io/os": "linux"},
+    "tolerations": [
+        {"key": "dedicated", "operator": "Equal", "value": "ops", "effect": "NoSchedule"}
+    ],
+    "affinity": {"nodeAffinity": {}},
+    "priorityClassName": "system-cluster-critical",
+}
+
+
+def test_the_schema_accepts_the_defaults_and_a_realistic_values_file(
+    helm: Path, tmp_path: Path
+) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(REALISTIC_VALUES))
+    for extra in ([], ["-f", str(values)]):
+        lint = _run(helm, "lint", "--strict", str(CHART), *extra, check=False)
+        assert lint.returncode == 0, lint.stdout + lint.stderr
+        _run(helm, "template", "x", str(CHART), *extra)
+    out = _run(helm, "template", "x", str(CHART), "-f", str(values)).stdout
+    dep = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert "--prometheus-rate-window=2m30s" in c["args"] and "--log-format=text" in c["args"]
+    # Schema-valid values are operator-valid: `headroom operator` parses what was rendered.
+    from headroom.contract.cli import build_parser
+
+    assert build_parser("operator").parse_args([*c["command"][1:], *c["args"]])
+
+
+# ---------------------------------------------------------------------------- NOTES.txt
+
+_NOTES_PROBE = """{{- define "headroom.test.notes" }}
+%s
+{{- end }}
+"""
+
+
+def _notes(helm: Path, chart: Path) -> str:
+    """NOTES.txt of `chart` as `helm install` prints it (on a cluster without the Prometheus
+    operator), rendered by `helm template` with no cluster: wrapped in a ConfigMap."""
+    notes = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "_test_notes.tpl").write_text(_NOTES_PROBE % notes)
+    (chart / "templates" / "test-notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
+        'data: {notes: {{ include "headroom.test.notes" . | toJson }}}\n'
+    )
+    out = _run(helm, "template", "notes", str(chart), "--show-only", "templates/test-notes.yaml")
+    notes_text: str = yaml.safe_load(out.stdout)["data"]["notes"]
+    return notes_text
+
+
+def test_notes_name_only_what_the_packaged_chart_holds(helm: Path, tmp_path: Path) -> None:
+    _run(helm, "package", str(CHART), "--destination", str(tmp_path))
+    (package,) = tmp_path.glob("headroom-*.tgz")
+    with tarfile.open(package) as tar:
+        members = set(tar.getnames())
+        tar.extractall(tmp_path / "untar", filter="data")
+    assert "headroom/files/headroom-alerts.yaml" in members
+    assert not any(m.startswith("headroom/examples/") for m in members)
+    notes = _notes(helm, tmp_path / "untar" / "headroom")
+    assert "Alerts: not installed" in notes
+    # Paths only a git checkout has, or a directory the chart does not ship.
+    assert "charts/headroom/" not in notes, notes
+    assert "chart's examples/" not in notes, notes
+    assert "examples/ directory of the headroom repository" in notes
+    # Every chart file the notes name is in the package, and they say how to get at it.
+    named = set(re.findall(r"\b((?:files|crds|templates)/[\w./-]+\.(?:yaml|json))", notes))
+    assert named, notes
+    for path in named:
+        assert f"headroom/{path}" in members, f"NOTES name {path}, not in the package"
+    assert "helm pull" in notes and "--untar" in notes
