@@ -19,6 +19,7 @@ import yaml
 
 from headroom.contract.cli import EXTRAS, extra_for, main
 from headroom.operator.crd.models import InferenceDeploymentSpec
+from headroom.operator.simulate.specfile import read_spec
 
 REPO = Path(__file__).resolve().parents[1]
 AZURE = REPO / "bench" / "traces" / "azure-llm-2023-conv.csv"
@@ -610,3 +611,70 @@ def test_simulate_with_a_spec_nested_too_deeply_exits_2(
     spec.write_text(text)
     code, err = in_process(capsys, "simulate", AZURE, "--spec", spec, "--seeds", "1")
     assert code == 2 and err.startswith(f"headroom simulate: {spec}: {needle}"), err
+
+
+def comments(text: str) -> str:
+    """The text with its YAML comments' wrapping undone."""
+    return " ".join(w for w in text.split() if w != "#")
+
+
+L4_SPEC = (
+    "apiVersion: headroom.dev/v1alpha1\nkind: InferenceDeployment\nmetadata: {name: chat-l4}\n"
+    "spec:\n  model: {preset: llama-3.1-8b}\n  gpu: {type: l4-24gb}\n"
+    "  traffic: {peakConcurrency: 128, contextTokens: 4136}\n"
+    "  scaling: {minReplicas: 1, maxReplicas: 16, podStartSeconds: 120}\n"
+)
+# Mooncake's p95 context is 48,910 tokens; an L4 holds 25,904 of llama-3.1-8b's KV a pod.
+L4_HOLDS = (
+    "one 48910-token sequence needs 5.97 GiB of KV per GPU but only 3.16 GiB is left after "
+    "weights 15.0 GiB and reserve 2.1 GiB; the headroom engine runs on one GPU: several GPUs per "
+    "pod need engine.runtime vllm or sglang; this pod holds at most 25,904 tokens a sequence: a "
+    "--spec with engine.maxModelLen: 25904 sizes for the requests up to it (it refuses 22.3% of "
+    "these), else give the pod more GPU memory"
+)
+
+
+def test_profile_refuses_a_context_the_pod_cannot_hold_from_a_spec_as_from_a_model_and_gpu(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    spec = tmp_path / "chat-l4.yaml"
+    spec.write_text(L4_SPEC)
+    code, err = in_process(capsys, "profile", MOONCAKE, "--spec", spec)
+    assert code == 2 and err == (
+        f"headroom profile: {spec}: the trace's traffic.contextTokens 48910 does not fit: "
+        f"{L4_HOLDS}\n"
+    )
+    code, err = in_process(
+        capsys, "profile", MOONCAKE, "--model", "llama-3.1-8b", "--gpu", "l4-24gb"
+    )
+    assert code == 2 and err == (
+        "headroom profile: --model llama-3.1-8b --gpu l4-24gb: the trace's traffic.contextTokens "
+        f"48910 does not fit: {L4_HOLDS}\n"
+    )
+    # As it says: with that maxModelLen, the block it prints pasted in is a spec simulate takes.
+    spec.write_text(L4_SPEC.replace("  traffic:", "  engine: {maxModelLen: 25904}\n  traffic:"))
+    assert main(["profile", str(MOONCAKE), "--spec", str(spec)]) == 0
+    out = capsys.readouterr().out
+    doc = yaml.safe_load(spec.read_text())
+    doc["spec"].update(pasted(out))
+    spec.write_text(yaml.safe_dump(doc))
+    sf = read_spec(spec)
+    assert sf.spec.traffic.context_tokens == 25904 and sf.sizing.feasible
+    assert "this pod's KV holds at most 25,904 tokens a sequence" in comments(out)
+
+
+def test_profile_sizes_no_pod_for_the_requests_its_max_model_length_refuses(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # 20 requests of 9,001,000 tokens: llama-3.1-8b takes 131,072, so the engine refuses them
+    # all and they hold no KV (not the 474 pods their KV would fill).
+    trace = tmp_path / "huge.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n"
+                     + "".join(f"{i},9000000,1000\n" for i in range(20)))  # fmt: skip
+    code = main(["profile", str(trace), "--json", "--model", "llama-3.1-8b", "--gpu", "h100-80gb"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    out = json.loads(captured.out)
+    pod = out["pod"]
+    assert (pod["min_replicas"], pod["peak_replicas"], pod["max_replicas"]) == (1, 1, 2)
+    assert "refuses 20 of these requests (100.0%" in comments(out["spec_yaml"])

@@ -299,3 +299,84 @@ def test_burstiness_needs_ten_whole_windows_and_a_short_trace_reads_in_seconds()
     blink = Trace("blink", np.array([0.0, 1.5]), np.full(2, 100), np.full(2, 10))
     text = profile_text(blink, 1.0, profile(blink), verdict.load(blink, 20, 1e4), None, (), "")
     assert "over 1.5 s" in text
+
+
+def test_pods_are_sized_for_the_requests_the_max_model_length_admits() -> None:
+    # Every fourth request is 9,000-token long: a max model length of 4,096 refuses them, and a
+    # refused request holds no KV, so the pods are those of the others alone.
+    trace = steady(rate=8.0, seconds=1800.0)
+    long = np.where(np.arange(len(trace)) % 4 == 0, 9000, PROMPT)
+    mixed = Trace("mixed", trace.arrival, long, trace.output)
+    ok = long + OUTPUT <= 4096
+    admitted = Trace("admitted", trace.arrival[ok], long[ok], trace.output[ok])
+    s = spec("l4-24gb")
+    sized = parse(s.model_dump(by_alias=True)).sizing
+    assert sized is not None
+    ld = verdict.load(mixed, 20.0, 10_000.0, 4096)
+    want = verdict.fit(verdict.load(admitted, 20.0, 10_000.0), s, sized, 0.85)
+    got = verdict.fit(ld, s, sized, 0.85)
+    assert (
+        got.peak_replicas
+        == want.peak_replicas
+        < verdict.fit(verdict.load(mixed, 20.0, 10_000.0), s, sized, 0.85).peak_replicas
+    )
+    assert (got.min_replicas, got.max_replicas) == (want.min_replicas, want.max_replicas)
+    assert ld.refused() == len(trace) - int(ok.sum())
+    # The note still counts what it refuses, and the paging advice its own admitted ones.
+    note = verdict.maxlen_note(ld, 4096, explicit=True)
+    assert note is not None and f"refuses {ld.refused():,} of these requests" in note
+    text = profile_text(mixed, 1.0, profile(mixed), ld, got, (), "")
+    assert "the in-flight KV of the requests engine.maxModelLen 4,096 admits needs" in text
+
+
+def test_a_trace_the_max_model_length_refuses_whole_needs_one_pod() -> None:
+    trace = steady(seconds=60.0, prompt=9000)
+    s = spec("h100-80gb")
+    sized = parse(s.model_dump(by_alias=True)).sizing
+    assert sized is not None
+    f = verdict.fit(verdict.load(trace, 20.0, 10_000.0, 4096), s, sized, 0.85)
+    assert (f.min_replicas, f.peak_replicas, f.batch_replicas) == (1, 1, 1)
+
+
+def test_the_max_model_length_note_advises_no_length_the_pod_cannot_hold() -> None:
+    trace = steady(seconds=100.0)
+    lengths = np.where(np.arange(len(trace)) % 4 == 0, 60_000, PROMPT)
+    ld = verdict.load(Trace("mixed", trace.arrival, lengths, trace.output), 20.0, 10_000.0)
+    # The model takes 131,072 tokens, the pod's KV 25,904: the advice stops at the pod's.
+    note = verdict.maxlen_note(ld, 4096, explicit=False, model_limit=131_072, pod_limit=25_904)
+    assert note is not None and "engine.maxModelLen: 25904 (the most this pod's KV holds)" in note
+    assert "60198" not in note
+    full = verdict.maxlen_note(ld, 25_904, explicit=True, model_limit=131_072, pod_limit=25_904)
+    assert full is not None and full.endswith(
+        "this pod's KV holds at most 25,904 tokens a sequence"
+    )
+    roomy = verdict.maxlen_note(ld, 4096, explicit=False, model_limit=131_072, pod_limit=447_280)
+    assert roomy is not None and roomy.endswith("set engine.maxModelLen: 60198 to serve them")
+
+
+def test_the_pod_context_is_the_longest_sequence_the_sizing_accepts() -> None:
+    base = {"model": {"preset": "llama-3.1-8b", "path": "/m"}, "gpu": {"type": "l4-24gb"}}
+    # vLLM keeps one block of the pool for itself: the longest sequence is a block shorter.
+    for engine in ({}, {"runtime": "vllm", "blockSize": 32}):
+        first = parse(
+            {**base, "engine": engine, "traffic": {"peakConcurrency": 1, "contextTokens": 1000}}
+        )
+        assert first.spec is not None and first.sizing is not None
+        most = verdict.pod_context(first.spec, first.sizing.plan)
+        for context, feasible in ((most, True), (most + 1, False)):
+            traffic = {"peakConcurrency": 1, "contextTokens": context}
+            sized = parse({**base, "engine": engine, "traffic": traffic}).sizing
+            assert sized is not None and sized.feasible is feasible, (engine, context)
+
+
+def test_profile_columns_are_as_wide_as_their_widest_number() -> None:
+    # 2,000 requests of 9,000,000 tokens in flight together: tens of billions of KV tokens.
+    n = 2000
+    trace = Trace("huge", np.linspace(0, 30, n), np.full(n, 9_000_000), np.full(n, 1000))
+    p = profile(trace)
+    text = profile_text(trace, 1.0, p, verdict.load(trace, 20.0, 10_000.0), None, (), "")
+    rows = {line[:18].strip(): line[18:].split() for line in text.splitlines()[:12]}
+    assert len(rows["KV tokens"]) == 5 and len(rows["prompt + output"]) == 4, rows
+    assert rows["KV tokens"][-1] == f"{p.kv_tokens_max:,.0f}"
+    header, kv = (line for line in text.splitlines() if line.startswith(("in flight", "KV tok")))
+    assert len(header) == len(kv)  # the header's labels stay over their columns

@@ -307,3 +307,54 @@ def test_simulate_exits_2_with_the_line_and_no_traceback(
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"headroom simulate: {spec}{needle}"), err
     assert "Traceback" not in err
+
+
+# ------------------------------------------------------- metadata and the top level (the CRD's)
+
+BODY = "spec:\n  model: {preset: llama-3.1-8b}\n  gpu: {type: l4-24gb}\n" \
+    "  traffic: {peakConcurrency: 4, contextTokens: 1000}\n"  # fmt: skip
+KIND_LINES = "apiVersion: headroom.dev/v1alpha1\nkind: InferenceDeployment\n"
+DNS_1035 = (
+    "metadata.name must be a DNS-1035 label: at most 63 lower-case letters, digits and '-', "
+    "starting with a letter and ending with a letter or digit (it names the Service and labels "
+    "the pods)"
+)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "expected"),
+    [
+        ("metadata: {name: Bad_Name.x}\n", f":3: {DNS_1035}, got 'Bad_Name.x'"),
+        ("metadata:\n  labels: {a: b}\n  name: chat-\n", f":5: {DNS_1035}, got 'chat-'"),
+        (f"metadata: {{name: {'a' * 64}}}\n", f":3: {DNS_1035}, got '{'a' * 64}'"),
+        ("metadata: {name: 42}\n", ":3: metadata.name must be a string, got 42"),
+        ("metadata: chat\n", ":3: metadata must be a mapping, got a str"),
+        ("metadata: [chat]\n", ":3: metadata must be a mapping, got a list"),
+        (
+            "metadata: {name: chat}\nspecs: {}\n",
+            ":4: specs: field not declared in the InferenceDeployment schema (it takes "
+            "apiVersion, kind, metadata, spec, status)",
+        ),
+    ],
+)
+def test_metadata_and_top_level_keys_the_api_server_refuses_are_refused(
+    tmp_path: Path, metadata: str, expected: str
+) -> None:
+    assert refused(tmp_path, KIND_LINES + metadata + BODY) == expected
+
+
+@pytest.mark.parametrize(
+    ("metadata", "name"),
+    [
+        ("", "my-spec"),  # no metadata: the file's stem names it
+        ("metadata: {}\n", "my-spec"),
+        ("metadata: {name: null, labels: {a: b}}\n", "my-spec"),
+        (f"metadata: {{name: {'a' * 63}}}\nstatus: {{replicas: 2}}\n", "a" * 63),
+        ("metadata: {name: chat-l4}\n", "chat-l4"),
+    ],
+)
+def test_a_resource_the_api_server_takes_is_read_with_its_name(
+    tmp_path: Path, metadata: str, name: str
+) -> None:
+    sf = accepted(tmp_path, KIND_LINES + metadata + BODY, "my-spec.yaml")
+    assert sf.name == name and sf.raw["traffic"] == {"peakConcurrency": 4, "contextTokens": 1000}

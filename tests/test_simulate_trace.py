@@ -323,3 +323,42 @@ def test_a_gzipped_trace_is_told_to_be_decompressed_first(tmp_path: Path) -> Non
     path.write_bytes(gzip.compress(b"arrival_s,prompt_tokens,output_tokens\n0,10,10\n"))
     with pytest.raises(TraceError, match=r"t\.csv\.gz: cannot read: gzip-compressed .*decompress"):
         read_trace(path)
+
+
+def test_generic_prefix_block_tokens_must_be_one_size_for_the_whole_trace(tmp_path: Path) -> None:
+    def line(t: int, ids: list[int], size: int | None) -> str:
+        row: dict[str, object] = {"arrival_s": t, "prompt_tokens": 1024, "output_tokens": 1,
+                                  "prefix_block_ids": ids}  # fmt: skip
+        if size is not None:
+            row["prefix_block_tokens"] = size
+        return json.dumps(row) + "\n"
+
+    same = line(0, [1, 2], 512) + line(1, [1, 2], None) + line(2, [1, 3], 512)
+    assert read_trace(write(tmp_path, "same.jsonl", same)).prefix_block_tokens == 512
+    mixed = line(0, [1, 2], 512) + "\n" + line(1, [1, 2], None) + line(2, [7], 1024)
+    with pytest.raises(TraceError) as info:
+        read_trace(write(tmp_path, "mixed.jsonl", mixed))
+    assert str(info.value) == (
+        "mixed.jsonl:4: prefix_block_tokens is 1024, but line 1 set it to 512: a trace has one "
+        "block size"
+    )
+
+
+@pytest.mark.parametrize("end", ["\r", "\r\n"])
+def test_classic_mac_and_windows_line_endings_are_read_with_their_lines(
+    tmp_path: Path, end: str
+) -> None:
+    rows = ["arrival_s,prompt_tokens,output_tokens", "0,10,5", "1,20,5"]
+    t = read_trace(write(tmp_path, "mac.csv", end.join(rows) + end))
+    assert t.prompt.tolist() == [10, 20]
+    bad = write(tmp_path, "bad.csv", end.join([*rows, "2,0,5"]) + end)
+    with pytest.raises(TraceError, match=r"^bad\.csv:4: prompt_tokens must be at least 1"):
+        read_trace(bad)
+    jsonl = end.join(json.dumps({"arrival_s": i, "prompt_tokens": 9, "output_tokens": 1})
+                     for i in range(3)) + end + "nope" + end  # fmt: skip
+    with pytest.raises(TraceError, match=r"^bad\.jsonl:4: not JSON"):
+        read_trace(write(tmp_path, "bad.jsonl", jsonl))
+    latin = (end.join(rows) + end + "2,\xe9,5" + end).encode("latin-1")
+    (tmp_path / "latin.csv").write_bytes(latin)
+    with pytest.raises(TraceError, match=r"line 4 is not UTF-8"):
+        read_trace(tmp_path / "latin.csv")

@@ -17,6 +17,10 @@ from typing import TYPE_CHECKING, Any
 from headroom.contract.outputs import stdout_to_devnull
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from headroom.operator.crd.models import InferenceDeploymentSpec
+    from headroom.operator.reconcile.sizing import Parsed, Sizing
     from headroom.operator.simulate.progress import Progress
     from headroom.operator.simulate.trace import Trace
 
@@ -193,10 +197,44 @@ def run_profile(args: argparse.Namespace) -> int:
         return _fail("profile", str(exc))
 
 
+def _what_fits(spec: InferenceDeploymentSpec, sizing: Sizing, contexts: np.ndarray) -> str:
+    """The longest sequence the pod holds, and what a maxModelLen there refuses of the trace;
+    empty where the pod holds none (its weights do not fit)."""
+    from headroom.operator.reconcile.sizing import plan_input
+    from headroom.operator.simulate.verdict import pod_context
+
+    most = min(pod_context(spec, sizing.plan), plan_input(spec).model.max_position_embeddings)
+    if most <= 0:
+        return ""
+    share = float((contexts > most).mean())
+    return (
+        f"; this pod holds at most {most:,} tokens a sequence: a --spec with engine.maxModelLen: "
+        f"{most} sizes for the requests up to it (it refuses {share:.1%} of these), else give "
+        "the pod more GPU memory"
+    )
+
+
+def _pasted(
+    base: dict[str, Any], block: dict[str, dict[str, Any]], label: str, contexts: np.ndarray
+) -> Parsed:
+    """`base` with the suggested block pasted under spec: (it replaces traffic and scaling),
+    sized as simulate and the operator size it; a UsageError naming what fits if they refuse it."""
+    from headroom.operator.reconcile.sizing import parse
+
+    built = parse({**base, **block})
+    if built.spec is not None and built.sizing is not None and built.sizing.feasible:
+        return built
+    if built.spec is None or built.sizing is None:
+        raise UsageError(f"{label}: {built.error}")
+    reason = f"{built.sizing.reason}{_what_fits(built.spec, built.sizing, contexts)}"
+    context = block["traffic"]["contextTokens"]
+    raise UsageError(f"{label}: the trace's traffic.contextTokens {context} does not fit: {reason}")
+
+
 def _profile(args: argparse.Namespace) -> int:
     from headroom.contract.budget import UnknownPreset, model_preset
     from headroom.operator.crd.models import ScalingSpec
-    from headroom.operator.reconcile.sizing import parse, plan_input
+    from headroom.operator.reconcile.sizing import plan_input
     from headroom.operator.simulate import render, verdict
     from headroom.operator.simulate.profile import profile
     from headroom.operator.simulate.specfile import read_spec
@@ -226,13 +264,14 @@ def _profile(args: argparse.Namespace) -> int:
     progress.start(f"profiling {len(trace):,} requests")
     # The ideal hit ratio of the trace as recorded: a scaled copy's copies share whole prompts.
     p = profile(trace, args.decode_tps, args.prefill_tps, recorded=recorded)
-    ld = verdict.load(trace, args.decode_tps, args.prefill_tps)
-    progress.done(f"profiled {len(trace):,} requests")
+    contexts = trace.prompt + trace.output
 
     spec = sf.spec if sf is not None else None
     sizing = sf.sizing if sf is not None else None
     block_size = args.block_size or (spec.engine.block_size if spec else 16)
     scaling = spec.scaling if spec is not None else ScalingSpec()
+    base: dict[str, Any] = sf.raw if sf is not None else {}
+    label = str(args.spec)
     if args.model is not None:
         # Capped at the model's limit, as a --spec's pod caps it below: a p95 context past it
         # is a spec the sizing refuses (parse() names an unknown preset itself).
@@ -241,30 +280,37 @@ def _profile(args: argparse.Namespace) -> int:
         except UnknownPreset:
             model_limit = None
         draft = verdict.wire(verdict.suggest(p, None, scaling, False, model_limit))
-        built = parse(
-            {
-                "model": {"preset": args.model},
-                "gpu": {"type": args.gpu},
-                "engine": {"blockSize": block_size},
-                "traffic": draft["traffic"],
-            }
-        )
-        if built.error is not None or built.sizing is None or not built.sizing.feasible:
-            reason = built.error or (built.sizing.reason if built.sizing else "")
-            raise UsageError(f"--model {args.model} --gpu {args.gpu}: {reason}")
+        base = {
+            "model": {"preset": args.model},
+            "gpu": {"type": args.gpu},
+            "engine": {"blockSize": block_size},
+        }
+        label = f"--model {args.model} --gpu {args.gpu}"
+        built = _pasted(base, draft, label, contexts)
         spec, sizing = built.spec, built.sizing
-    f = None
-    if spec is not None and sizing is not None:
-        f = verdict.fit(ld, spec, sizing, scaling.target_occupancy)
     limit = plan_input(spec).model.max_position_embeddings if spec is not None else None
     explicit_mml = sf.spec.engine.max_model_len if sf is not None else None
-    advice = verdict.verdict(p, ld, f, block_size, explicit_mml, limit)
     caps = [c for c in (explicit_mml, limit) if c is not None]
-    suggestion = verdict.suggest(p, f, scaling, sf is not None, min(caps) if caps else None)
+    cap = min(caps) if caps else None
+    # The context first: the pods are sized for the requests the max model length it sets
+    # admits (a refused request holds no KV), on a pod that holds it (--model's is checked).
+    draft = verdict.wire(verdict.suggest(p, None, scaling, sf is not None, cap))
+    if sf is not None:
+        _pasted(base, draft, label, contexts)
+    mml = explicit_mml or int(draft["traffic"]["contextTokens"])
+    ld = verdict.load(trace, args.decode_tps, args.prefill_tps, mml if spec is not None else None)
+    progress.done(f"profiled {len(trace):,} requests")
+    f = None
+    pod_limit = None
+    if spec is not None and sizing is not None:
+        f = verdict.fit(ld, spec, sizing, scaling.target_occupancy)
+        pod_limit = verdict.pod_context(spec, sizing.plan)
+    advice = verdict.verdict(p, ld, f, block_size, explicit_mml, limit)
+    suggestion = verdict.suggest(p, f, scaling, sf is not None, cap)
     wired = verdict.wire(suggestion)
-    context = int(wired["traffic"]["contextTokens"])
-    mml = explicit_mml or context
-    note = verdict.maxlen_note(ld, mml, explicit_mml is not None, limit)
+    if spec is not None:
+        _pasted(base, wired, label, contexts)  # the replica counts too: all of it must apply
+    note = verdict.maxlen_note(ld, mml, explicit_mml is not None, limit, pod_limit)
     text = verdict.to_yaml(suggestion, [note] if note else [])
     if args.json:
         _emit(json.dumps(render.profile_json(p, ld, f, advice, wired, text), indent=2))

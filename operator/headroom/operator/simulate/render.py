@@ -27,6 +27,12 @@ def _row(label: str, values: Sequence[str], first: int = 18, width: int = 10) ->
     return f"{label:<{first}}" + "".join(f"{v:>{width}}" for v in values)
 
 
+def _width(rows: Sequence[Sequence[str]], least: int = 10) -> int:
+    """A column width for every cell of `rows`: a space at least before the widest, so that
+    numbers of ten million and more do not run into each other."""
+    return max([least, *(len(v) + 1 for row in rows for v in row)])
+
+
 def _num(x: float) -> str:
     return f"{x:,.0f}"
 
@@ -60,6 +66,13 @@ def _wrapped(label: str, text: str, indent: int) -> list[str]:
     )
 
 
+def _whose(ld: Load) -> str:
+    """Whose in-flight KV the pods hold: the refused requests hold none."""
+    if not ld.refused():
+        return "the trace's in-flight KV"
+    return f"the in-flight KV of the requests engine.maxModelLen {ld.max_model_len:,} admits"
+
+
 def profile_text(
     trace: Trace,
     rate: float,
@@ -71,21 +84,29 @@ def profile_text(
 ) -> str:
     """The whole `headroom profile` report, the YAML block last."""
     pct = [f"p{q}" for q in PERCENTILES]
+    # The max of the same series as the percentiles (the sizing's peak leaves out the opening,
+    # which starts empty, and could read below them).
+    in_flight = {
+        "in flight": [*pct, "max"],
+        "requests": [_num(p.concurrency[q]) for q in PERCENTILES] + [_num(p.concurrency_max)],
+        "KV tokens": [_num(p.kv_tokens[q]) for q in PERCENTILES] + [_num(p.kv_tokens_max)],
+    }
+    tokens = {
+        "tokens": pct,
+        "prompt": [_num(p.prompt[q]) for q in PERCENTILES],
+        "output": [_num(p.output[q]) for q in PERCENTILES],
+        "prompt + output": [_num(p.context[q]) for q in PERCENTILES],
+    }
+    # One width for both tables, so that their percentile columns line up.
+    width = _width([*in_flight.values(), *tokens.values()])
     lines = [
         trace_line(trace) + ("" if rate == 1 else f" (the trace at x{rate:g} its recorded rate)"),
         f"service: decode {p.decode_tps:g} tokens/s a sequence, prefill {p.prefill_tps:,.0f} "
         "tokens/s, no queueing",
         "",
-        _row("in flight", [*pct, "max"]),
-        # The max of the same series as the percentiles (the sizing's peak leaves out the
-        # opening, which starts empty, and could read below them).
-        _row("requests", [_num(p.concurrency[q]) for q in PERCENTILES] + [str(p.concurrency_max)]),
-        _row("KV tokens", [_num(p.kv_tokens[q]) for q in PERCENTILES] + [_num(p.kv_tokens_max)]),
+        *(_row(label, values, width=width) for label, values in in_flight.items()),
         "",
-        _row("tokens", pct),
-        _row("prompt", [_num(p.prompt[q]) for q in PERCENTILES]),
-        _row("output", [_num(p.output[q]) for q in PERCENTILES]),
-        _row("prompt + output", [_num(p.context[q]) for q in PERCENTILES]),
+        *(_row(label, values, width=width) for label, values in tokens.items()),
         "",
     ]
     if p.burstiness:
@@ -126,7 +147,7 @@ def profile_text(
         lines += _wrapped(
             "pod",
             f"{f.pod}, {f.tokens_per_pod:,} tokens of KV: at {f.target_occupancy:.0%} occupancy "
-            f"the trace's in-flight KV needs {_pods(f.min_replicas)} at its p{LOW_PERCENTILE} and "
+            f"{_whose(ld)} needs {_pods(f.min_replicas)} at its p{LOW_PERCENTILE} and "
             f"{_pods(f.peak_replicas)} at its peak",
             18,
         )
@@ -210,11 +231,15 @@ def simulate_header(
 
 def simulate_table(settings: Sequence[Setting], best: Setting | None) -> list[str]:
     """One row per setting: cost against KV-limited time, the cheapest that serves marked."""
-    lines = [_row("quantile", [name for name, *_ in FIGURES], first=10)]
-    for s in settings:
-        values = [fmt.format(_figure(s, attr, case)) for _, attr, case, fmt in FIGURES]
+    head = [name for name, *_ in FIGURES]
+    rows = [
+        [fmt.format(_figure(s, attr, case)) for _, attr, case, fmt in FIGURES] for s in settings
+    ]
+    width = _width([head, *rows])
+    lines = [_row("quantile", head, first=10, width=width)]
+    for s, values in zip(settings, rows, strict=True):
         mark = "  <- pick" if s is best else ("" if s.serves else "  (misses)")
-        lines.append(_row(f"{s.quantile:.2f}", values, first=10) + mark)
+        lines.append(_row(f"{s.quantile:.2f}", values, first=10, width=width) + mark)
     lines += _wrapped(
         "",
         "medians of the seeds. limited s: KV-limited seconds, either full s (a pod's cache full "

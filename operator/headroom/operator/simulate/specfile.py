@@ -6,13 +6,15 @@ can be found, the field and the reason.
 A file is held to what the API server accepts, not to what the operator's models would also
 take from Python: fields by their camelCase names only (the models also take the snake_case
 ones), no string where the schema has an integer or a boolean (pydantic's lax mode would read
-"128" or "off"), no key twice in a mapping (kubectl refuses it), and the CRD's apiVersion."""
+"128" or "off"), no key twice in a mapping (kubectl refuses it), the CRD's apiVersion, no
+top-level field its schema lacks, and a metadata.name its rule takes (the file's stem names a
+resource without one)."""
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
 
@@ -20,10 +22,18 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from headroom.operator.crd.models import GROUP, KIND, VERSION, InferenceDeploymentSpec
+from headroom.operator.crd.models import (
+    GROUP,
+    KIND,
+    VERSION,
+    InferenceDeploymentSpec,
+    name_error,
+)
 from headroom.operator.reconcile.sizing import Sizing, parse
 
 API_VERSION = f"{GROUP}/{VERSION}"
+# The resource's top level as the CRD's schema declares it (status: kubectl apply drops it).
+RESOURCE_KEYS = ("apiVersion", "kind", "metadata", "spec", "status")
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
@@ -38,6 +48,8 @@ class SpecFile:
     name: str
     spec: InferenceDeploymentSpec
     sizing: Sizing
+    # The spec as the file has it: what a pasted `headroom profile` block goes into.
+    raw: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 def _at(line: int | None) -> str:
@@ -259,6 +271,40 @@ def _validate(doc: dict[str, Any], where: str, node: yaml.Node | None, prefix: l
         raise SpecFileError(f"{where}{_at(line)}: {field}: {_reason(error)}") from None
 
 
+def _top_level(doc: dict[str, Any], where: str, node: yaml.Node | None) -> None:
+    """Refuse a key the CRD's schema does not declare at the resource's top level, as the API
+    server's strict field validation (kubectl's default) does."""
+    for key in doc:
+        if key not in RESOURCE_KEYS:
+            line = _line_of(node, [str(key)])
+            raise SpecFileError(
+                f"{where}{_at(line)}: {key}: field not declared in the {KIND} schema (it takes "
+                f"{', '.join(RESOURCE_KEYS)})"
+            )
+
+
+def _name(meta: object, where: str, node: yaml.Node | None) -> str | None:
+    """metadata.name, held to the CRD's rule; None where the file leaves it out (the file's
+    stem names the simulated deployment)."""
+    if meta is None:
+        return None
+    if not isinstance(meta, dict):
+        line = _line_of(node, ["metadata"])
+        raise SpecFileError(
+            f"{where}{_at(line)}: metadata must be a mapping, got a {type(meta).__name__}"
+        )
+    name = meta.get("name")
+    if name is None:
+        return None
+    line = _line_of(node, ["metadata", "name"])
+    if not isinstance(name, str):
+        raise SpecFileError(f"{where}{_at(line)}: metadata.name must be a string, got {name!r}")
+    error = name_error(name)
+    if error is not None:
+        raise SpecFileError(f"{where}{_at(line)}: {error}, got {name!r}")
+    return name
+
+
 def read_spec(path: Path) -> SpecFile:
     """The spec in `path`, validated and sized; raises SpecFileError."""
     where = str(path)
@@ -282,9 +328,8 @@ def read_spec(path: Path) -> SpecFile:
         if not isinstance(doc.get("spec"), dict):
             line = _line_of(node, ["spec"])
             raise SpecFileError(f"{where}{_at(line)}: the {KIND} has no spec mapping")
-        meta = doc.get("metadata")
-        if isinstance(meta, dict) and isinstance(meta.get("name"), str):
-            name = meta["name"]
+        _top_level(doc, where, node)
+        name = _name(doc.get("metadata"), where, node) or name
         doc, prefix = doc["spec"], ["spec"]
     _as_sent(doc)
     _validate(doc, where, node, prefix)
@@ -297,4 +342,4 @@ def read_spec(path: Path) -> SpecFile:
     assert parsed.spec is not None and parsed.sizing is not None
     if not parsed.sizing.feasible:
         raise SpecFileError(f"{where}: this pod cannot serve: {parsed.sizing.reason}")
-    return SpecFile(name, parsed.spec, parsed.sizing)
+    return SpecFile(name, parsed.spec, parsed.sizing, doc)

@@ -312,6 +312,7 @@ def read_generic_jsonl(
     blocks: list[tuple[int, ...]] = []
     wheres: list[str] = []
     block_tokens = MOONCAKE_BLOCK_TOKENS
+    set_at: str | None = None  # where a line first set prefix_block_tokens
     for where, obj in _json_lines(text, name, progress):
         rows.append(
             _request(
@@ -324,7 +325,14 @@ def read_generic_jsonl(
         blocks.append(_ids(obj.get("prefix_block_ids", []), where, "prefix_block_ids"))
         wheres.append(where)
         if "prefix_block_tokens" in obj:
-            block_tokens = _count(obj["prefix_block_tokens"], "prefix_block_tokens", where)
+            n = _count(obj["prefix_block_tokens"], "prefix_block_tokens", where)
+            if set_at is not None and n != block_tokens:
+                # One size for the whole trace: the ids of blocks of two sizes cannot be compared.
+                raise TraceError(
+                    f"{where}: prefix_block_tokens is {n}, but line {set_at.rsplit(':', 1)[1]} "
+                    f"set it to {block_tokens}: a trace has one block size"
+                )
+            block_tokens, set_at = n, set_at or where
     # Checked once the block size is final (any line may set it): a block starts inside the
     # prompt, or it holds no prompt token to hit.
     for (_, prompt, _), ids, where in zip(rows, blocks, wheres, strict=True):
@@ -367,11 +375,16 @@ def detect_format(text: str, path: Path) -> TraceFormat:
 
 
 def _decode(data: bytes, path: Path) -> str:
-    """The file's text: UTF-8, after the byte-order mark a spreadsheet's export starts with."""
+    """The file's text: UTF-8, after the byte-order mark a spreadsheet's export starts with,
+    every line ending "\n" (Windows' "\r\n" and the classic Mac's lone "\r" too)."""
     if data[:2] == b"\x1f\x8b":
         raise TraceError(f"{path}: cannot read: gzip-compressed (decompress it first: gunzip)")
     if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
         raise TraceError(f"{path}: cannot read: UTF-16 (save it as UTF-8)")
+    if b"\r" in data:
+        # Before decoding, so that a line named below is the line an editor shows (a "\r"
+        # byte is never part of a longer UTF-8 character).
+        data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:

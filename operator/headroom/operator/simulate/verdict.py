@@ -4,7 +4,8 @@ after `headroom kv-check`), the pods a given pod needs for the trace, and the `s
 `spec.scaling` to paste. Pure functions of the profile, the in-flight load and the plan.
 
 Pods are counted on the KV the requests hold in flight with no prefix sharing, as the simulator
-(`world.py`) holds it, at the scaling policy's target occupancy.
+(`world.py`) holds it, at the scaling policy's target occupancy; a request longer than the max
+model length holds none (the engine refuses it at the door).
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ class Load:
     contexts: np.ndarray  # prompt + output of every request
     lifetimes: np.ndarray  # seconds each request is in flight
     held: np.ndarray  # KV tokens each holds over its life, on average
+    # The max model length the in-flight figures admit at (None: every request).
+    max_model_len: int | None = None
+
+    def refused(self) -> int:
+        """Requests the max model length turns away, left out of the in-flight figures."""
+        return 0 if self.max_model_len is None else int((self.contexts > self.max_model_len).sum())
 
     def tokens_per_request(self, max_model_len: int | None = None) -> float:
         """KV tokens an in-flight request holds on average (Little's law: weighted by its
@@ -88,9 +95,28 @@ class Entry:
     comment: str
 
 
-def load(trace: Trace, decode_tps: float, prefill_tps: float) -> Load:
-    """The in-flight load of `trace` under the given service rates."""
+def _admitted_in_flight(
+    trace: Trace, ok: np.ndarray, decode_tps: float, prefill_tps: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """`in_flight` of the requests `ok` marks, on the whole trace's seconds (a refused request
+    holds no KV: the engine turns it away at the door)."""
     count, tokens = in_flight(trace, decode_tps, prefill_tps)
+    if ok.all():
+        return count, tokens
+    kept = Trace(trace.name, trace.arrival[ok], trace.prompt[ok], trace.output[ok])
+    c, k = in_flight(kept, decode_tps, prefill_tps) if ok.any() else (np.zeros(0), np.zeros(0))
+    # Its arrivals are the trace's, so its seconds are too; it ends no later than the trace.
+    return np.pad(c, (0, len(count) - len(c))), np.pad(k, (0, len(tokens) - len(k)))
+
+
+def load(
+    trace: Trace, decode_tps: float, prefill_tps: float, max_model_len: int | None = None
+) -> Load:
+    """The in-flight load of `trace` under the given service rates: the figures that size pods
+    count only the requests `max_model_len` admits."""
+    contexts = trace.prompt + trace.output
+    ok = contexts <= max_model_len if max_model_len else np.ones(len(trace), dtype=bool)
+    count, tokens = _admitted_in_flight(trace, ok, decode_tps, prefill_tps)
     life = trace.prompt / prefill_tps + trace.output / decode_tps
     warm = min(float(np.percentile(life, 99)), trace.duration / 4)
     t = np.arange(len(count), dtype=float)
@@ -100,7 +126,6 @@ def load(trace: Trace, decode_tps: float, prefill_tps: float) -> Load:
         # the first after the last arrival, which holds every request that has not ended.
         inside = t <= math.ceil(trace.duration)
     c, k = count[inside], tokens[inside]
-    contexts = trace.prompt + trace.output
     return Load(
         low_tokens=float(np.percentile(k, LOW_PERCENTILE)),
         peak_tokens=float(k.max()),
@@ -109,12 +134,19 @@ def load(trace: Trace, decode_tps: float, prefill_tps: float) -> Load:
         contexts=contexts,
         lifetimes=life,
         held=trace.prompt + trace.output / 2,  # in_flight()'s measure of what a request holds
+        max_model_len=max_model_len or None,
     )
 
 
 def describe(p: Plan) -> str:
     """The pod in a few words: model, GPUs, parallelism, KV precision."""
     return f"{p.model} on {p.gpus_per_pod}x {p.gpu} (tp {p.tp}, {p.kv_dtype} KV)"
+
+
+def pod_context(spec: InferenceDeploymentSpec, p: Plan) -> int:
+    """The longest sequence one pod's KV pool holds: every block a sequence may take (vLLM
+    keeps one as its null block)."""
+    return max(0, p.kv_blocks_per_pod - plan_input(spec).reserved_blocks) * p.block_size
 
 
 def _pods(tokens: float, per_pod: int, target: float) -> int:
@@ -343,11 +375,16 @@ def wire(suggestion: dict[str, tuple[Entry, ...]]) -> dict[str, dict[str, int | 
 
 
 def maxlen_note(
-    ld: Load, max_model_len: int, explicit: bool, model_limit: int | None = None
+    ld: Load,
+    max_model_len: int,
+    explicit: bool,
+    model_limit: int | None = None,
+    pod_limit: int | None = None,
 ) -> str | None:
     """What the max model length refuses of this trace, if anything (`explicit`: the spec sets
     engine.maxModelLen, else it defaults to traffic.contextTokens; `model_limit`: the model's
-    max_position_embeddings, when the pod is known)."""
+    max_position_embeddings, `pod_limit`: the longest sequence the pod's KV holds, when the pod
+    is known): a maxModelLen it advises is one the sizing accepts."""
     refused = int((ld.contexts > max_model_len).sum())
     if not refused:
         return None
@@ -360,15 +397,17 @@ def maxlen_note(
     note = (
         f"{what} refuses {refused:,} of these requests ({share:.1%}, up to {ld.longest:,} tokens)"
     )
-    if model_limit is None or ld.longest <= model_limit:
+    limits = [(n, why) for n, why in ((model_limit, "model"), (pod_limit, "pod")) if n is not None]
+    if not limits or ld.longest <= min(n for n, _ in limits):
         return f"{note}: set engine.maxModelLen: {ld.longest} to serve them"
-    if max_model_len >= model_limit:
-        return f"{note}: the model takes at most {model_limit:,} tokens"
-    beyond = int((ld.contexts > model_limit).sum())
-    return (
-        f"{note}: engine.maxModelLen: {model_limit} (the model's limit) would serve all but "
-        f"{beyond:,}"
-    )
+    cap, why = min(limits, key=lambda x: x[0])
+    if max_model_len >= cap:
+        if why == "model":
+            return f"{note}: the model takes at most {cap:,} tokens"
+        return f"{note}: this pod's KV holds at most {cap:,} tokens a sequence"
+    source = "the model's limit" if why == "model" else "the most this pod's KV holds"
+    beyond = int((ld.contexts > cap).sum())
+    return f"{note}: engine.maxModelLen: {cap} ({source}) would serve all but {beyond:,}"
 
 
 def _scalar(value: int | float | str) -> str:
