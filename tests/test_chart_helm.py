@@ -393,7 +393,7 @@ def _policies(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def test_network_policy_admits_only_the_gateway_and_the_scrapes(helm: Path) -> None:
-    from headroom.contract.ports import ENGINE_PORT, SIDECAR_PORT
+    from headroom.contract.ports import ENGINE_PORT, ENGINE_STATS_PORT, SIDECAR_PORT
     from headroom.operator.crd.models import InferenceDeploymentSpec
     from headroom.operator.reconcile.children import Owner, deployment, labels
     from headroom.operator.reconcile.sizing import size
@@ -416,8 +416,10 @@ def test_network_policy_admits_only_the_gateway_and_the_scrapes(helm: Path) -> N
     )  # fmt: skip
     pod = deployment(Owner("x", "team-a", "u"), s, size(s), 1)["spec"]["template"]["spec"]
     ports = {p["name"]: p["containerPort"] for c in pod["containers"] for p in c["ports"]}
-    assert ports == {"http": ENGINE_PORT, "metrics": SIDECAR_PORT}
+    assert ports == {"http": ENGINE_PORT, "stats": ENGINE_STATS_PORT, "metrics": SIDECAR_PORT}
     by_port = {r["ports"][0]["port"]: r["from"] for r in spec["ingress"]}
+    # The engine's stats port has no rule: only the kubelet (the node, always admitted) and
+    # the sidecar (in the pod, over loopback) use it.
     assert set(by_port) == {"http", "metrics"}
     # The OpenAI API: only the namespace's gateway pods (no namespaceSelector: same namespace).
     assert by_port["http"] == [

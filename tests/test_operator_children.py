@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ import pytest
 import yaml
 from rendered import containers, flags
 
+from headroom.contract.ports import ENGINE_PORT
 from headroom.operator.crd.models import InferenceDeploymentSpec
 from headroom.operator.reconcile.children import (
     FIELD_MANAGER,
@@ -58,6 +61,7 @@ def test_engine_allocates_exactly_the_planned_pool() -> None:
     assert f["--no-enable-prefix-caching"] is True and "--enable-prefix-caching" not in f
     assert f["--model"] == "/models/l8b" and f["--served-model-name"] == "llama-3.1-8b"
     assert (f["--host"], f["--port"]) == ("0.0.0.0", "8000")
+    assert f["--stats-port"] == "8001"  # probes and the sidecar: a listener of their own
 
 
 def test_pod_requests_gpus_probes_and_runs_hardened() -> None:
@@ -81,7 +85,7 @@ def test_pod_requests_gpus_probes_and_runs_hardened() -> None:
         sc = container["securityContext"]
         assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
         assert sc["capabilities"]["drop"] == ["ALL"] and sc["runAsNonRoot"]
-    assert sidecar["args"][:3] == ["sidecar", "--engine-url", "http://127.0.0.1:8000"]
+    assert sidecar["args"][:3] == ["sidecar", "--engine-url", "http://127.0.0.1:8001"]
     env = {e["name"]: e for e in sidecar["env"]}
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
@@ -181,6 +185,9 @@ def test_gpu_type_leaves_scheduling_to_the_node_selector() -> None:
 
 # ---------------------------------------------------------------------------- the pod, run here
 
+# Connections the API listener holds in the overload test: every slot taken.
+CAP = 4
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -188,13 +195,21 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _get(url: str, key: str | None = None) -> tuple[int, str]:
+def _get(url: str, key: str | None = None, timeout: float = 5) -> tuple[int, str]:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(req, timeout=5) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return int(resp.status), resp.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
+
+
+def _answer(url: str) -> int | str:
+    """The status of a GET with a generous timeout, or why none came."""
+    try:
+        return _get(url, timeout=30)[0]
+    except OSError as exc:
+        return f"no answer: {exc!r}"
 
 
 def _poll(url: str, proc: subprocess.Popen[bytes], log: Path, want: str = "") -> str:
@@ -221,52 +236,151 @@ def _with(args: list[str], **flags: str) -> list[str]:
     return out
 
 
-def test_the_rendered_headroom_pod_guards_its_api_and_still_probes_and_scrapes(
-    tmp_path: Path,
-) -> None:
-    # The engine and sidecar containers' own args, run here on loopback: only what a machine
-    # without a GPU cannot take is changed (device, address, a pool that fits in CPU memory).
+def _local_ports(container: dict[str, Any]) -> dict[int, int]:
+    """A free port here for each of the container's ports (the pod's own may be taken)."""
+    return {p["containerPort"]: _free_port() for p in container["ports"]}
+
+
+def _local_args(args: list[str], local: dict[int, int], **flags: str) -> list[str]:
+    """The engine's args with each port it listens on moved to its local one, plus `flags`."""
+    out = list(args)
+    for flag in ("--port", "--stats-port"):
+        if flag in out:
+            at = out.index(flag) + 1
+            out[at] = str(local[int(out[at])])
+    return _with(out, **flags)
+
+
+def _local_url(url: str, local: dict[int, int]) -> str:
+    """A URL at one of the pod's ports, at that port's local stand-in."""
+    parts = urllib.parse.urlsplit(url)
+    assert parts.port is not None, url
+    return parts._replace(netloc=f"127.0.0.1:{local[parts.port]}").geturl()
+
+
+def _probe_url(container: dict[str, Any], probe: str, local: dict[int, int]) -> str:
+    """Where the kubelet would send `probe`, here: its named port resolved, then made local."""
+    by_name = {p["name"]: p["containerPort"] for p in container["ports"]}
+    get = container[probe]["httpGet"]
+    return f"http://127.0.0.1:{local[by_name[get['port']]]}{get['path']}"
+
+
+def _tiny_pod(**engine: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The engine and sidecar containers of a rendered headroom pod for the tiny model."""
     s = spec(
         model={"preset": "llama-3.1-8b", "path": "tiny"},
         gpu={"type": "h100-80gb"},
         traffic={"peakConcurrency": 4, "contextTokens": 2048},
-        engine={"apiKeySecret": {"name": "chat-keys"}},
+        engine=engine,
     )
     c = containers(deployment(OWNER, s, size(s), replicas=1))
-    engine, sidecar = c["engine"], c["sidecar"]
+    return c["engine"], c["sidecar"]
+
+
+def _start(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """`headroom <argv>` with its output in `log`."""
+    with log.open("w") as out:
+        return subprocess.Popen([sys.executable, "-m", "headroom.contract.cli", *argv],
+                                env={**os.environ, **env}, stdout=out,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def _engine_env(engine: dict[str, Any], **extra: str) -> dict[str, str]:
+    """The container's literal env (HOME aside: this machine's caches), one torch thread."""
+    env = {e["name"]: e["value"] for e in engine["env"] if "value" in e and e["name"] != "HOME"}
+    return {"OMP_NUM_THREADS": "1", **env, **extra}
+
+
+def _sidecar_args(sidecar: dict[str, Any], local: dict[int, int], port: int) -> list[str]:
+    """The sidecar's args, polling the engine's local stand-in port."""
+    url = sidecar["args"][sidecar["args"].index("--engine-url") + 1]
+    return _with(sidecar["args"], engine_url=_local_url(url, local), port=str(port),
+                 host="127.0.0.1")  # fmt: skip
+
+
+def _stop(*procs: subprocess.Popen[bytes] | None) -> None:
+    for proc in procs:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+def test_the_rendered_headroom_pod_guards_its_api_and_still_probes_and_scrapes(
+    tmp_path: Path,
+) -> None:
+    # The engine and sidecar containers' own args, run here on loopback: only what a machine
+    # without a GPU cannot take is changed (device, address, ports, a pool in CPU memory).
+    engine, sidecar = _tiny_pod(apiKeySecret={"name": "chat-keys"})
     (key_var,) = [e["name"] for e in engine["env"] if "secretKeyRef" in e.get("valueFrom", {})]
     key = "s3cret-key"  # what the kubelet reads from Secret chat-keys
-    port, side_port = _free_port(), _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", key_var: key}
-    env.update(
-        {e["name"]: e["value"] for e in engine["env"] if "value" in e and e["name"] != "HOME"}
-    )
-    args = _with(engine["args"], host="127.0.0.1", port=str(port), device="cpu", num_blocks="512")
+    local, side_port = _local_ports(engine), _free_port()
+    args = _local_args(engine["args"], local, host="127.0.0.1", device="cpu", num_blocks="512")
     elog, slog = tmp_path / "engine.log", tmp_path / "sidecar.log"
-    with elog.open("w") as eout, slog.open("w") as sout:
-        eng = subprocess.Popen([sys.executable, "-m", "headroom.contract.cli", *args],
-                               env=env, stdout=eout, stderr=subprocess.STDOUT)  # fmt: skip
-        side: subprocess.Popen[bytes] | None = None
-        try:
-            base = f"http://127.0.0.1:{port}"
-            _poll(base + engine["readinessProbe"]["httpGet"]["path"], eng, elog)
-            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-                assert _get(base + engine[probe]["httpGet"]["path"])[0] == 200, probe
-            assert _get(base + "/v1/models")[0] == 401
-            assert _get(base + "/v1/models", "wrong")[0] == 401
-            assert _get(base + "/v1/models", key)[0] == 200
-            side_args = _with(sidecar["args"], engine_url=base, port=str(side_port),
-                              host="127.0.0.1")  # fmt: skip
-            side = subprocess.Popen([sys.executable, "-m", "headroom.contract.cli", *side_args],
-                                    env={**os.environ, "POD_NAME": "chat-0",
-                                         "POD_NAMESPACE": "team-a"},
-                                    stdout=sout, stderr=subprocess.STDOUT)  # fmt: skip
-            metrics = _poll(f"http://127.0.0.1:{side_port}/metrics", side, slog,
-                            want="headroom_engine_up{")  # fmt: skip
-            up = [ln for ln in metrics.splitlines() if ln.startswith("headroom_engine_up{")]
-            assert up and up[0].endswith(" 1.0"), metrics  # it reads /stats without the key
-        finally:
-            for proc in (side, eng):
-                if proc is not None:
-                    proc.terminate()
-                    proc.wait(timeout=60)
+    eng = _start(args, elog, _engine_env(engine, **{key_var: key}))
+    side: subprocess.Popen[bytes] | None = None
+    try:
+        _poll(_probe_url(engine, "readinessProbe", local), eng, elog)
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert _get(_probe_url(engine, probe, local))[0] == 200, probe
+        base = f"http://127.0.0.1:{local[ENGINE_PORT]}"
+        assert _get(base + "/v1/models")[0] == 401
+        assert _get(base + "/v1/models", "wrong")[0] == 401
+        assert _get(base + "/v1/models", key)[0] == 200
+        pod = {"POD_NAME": "chat-0", "POD_NAMESPACE": "team-a"}
+        side = _start(_sidecar_args(sidecar, local, side_port), slog, pod)
+        metrics = _poll(f"http://127.0.0.1:{side_port}/metrics", side, slog,
+                        want="headroom_engine_up{")  # fmt: skip
+        up = [ln for ln in metrics.splitlines() if ln.startswith("headroom_engine_up{")]
+        assert up and up[0].endswith(" 1.0"), metrics  # it reads /stats without the key
+    finally:
+        _stop(side, eng)
+
+
+def _wait_for_line(log: Path, text: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while text not in log.read_text():
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, f"never logged {text!r}:\n{log.read_text()}"
+        time.sleep(0.2)
+
+
+def test_the_rendered_headroom_pod_probes_and_scrapes_past_a_full_api_listener(
+    tmp_path: Path,
+) -> None:
+    # Under overload, long streams hold every API connection slot (--max-connections) and new
+    # connections wait in the listen queue: here idle keep-alive connections, which the
+    # listener counts the same. The kubelet's probes and the sidecar's poll still get answers,
+    # or a pod that is only busy is restarted and its sidecar says the engine is down.
+    engine, sidecar = _tiny_pod()
+    local, side_port = _local_ports(engine), _free_port()
+    args = _local_args(engine["args"], local, host="127.0.0.1", device="cpu", num_blocks="512",
+                       max_connections=str(CAP), keepalive_timeout="600")  # fmt: skip
+    elog, slog = tmp_path / "engine.log", tmp_path / "sidecar.log"
+    eng = _start(args, elog, _engine_env(engine, PYTHONUNBUFFERED="1"))
+    side: subprocess.Popen[bytes] | None = None
+    api = ("127.0.0.1", local[ENGINE_PORT])
+    held: list[socket.socket] = []
+    try:
+        _poll(f"http://{api[0]}:{api[1]}/health", eng, elog)
+        _poll(_probe_url(engine, "readinessProbe", local), eng, elog)
+        held = [socket.create_connection(api, timeout=30) for _ in range(CAP)]
+        _wait_for_line(elog, "connections open (--max-connections)", eng)
+        queued = socket.create_connection(api, timeout=30)  # completes in the listen queue
+        held.append(queued)
+        queued.sendall(b"GET /health HTTP/1.1\r\nHost: pod\r\nConnection: close\r\n\r\n")
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert _answer(_probe_url(engine, probe, local)) == 200, probe
+        pod = {"POD_NAME": "chat-0", "POD_NAMESPACE": "team-a"}
+        side = _start(_sidecar_args(sidecar, local, side_port), slog, pod)
+        metrics = _poll(f"http://127.0.0.1:{side_port}/metrics", side, slog,
+                        want="headroom_engine_up{")  # fmt: skip
+        up = [ln for ln in metrics.splitlines() if ln.startswith("headroom_engine_up{")]
+        assert up and up[0].endswith(" 1.0"), metrics
+        # The API's own /health waited in the queue all along; a freed slot lets it in.
+        assert select.select([queued], [], [], 0)[0] == [], "the API listener was not full"
+        held.pop(0).close()
+        assert queued.recv(64).startswith(b"HTTP/1.1 200"), elog.read_text()
+    finally:
+        for sock in held:
+            sock.close()
+        _stop(side, eng)

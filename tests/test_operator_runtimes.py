@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel
 from rendered import containers, flags
 
+from headroom.contract.ports import ENGINE_PORT, ENGINE_STATS_PORT
 from headroom.operator.crd.models import (
     HEADROOM_ENGINE_IMAGE,
     HEADROOM_IMAGE,
@@ -26,6 +27,7 @@ from headroom.operator.reconcile.runtimes import (
     vllm_command,
 )
 from headroom.operator.reconcile.sizing import Sizing, SpecError, plan_input, size
+from headroom.sidecar.config import SidecarConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_EXAMPLE = ROOT / "examples" / "llama-3.1-70b-vllm-tp4.yaml"
@@ -149,7 +151,8 @@ def test_images_and_sidecar_source_follow_the_runtime(
     c = containers(deployment(OWNER, s, size(s), replicas=1))
     assert c["engine"]["image"] == image and c["sidecar"]["image"] == sidecar_image
     args = c["sidecar"]["args"]
-    assert args[:3] == ["sidecar", "--engine-url", "http://127.0.0.1:8000"]
+    port = 8001 if runtime == "headroom" else 8000  # headroom's stats listener, else the API
+    assert args[:3] == ["sidecar", "--engine-url", f"http://127.0.0.1:{port}"]
     got = flags(args)
     assert [a for f in ("--source", "--page-size") if f in got for a in (f, got[f])] == source
 
@@ -210,11 +213,45 @@ def test_probes_survive_model_load(
     s = spec(engine)
     e = containers(deployment(OWNER, s, size(s), replicas=1))["engine"]
     startup = e["startupProbe"]
-    assert startup["httpGet"] == {"path": "/health", "port": "http"}
+    port = "stats" if runtime == "headroom" else "http"
+    assert startup["httpGet"] == {"path": "/health", "port": port}
     assert startup["periodSeconds"] == 10 and startup["failureThreshold"] == threshold
     assert startup["periodSeconds"] * startup["failureThreshold"] >= (timeout or 900)
     assert e["readinessProbe"]["httpGet"]["path"] == ready
     assert e["livenessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_headroom_probes_and_sidecar_use_the_engine_s_stats_listener() -> None:
+    # On the API's port they would wait behind API connections once those reach the engine's
+    # --max-connections: the liveness probe would restart a pod that is only busy.
+    s = spec()
+    c = containers(deployment(OWNER, s, size(s), replicas=1))
+    e = c["engine"]
+    assert flags(e["args"])["--stats-port"] == str(ENGINE_STATS_PORT) == "8001"
+    assert flags(e["args"])["--port"] == str(ENGINE_PORT)
+    assert e["ports"] == [
+        {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
+        {"name": "stats", "containerPort": ENGINE_STATS_PORT, "protocol": "TCP"},
+    ]
+    for probe, path in (("startupProbe", "/health"), ("livenessProbe", "/health"),
+                        ("readinessProbe", "/ready")):  # fmt: skip
+        assert e[probe]["httpGet"] == {"path": path, "port": "stats"}, probe
+    url = flags(c["sidecar"]["args"])["--engine-url"]
+    assert url == f"http://127.0.0.1:{ENGINE_STATS_PORT}"
+    # The stats listener serves /stats, the only route the headroom source reads.
+    assert SidecarConfig(engine_url=url, source="headroom").poll_url == f"{url}/stats"
+
+
+@pytest.mark.parametrize("runtime", ["vllm", "sglang"])
+def test_stock_engines_keep_one_port_for_probes_and_the_sidecar(runtime: str) -> None:
+    s = spec({"runtime": runtime})
+    c = containers(deployment(OWNER, s, size(s), replicas=1))
+    e = c["engine"]
+    assert "--stats-port" not in e["args"]
+    assert e["ports"] == [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert e[probe]["httpGet"]["port"] == "http", probe
+    assert flags(c["sidecar"]["args"])["--engine-url"] == f"http://127.0.0.1:{ENGINE_PORT}"
 
 
 SHM_CASES = [

@@ -16,6 +16,7 @@ from headroom.contract.ports import ENGINE_PORT, SIDECAR_PORT
 from headroom.operator.crd.models import GROUP, KIND, VERSION, InferenceDeploymentSpec
 from headroom.operator.reconcile.runtimes import (
     STARTUP_PERIOD_SECONDS,
+    EngineCommand,
     engine_command,
     engine_image,
     needs_shm,
@@ -97,6 +98,28 @@ _CONTAINER_SECURITY = {
 }
 
 
+def engine_ports(run: EngineCommand) -> list[dict[str, Any]]:
+    """The engine container's ports: the API, and headroom's separate stats listener."""
+    ports: list[dict[str, Any]] = [
+        {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}
+    ]
+    if run.stats_port is not None:
+        ports.append({"name": "stats", "containerPort": run.stats_port, "protocol": "TCP"})
+    return ports
+
+
+def probe_port(run: EngineCommand) -> str:
+    """The named port the kubelet probes: a stats listener's, where the engine has one, so a
+    full API connection table cannot fail the probes of a pod that is only busy."""
+    return "stats" if run.stats_port is not None else "http"
+
+
+def sidecar_engine_url(run: EngineCommand) -> str:
+    """What the sidecar polls: the engine's stats listener where it has one (its /stats is
+    all the headroom source reads), else the API port (vLLM's /metrics, SGLang's routes)."""
+    return f"http://127.0.0.1:{run.stats_port if run.stats_port is not None else ENGINE_PORT}"
+
+
 def _engine_container(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> dict[str, Any]:
     gpus = str(spec.gpu.count_per_pod)
     run = engine_command(spec, sizing, name)
@@ -122,7 +145,7 @@ def _engine_container(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) 
         "command": run.command,
         "args": run.args,
         "env": env,
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "ports": engine_ports(run),
         "resources": {
             "requests": {
                 "cpu": spec.engine.cpu,
@@ -134,18 +157,18 @@ def _engine_container(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) 
         # Loading weights can take minutes; the startup probe holds liveness off until then
         # (engine.startupTimeoutSeconds in all).
         "startupProbe": {
-            "httpGet": {"path": "/health", "port": "http"},
+            "httpGet": {"path": "/health", "port": probe_port(run)},
             "periodSeconds": STARTUP_PERIOD_SECONDS,
             "failureThreshold": startup_failure_threshold(spec),
         },
         "livenessProbe": {
-            "httpGet": {"path": "/health", "port": "http"},
+            "httpGet": {"path": "/health", "port": probe_port(run)},
             "periodSeconds": 10,
             "timeoutSeconds": 5,
             "failureThreshold": 6,
         },
         "readinessProbe": {
-            "httpGet": {"path": run.ready_path, "port": "http"},
+            "httpGet": {"path": run.ready_path, "port": probe_port(run)},
             "periodSeconds": 5,
             "timeoutSeconds": 3,
             "failureThreshold": 3,
@@ -183,7 +206,7 @@ def _sidecar_container(spec: InferenceDeploymentSpec, sizing: Sizing, name: str)
         "args": [
             "sidecar",
             "--engine-url",
-            f"http://127.0.0.1:{ENGINE_PORT}",
+            sidecar_engine_url(engine_command(spec, sizing, name)),
             "--port",
             str(SIDECAR_PORT),
             # The plan, so a running pool smaller than planned can be seen and alerted on.

@@ -22,6 +22,10 @@ VLLM_API_KEY, and SGLang, which has only `--api-key`, gets `--api-key $(HEADROOM
 the kubelet expands, and `--log-level warning`, below the line where it logs its arguments. All
 three guard the OpenAI routes only; /health and /metrics (and headroom's /ready and /stats) stay
 open for the probes and the sidecar.
+
+headroom's engine also serves /health, /ready and /stats on a listener of its own
+(`--stats-port`, ENGINE_STATS_PORT), which the probes and the sidecar use: on the API's port they
+would queue behind API connections at the engine's connection cap. vLLM and SGLang have one port.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from headroom.contract.ports import ENGINE_PORT
+from headroom.contract.ports import ENGINE_PORT, ENGINE_STATS_PORT
 from headroom.operator.crd.models import HEADROOM_IMAGE, RUNTIME_IMAGES, InferenceDeploymentSpec
 from headroom.operator.reconcile.sizing import Sizing, model_arch, served_model_name
 
@@ -63,6 +67,9 @@ class EngineCommand:
     ready_path: str  # readiness probe; liveness and startup probe /health on every runtime
     env: dict[str, str]  # beyond HOME and XDG_CACHE_HOME, which every runtime gets
     api_key_env: str | None = None  # filled from engine.apiKeySecret's Secret key, when set
+    # The port of the engine's own listener for /health, /ready and /stats (probes, sidecar);
+    # None: those are served on the API's ENGINE_PORT only.
+    stats_port: int | None = None
 
 
 def headroom_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> EngineCommand:
@@ -78,6 +85,10 @@ def headroom_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -
         "0.0.0.0",
         "--port",
         str(ENGINE_PORT),
+        # Probes and the sidecar's poll on a listener of their own, never queued behind API
+        # connections at --max-connections (see contract.ports).
+        "--stats-port",
+        str(ENGINE_STATS_PORT),
         # The pool was planned in the GPU's memory; the engine's own default device is the CPU.
         "--device",
         "cuda",
@@ -99,7 +110,7 @@ def headroom_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -
     ]
     return EngineCommand(
         command=["headroom"], args=args, ready_path="/ready", env={},
-        api_key_env=_key_env(spec),
+        api_key_env=_key_env(spec), stats_port=ENGINE_STATS_PORT,
     )  # fmt: skip
 
 
