@@ -12,7 +12,9 @@ on the engine thread; the event loop only exchanges commands and outputs with it
         ...
     await engine.shutdown(grace_s=10)
 
-- `stream(request_id, prompt_token_ids, params)` is an async generator. The request is
+- `stream(request_id, prompt_token_ids, params)` is an async generator of deltas; the deltas
+  a slow consumer has not taken yet are folded into one (see `_Sink`), so what waits for it
+  stays bounded by the output's size, not its number of steps. The request is
   submitted on the first `__anext__`, which raises `RequestRejected` (bad request: too long,
   token ids outside the vocabulary, duplicate id) or `EngineClosed` (shutting down: HTTP 503)
   before anything is yielded. Closing the generator early (client disconnect, `aclose()`,
@@ -40,9 +42,9 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 from headroom.contract.stats import StatsSnapshot
 from headroom.engine.config import EngineConfig
@@ -50,7 +52,7 @@ from headroom.engine.engine import Engine, StepFailed
 from headroom.engine.errors import RequestFailed, RequestRejected
 from headroom.engine.health import EngineHealth
 from headroom.engine.model.tokenizer import Tokenizer
-from headroom.engine.outputs import RequestOutput
+from headroom.engine.outputs import CompletionOutput, RequestOutput
 from headroom.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -68,12 +70,99 @@ class EngineClosed(RuntimeError):
 
 
 @dataclass(slots=True)
+class _Backlog:
+    """A request's outputs not yet taken by its stream, folded into one delta. Texts are kept
+    as pieces, joined once when taken: folding never copies the text so far."""
+
+    head: RequestOutput
+    by_index: dict[int, CompletionOutput] = field(default_factory=dict)
+    pieces: dict[int, list[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for c in self.head.outputs:
+            self.by_index[c.index] = c
+            self.pieces[c.index] = [c.text]
+
+    def fold(self, delta: RequestOutput) -> None:
+        """Append a later delta of the same request (its outputs are this backlog's now)."""
+        head = self.head
+        for c in delta.outputs:
+            prev = self.by_index.get(c.index)
+            if prev is None:
+                head.outputs.append(c)
+                self.by_index[c.index] = c
+                self.pieces[c.index] = [c.text]
+                continue
+            self.pieces[c.index].append(c.text)
+            prev.token_ids.extend(c.token_ids)
+            prev.cumulative_text = c.cumulative_text
+            prev.finish_reason = c.finish_reason
+            prev.stop_reason = c.stop_reason
+        head.finished = delta.finished
+        head.first_token_time = delta.first_token_time
+        head.finished_time = delta.finished_time
+        head.num_cached_tokens = delta.num_cached_tokens
+
+    def take(self) -> RequestOutput:
+        """The folded delta, completions in index order as the engine lists them."""
+        for c in self.head.outputs:
+            c.text = "".join(self.pieces[c.index])
+        self.head.outputs.sort(key=lambda c: c.index)
+        return self.head
+
+
+class _Sink:
+    """A stream's mailbox: the engine thread puts, the stream's loop gets. Consecutive outputs
+    are folded into one entry while the consumer is behind, so a stalled stream holds O(output)
+    bytes rather than one delta per step; an error is an entry of its own, kept in order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: deque[_Backlog | BaseException] = deque()
+        self._ready = asyncio.Event()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Queue `item` from any thread; never blocks beyond a fold."""
+        with self._lock:
+            was_empty = not self._items
+            last = self._items[-1] if self._items else None
+            if isinstance(item, BaseException):
+                self._items.append(item)
+            elif isinstance(last, _Backlog):
+                last.fold(item)
+            else:
+                self._items.append(_Backlog(item))
+        # Only an empty sink can have a waiter; a non-empty one was already signalled.
+        if was_empty:
+            # RuntimeError: the consumer's loop is closed, so nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._ready.set)
+
+    async def get(self) -> RequestOutput | BaseException:
+        """The next entry, waiting for one; on the sink's loop only."""
+        while True:
+            with self._lock:
+                if self._items:
+                    item = self._items.popleft()
+                    break
+                # Cleared under the lock: a put after this sees an empty sink and signals.
+                self._ready.clear()
+            await self._ready.wait()
+        # Taken off the sink, the backlog is the consumer's alone: join outside the lock.
+        return item if isinstance(item, BaseException) else item.take()
+
+
+@dataclass(slots=True)
 class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    sink: asyncio.Queue[RequestOutput | BaseException]
-    loop: asyncio.AbstractEventLoop
+    sink: _Sink
     done: concurrent.futures.Future[None]
 
 
@@ -83,7 +172,7 @@ class _Abort:
     # From a stream's cleanup: abort only while this sink is the request's, so a stream whose
     # request never got in (cancelled while queued, rejected as a duplicate id) cannot abort
     # another stream's request of the same id. None (`abort()`): whatever has that id.
-    sink: asyncio.Queue[Any] | None = None
+    sink: _Sink | None = None
 
 
 @dataclass(slots=True)
@@ -101,7 +190,7 @@ class AsyncEngine:
         self.engine = engine
         self.health = health or EngineHealth()
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
-        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._sinks: dict[str, _Sink] = {}
         self._thread: threading.Thread | None = None
         self._accepting = False
         self._stopped = threading.Event()
@@ -159,10 +248,9 @@ class AsyncEngine:
             raise EngineClosed(f"the engine is unhealthy: {self.health.reason}")
         if not self._accepting or not self.running:
             raise EngineClosed("the engine is not accepting requests")
-        loop = asyncio.get_running_loop()
-        sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        sink = _Sink(asyncio.get_running_loop())
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._send(_Add(request_id, list(prompt_token_ids), params, sink, loop, done))
+        self._send(_Add(request_id, list(prompt_token_ids), params, sink, done))
         finished = False
         try:
             try:
@@ -227,9 +315,8 @@ class AsyncEngine:
             # Its streams would wait for outputs that never come: end them here instead. The
             # thread, stuck in the step, is not touching the sinks.
             error = EngineClosed(f"the engine thread did not stop: {reason}")
-            for loop, sink in list(self._sinks.values()):
-                with contextlib.suppress(RuntimeError):  # the consumer's loop is gone
-                    loop.call_soon_threadsafe(sink.put_nowait, error)
+            for sink in list(self._sinks.values()):
+                sink.put(error)
             return False
         self._thread = None
         return True
@@ -332,13 +419,13 @@ class AsyncEngine:
             except Exception as exc:
                 command.done.set_exception(exc)
                 return
-            self._sinks[command.request_id] = (command.loop, command.sink)
+            self._sinks[command.request_id] = command.sink
             self._idle.clear()
             command.done.set_result(None)
         elif isinstance(command, _Abort):
             if command.sink is not None:
                 target = self._sinks.get(command.request_id)
-                if target is None or target[1] is not command.sink:
+                if target is not command.sink:
                     return  # that stream's request is not (or no longer) in the engine
             out = engine.abort(command.request_id)
             if out is not None:
@@ -362,11 +449,9 @@ class AsyncEngine:
 
     def _fail(self, failures: dict[str, RequestFailed]) -> None:
         for request_id, error in failures.items():
-            target = self._sinks.pop(request_id, None)
-            if target is not None:
-                loop, sink = target
-                with contextlib.suppress(RuntimeError):  # the consumer's loop is gone
-                    loop.call_soon_threadsafe(sink.put_nowait, error)
+            sink = self._sinks.pop(request_id, None)
+            if sink is not None:
+                sink.put(error)
 
     def _fail_all(self, exc: Exception) -> None:
         failures = {}
@@ -376,15 +461,12 @@ class AsyncEngine:
         self._fail(failures)
 
     def _deliver(self, out: RequestOutput) -> None:
-        target = self._sinks.get(out.request_id)
-        if target is None:
+        sink = self._sinks.get(out.request_id)
+        if sink is None:
             return
-        loop, sink = target
         if out.finished:
             del self._sinks[out.request_id]
-        # RuntimeError: the consumer's loop is closed, so nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(sink.put_nowait, out)
+        sink.put(out)
 
     def _publish(self) -> None:
         try:

@@ -3,8 +3,10 @@
 Streaming (`Engine.step`, `AsyncEngine.stream`) yields deltas: `text` and `token_ids` hold only
 what is new since the previous output of that completion, and `outputs` lists only the
 completions that changed. `Engine.generate` returns one merged output per request where
-`text`/`token_ids` are the whole completion. Times are unix seconds. The engine builds these
-without re-validation and `prompt_token_ids` is shared with the engine: read, do not mutate.
+`text`/`token_ids` are the whole completion. An `AsyncEngine` stream whose consumer falls
+behind gets the deltas it missed folded into one, so a delta may span several steps. Times
+are unix seconds. The engine builds these without re-validation and `prompt_token_ids` is
+shared with the engine: read, do not mutate.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ class CompletionOutput(BaseModel):
     index: int = Field(ge=0)
     text: str = Field(default="", description="new text (stop strings excluded)")
     token_ids: list[int] = Field(default_factory=list, description="new token ids")
-    cumulative_text: str | None = Field(default=None, description="all text so far, if asked")
+    cumulative_text: str | None = Field(
+        default=None,
+        description="all the completion's text: set on its final output only (and by merge)",
+    )
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = Field(
         default=None, description="the stop string or stop token id that ended it"

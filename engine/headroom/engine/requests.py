@@ -52,7 +52,8 @@ class Request:
 
     def output(self, comps: list[Completion], finished: bool) -> RequestOutput:
         """The delta of `comps` since their last output; text that could still turn out to be
-        the start of a stop string is held back until the completion finishes."""
+        the start of a stop string is held back until the completion finishes. Only a
+        completion's final output carries `cumulative_text`."""
         outs = []
         hold = self.params.max_stop_len - 1 if self.params.stop else 0
         for comp in sorted(comps, key=lambda c: c.index):
@@ -64,7 +65,9 @@ class Request:
                     index=comp.index,
                     text=comp.text[comp.emitted_text : end],
                     token_ids=comp.token_ids[comp.emitted_tokens :],
-                    cumulative_text=comp.text[:end],
+                    # Not on every delta: a stalled stream would hold a copy of the whole
+                    # text per queued step (quadratic). At the end it is `comp.text` itself.
+                    cumulative_text=None if comp.finish_reason is None else comp.text,
                     finish_reason=comp.finish_reason,
                     stop_reason=comp.stop_reason,
                 )
@@ -104,13 +107,16 @@ def merge(into: RequestOutput, delta: RequestOutput) -> None:
     for c in delta.outputs:
         prev = by_index.get(c.index)
         if prev is None:
-            into.outputs.append(c.model_copy())
-            continue
-        prev.text += c.text
-        prev.token_ids.extend(c.token_ids)
-        prev.cumulative_text = c.cumulative_text
-        prev.finish_reason = c.finish_reason
-        prev.stop_reason = c.stop_reason
+            prev = c.model_copy()
+            into.outputs.append(prev)
+        else:
+            prev.text += c.text
+            prev.token_ids.extend(c.token_ids)
+            prev.finish_reason = c.finish_reason
+            prev.stop_reason = c.stop_reason
+        # `into` holds whole texts, so its text is the cumulative text (a delta carries
+        # `cumulative_text` only on its completion's final output).
+        prev.cumulative_text = prev.text
     into.outputs.sort(key=lambda c: c.index)
     into.finished = delta.finished
     into.first_token_time = delta.first_token_time

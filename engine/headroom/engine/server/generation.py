@@ -48,7 +48,11 @@ class Generation:
             _Job(i, f"{base_id}-{i}", ids, p)
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
         ]
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+        # Bounded: a pump waits here while the client reads slowly, and the engine folds what
+        # it produces meanwhile into one delta (`AsyncEngine`), instead of one entry per step.
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue(
+            maxsize=1
+        )
         self._tasks: list[asyncio.Task[None]] = []
 
     async def _pump(self, job: _Job) -> None:
