@@ -113,6 +113,24 @@ def test_the_connection_cap_fits_under_the_open_files_limit(
     assert listener.default_max_connections(open_files, listeners) == cap
 
 
+def test_a_stats_listener_takes_a_small_share_not_half_the_api_s_connections(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every operator-made headroom pod has a stats listener (the probes and the sidecar): at a
+    # container's open-files limit of 1024 an even split left the API 447 connections of 895.
+    from headroom.engine.server import runner
+
+    monkeypatch.setattr(runner, "open_files_limit", lambda: 1024)
+    alone = runner.ListenConfig(port=0)
+    both = runner.ListenConfig(port=0, stats_port=1)
+    assert alone.limits().max_connections == 895
+    assert both.limits().max_connections == 895 - runner.STATS_MAX_CONNECTIONS
+    assert both.stats_limits().max_connections == runner.STATS_MAX_CONNECTIONS
+    # --max-connections is each listener's, as its help says.
+    given = runner.ListenConfig(port=0, stats_port=1, max_connections=10)
+    assert given.limits().max_connections == given.stats_limits().max_connections == 10
+
+
 def test_a_listener_holds_no_more_connections_than_its_cap() -> None:
     """Three clients, a cap of two: the third waits in the listen queue until one closes."""
     from aiohttp import web

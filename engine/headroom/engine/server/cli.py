@@ -20,7 +20,7 @@ from headroom.engine.health import DEFAULT_STEP_TIMEOUT_S
 from headroom.engine.server import log_format
 from headroom.engine.server.auth import API_KEY_ENV
 from headroom.engine.server.listener import SEND_TIMEOUT_S
-from headroom.engine.server.runner import ListenConfig, serve
+from headroom.engine.server.runner import STATS_MAX_CONNECTIONS, ListenConfig, serve
 from headroom.engine.server.state import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -87,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(then 408)")  # fmt: skip
     h.add_argument("--max-connections", type=int,
                    help="open connections per listener; more wait in the listen queue "
-                   "(default: what the open-files limit allows, at most 4096)")  # fmt: skip
+                   "(default: what the open-files limit allows, at most 4096; "
+                   f"the --stats-port listener {STATS_MAX_CONNECTIONS})")  # fmt: skip
     h.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM")  # fmt: skip
     h.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,

@@ -52,6 +52,10 @@ log = logging.getLogger("headroom.server")
 HANDLER_FLUSH_S = 5.0
 
 
+# The stats listener's default cap: the kubelet's three probes and the sidecar's poll, with room.
+STATS_MAX_CONNECTIONS = 64
+
+
 class ListenConfig(BaseModel):
     """Where to listen; the stats listener (open /health, /ready, /stats) defaults to the main.
     Timeouts in seconds; `max_connections` per listener, None: derived from the open-files
@@ -90,15 +94,23 @@ class ListenConfig(BaseModel):
         return self.stats_port is not None
 
     def limits(self) -> ConnectionLimits:
-        """Each listener's timeouts and connection cap."""
-        listeners = 2 if self.separate_stats else 1
-        cap = self.max_connections or default_max_connections(open_files_limit(), listeners)
+        """The API listener's timeouts and connection cap."""
+        # By default a stats listener takes its small share off the open-files limit, not half:
+        # only the kubelet and the sidecar connect to it.
+        spare = STATS_MAX_CONNECTIONS if self.separate_stats else 0
+        cap = self.max_connections or default_max_connections(open_files_limit() - spare)
         return ConnectionLimits(
             keepalive_timeout_s=self.keepalive_timeout_s,
             header_timeout_s=self.header_timeout_s,
             send_timeout_s=self.send_timeout_s,
             max_connections=cap,
         )
+
+    def stats_limits(self) -> ConnectionLimits:
+        """The stats listener's: the API's timeouts, and `--max-connections` or a small cap."""
+        api = self.limits()
+        cap = self.max_connections or min(api.max_connections, STATS_MAX_CONNECTIONS)
+        return api.model_copy(update={"max_connections": cap})
 
 
 LOAD_THREAD = "headroom-load"
@@ -250,7 +262,7 @@ async def serve(
             ops,
             stats_host,
             listen.stats_port,
-            limits,
+            listen.stats_limits(),
             {"access_log": None, "lingering_time": linger},
         )
         listeners.append(ops_listener)
