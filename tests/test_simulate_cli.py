@@ -678,3 +678,30 @@ def test_profile_sizes_no_pod_for_the_requests_its_max_model_length_refuses(
     pod = out["pod"]
     assert (pod["min_replicas"], pod["peak_replicas"], pod["max_replicas"]) == (1, 1, 2)
     assert "refuses 20 of these requests (100.0%" in comments(out["spec_yaml"])
+    # The JSON says whose figures they are, as the text does: none of the 20 is in flight.
+    assert (out["max_model_len"], out["refused_requests"]) == (131072, 20)
+    assert out["peak_kv_tokens"] == out["tokens_per_request_in_flight"] == 0
+
+
+def test_profile_json_figures_are_the_admitted_requests_as_in_the_text(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    spec = tmp_path / "chat-l4.yaml"
+    spec.write_text(L4_SPEC.replace("  traffic:", "  engine: {maxModelLen: 25904}\n  traffic:"))
+    assert main(["profile", str(MOONCAKE), "--spec", str(spec)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert main(["profile", str(MOONCAKE), "--spec", str(spec), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_model_len"] == 25904 and out["refused_requests"] > 0
+    held = round(out["tokens_per_request_in_flight"])
+    assert f"those it admits hold {held:,} tokens on average" in text
+
+
+def test_profile_says_the_weights_do_not_fit_not_the_context(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, err = in_process(capsys, "profile", AZURE, "--model", "llama-3.1-70b", "--gpu", "l4-24gb")
+    assert code == 2 and err.startswith(
+        "headroom profile: --model llama-3.1-70b --gpu l4-24gb: weights 131.4 GiB/GPU"
+    )
+    assert "contextTokens" not in err

@@ -226,9 +226,14 @@ def _pasted(
         return built
     if built.spec is None or built.sizing is None:
         raise UsageError(f"{label}: {built.error}")
-    reason = f"{built.sizing.reason}{_what_fits(built.spec, built.sizing, contexts)}"
+    fits = _what_fits(built.spec, built.sizing, contexts)
+    if not fits:  # no context would fit: the weights alone do not
+        raise UsageError(f"{label}: {built.sizing.reason}")
     context = block["traffic"]["contextTokens"]
-    raise UsageError(f"{label}: the trace's traffic.contextTokens {context} does not fit: {reason}")
+    raise UsageError(
+        f"{label}: the trace's traffic.contextTokens {context} does not fit: "
+        f"{built.sizing.reason}{fits}"
+    )
 
 
 def _profile(args: argparse.Namespace) -> int:

@@ -164,8 +164,11 @@ def profile_json(
     """The profile, the verdict and the suggested spec as one JSON object."""
     out = asdict(p)
     out["burstiness"] = [asdict(b) for b in p.burstiness]
+    # The in-flight figures of the requests the max model length admits, as the text sizes.
+    out["max_model_len"] = ld.max_model_len
+    out["refused_requests"] = ld.refused()
     out["peak_kv_tokens"] = ld.peak_tokens
-    out["tokens_per_request_in_flight"] = ld.tokens_per_request()
+    out["tokens_per_request_in_flight"] = ld.tokens_per_request(ld.max_model_len)
     out["longest_context"] = ld.longest
     if f is not None:
         out["pod"] = asdict(f)
