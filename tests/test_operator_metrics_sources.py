@@ -155,6 +155,29 @@ async def test_sidecar_source_skips_silent_and_broken_pods() -> None:
         assert await SidecarSource(http, port=bad.port).sample(TARGET, pods) == {}
 
 
+async def test_a_pod_on_a_node_whose_clock_is_behind_is_timed_on_the_operator_s_clock() -> None:
+    # The report's `time` is the pod's node's clock. A node 10 minutes behind made every
+    # sample of its pods older than metricsMaxAgeSeconds (60) for good: scaling held forever.
+    async def behind(_: web.Request) -> web.Response:
+        r = report(pod=None, time=time.time() - 600, age_seconds=1.5, requests_arrived_total=7,
+                   requests_departed_total=5, kv_block_seconds_total=90.0)  # fmt: skip
+        return web.Response(body=r.model_dump_json(), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/saturation", behind)
+    async with TestServer(app, host="127.0.0.1") as srv, aiohttp.ClientSession() as http:
+        before = time.time()
+        got = await SidecarSource(http, port=srv.port).sample(
+            TARGET, [PodInfo("chat-0", "127.0.0.1", True, 0.0)]
+        )
+        after = time.time()
+    s = got["chat-0"]
+    assert s.counters is not None
+    # Read 1.5 s (the report's age, a length of time) before the answer came.
+    assert before - 1.5 <= s.sampled_at <= after - 1.5
+    assert s.counters.t == s.sampled_at
+
+
 async def test_a_sidecar_answering_for_another_pod_or_deployment_is_not_this_pods() -> None:
     # An evicted pod's IP goes to a new pod, perhaps another deployment's: its KV is not ours.
     answers = iter([report(pod="other-7f9"), report(inferencedeployment="other"), report()])

@@ -12,6 +12,7 @@ import fnmatch
 import ipaddress
 import math
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -148,8 +149,11 @@ def demand_from_report(report: SaturationReport) -> DemandRates | None:
     )
 
 
-def counters_from_report(report: SaturationReport) -> CounterSample | None:
-    """The report's cumulative demand counters, stamped with the engine's restart epoch."""
+def counters_from_report(
+    report: SaturationReport, received_at: float | None = None
+) -> CounterSample | None:
+    """The report's cumulative demand counters, stamped with the engine's restart epoch (and
+    timed as `sample_from_report` times the sample)."""
     if (
         report.requests_arrived_total is None
         or report.requests_departed_total is None
@@ -157,7 +161,7 @@ def counters_from_report(report: SaturationReport) -> CounterSample | None:
     ):
         return None
     return CounterSample(
-        t=report.time - (report.age_seconds or 0.0),
+        t=_reading_time(report, received_at),
         arrived=report.requests_arrived_total,
         departed=report.requests_departed_total,
         block_seconds=report.kv_block_seconds_total,
@@ -165,13 +169,23 @@ def counters_from_report(report: SaturationReport) -> CounterSample | None:
     )
 
 
-def sample_from_report(report: SaturationReport) -> PodSample | None:
+def _reading_time(report: SaturationReport, received_at: float | None) -> float:
+    """When the sidecar read the engine, on the operator's clock where `received_at` (when the
+    answer came) is given: the report's own `time` is the pod's node's clock, and a node 60 s
+    behind would have made every sample of its pods stale for good (`age_seconds` is a length
+    of time, the same on both clocks)."""
+    return (report.time if received_at is None else received_at) - (report.age_seconds or 0.0)
+
+
+def sample_from_report(
+    report: SaturationReport, received_at: float | None = None
+) -> PodSample | None:
     """A `/saturation` body as a sample; None when it carries no occupancy."""
     if report.occupancy is None:
         return None
     return PodSample(
         occupancy=report.occupancy,
-        sampled_at=report.time - (report.age_seconds or 0.0),
+        sampled_at=_reading_time(report, received_at),
         eta_seconds=report.eta_seconds,
         waiting=report.waiting or 0,
         running=report.running or 0,
@@ -182,7 +196,7 @@ def sample_from_report(report: SaturationReport) -> PodSample | None:
         growth_blocks_per_second=report.growth_blocks_per_second,
         engine_up=report.engine_up and report.fresh,
         demand=demand_from_report(report),
-        counters=counters_from_report(report),
+        counters=counters_from_report(report, received_at),
     )
 
 
@@ -231,6 +245,7 @@ class SidecarSource:
                 if resp.status != 200:
                     return pod.name, None
                 body = await read_capped(resp, SIDECAR_BODY_LIMIT)
+            received_at = time.time()
             report = SaturationReport.model_validate_json(body)
         except (aiohttp.ClientError, TimeoutError, ValidationError, ValueError, OSError):
             return pod.name, None  # a silent pod: decide() holds rather than guess
@@ -240,7 +255,7 @@ class SidecarSource:
             report.inferencedeployment is not None and report.inferencedeployment != target.name
         ):
             return pod.name, None
-        return pod.name, usable(sample_from_report(report))
+        return pod.name, usable(sample_from_report(report, received_at))
 
     async def sample(self, target: ScrapeTarget, pods: list[PodInfo]) -> dict[str, PodSample]:
         """Samples of the ready (and terminating, still draining) pods that answered; a pod
