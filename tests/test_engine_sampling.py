@@ -219,6 +219,31 @@ def test_stats_count_requests_tokens_and_latencies() -> None:
     assert all(o.first_token_time is not None and o.finished_time is not None for o in outs)
 
 
+def test_latencies_are_durations_a_wall_clock_step_cannot_make_negative(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # NTP stepping the clock back 30 s while a request waited for its first token made its
+    # TTFT -30 s: the histogram's sum went negative and the sidecar refused every /stats poll
+    # as garbage (engine_up 0) until enough requests had summed it back above 0.
+    import time
+
+    eng = Engine.from_config(
+        EngineConfig(model="tiny", num_blocks=64, max_model_len=256, num_threads=1)
+    )
+    eng.add_request(
+        "r", "hello world", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    )
+    wall = time.time
+    monkeypatch.setattr(time, "time", lambda: wall() - 30)
+    while eng.has_unfinished():
+        eng.step()
+    s = eng.stats()
+    assert s.time_to_first_token_seconds is not None and s.time_per_output_token_seconds is not None
+    assert s.time_to_first_token_seconds.count == 1
+    assert 0 <= s.time_to_first_token_seconds.sum < 30
+    assert 0 <= s.time_per_output_token_seconds.sum < 30
+
+
 def test_copy_on_write_keeps_n_greedy_completions_exact(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -22,6 +22,7 @@ from aiohttp.test_utils import TestServer
 from synthetic_engine import SyntheticEngine
 
 from headroom.contract.report import SaturationReport
+from headroom.operator.scaling import metrics_sources
 from headroom.operator.scaling.metrics_sources import (
     MetricsError,
     PodInfo,
@@ -175,7 +176,49 @@ async def test_a_pod_on_a_node_whose_clock_is_behind_is_timed_on_the_operator_s_
     assert s.counters is not None
     # Read 1.5 s (the report's age, a length of time) before the answer came.
     assert before - 1.5 <= s.sampled_at <= after - 1.5
-    assert s.counters.t == s.sampled_at
+    assert abs(s.counters.t - s.sampled_at) < 5  # the steady clock: the same moment
+
+
+async def test_counters_are_timed_on_a_clock_that_does_not_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The span between two decisions divides the counters' increase: an NTP step of the
+    # operator's clock between two polls (back 14 s of a 15 s interval) read steady traffic
+    # as 15x, and a step forward cancelled the pods on their way.
+    async def ok(_: web.Request) -> web.Response:
+        r = report(pod=None, time=time.time(), age_seconds=0.0, requests_arrived_total=7,
+                   requests_departed_total=5, kv_block_seconds_total=90.0)  # fmt: skip
+        return web.Response(body=r.model_dump_json(), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/saturation", ok)
+    pods = [PodInfo("chat-0", "127.0.0.1", True, 0.0)]
+    async with TestServer(app, host="127.0.0.1") as srv, aiohttp.ClientSession() as http:
+        src = SidecarSource(http, port=srv.port)
+        first = (await src.sample(TARGET, pods))["chat-0"]
+        wall = time.time
+        monkeypatch.setattr(metrics_sources.time, "time", lambda: wall() + 600)
+        second = (await src.sample(TARGET, pods))["chat-0"]
+    assert first.counters is not None and second.counters is not None
+    assert second.sampled_at - first.sampled_at > 590  # freshness is the wall clock's
+    assert 0 <= second.counters.t - first.counters.t < 60  # the span is not
+
+
+def test_a_prometheus_sample_is_timed_by_its_age_on_the_operator_s_clock() -> None:
+    # Evaluated at 1000 on Prometheus' clock, scraped at 995: 5 s old, whatever Prometheus'
+    # clock says against the operator's (90 s behind, every sample read stale for good).
+    doc = {
+        "status": "success",
+        "data": {"resultType": "vector", "result": [
+            vec("a", "occupancy", "0.5", 1000.0), vec("a", "up", "1", 1000.0),
+            vec("a", "time", "995", 1000.0), vec("a", "arrived_total", "7", 1000.0),
+            vec("a", "departed_total", "5", 1000.0), vec("a", "block_seconds_total", "90", 1000.0),
+        ]},
+    }  # fmt: skip
+    a = parse_prometheus(doc, 60.0, received_at=5090.0, steady_at=7090.0)["a"]
+    assert a.sampled_at == 5085.0 and a.counters is not None and a.counters.t == 7085.0
+    alone = parse_prometheus(doc)["a"]  # without the operator's clocks: Prometheus' own
+    assert alone.sampled_at == 995.0 and alone.counters is not None and alone.counters.t == 995.0
 
 
 async def test_a_sidecar_answering_for_another_pod_or_deployment_is_not_this_pods() -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 import uuid
 from collections.abc import Sequence as Seq
 from typing import cast
@@ -29,6 +28,7 @@ from typing import cast
 import torch
 
 from headroom.contract.budget import kv_bytes_per_token, kv_cache_dtype
+from headroom.contract.clock import steady_time
 from headroom.contract.stats import StatsSnapshot
 from headroom.engine.attention import select_backend
 from headroom.engine.attention.kv_scales import load_model_scales
@@ -151,7 +151,7 @@ class Engine:
         ids = self.encode(prompt)
         check_prompt(ids, self._vocab)
         seed = self._seed_rng.getrandbits(63) if params.seed is None else params.seed
-        req = Request(request_id, ids, params, arrival_time or time.time())
+        req = Request(request_id, ids, params, arrival_time or steady_time())
         seqs = fan_out(req, seed, self.tokenizer, self.model_name)
         for seq in seqs:  # the first raises RequestRejected, if any: siblings are its size
             self.scheduler.add(seq)
@@ -172,7 +172,7 @@ class Engine:
             if comp.finish_reason is None:
                 comp.finish_reason = "abort"
                 changed.append(comp)
-        req.finished_time = time.time()
+        req.finished_time = steady_time()
         self.counters.requests_finished_total += 1
         return req.output(changed, finished=True)
 
@@ -219,7 +219,7 @@ class Engine:
 
     def _postprocess(self, sampled: dict[int, int]) -> list[RequestOutput]:
         """Detokenize and check stops per token; a request whose decoding raises fails alone."""
-        now = time.time()
+        now = steady_time()
         touched: dict[str, tuple[Request, list[Completion]]] = {}
         broken: dict[str, Exception] = {}
         for seq_id, token in sampled.items():

@@ -21,6 +21,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from headroom.contract import metric_names as m
+from headroom.contract.clock import steady_time
 from headroom.contract.demand import CounterSample, DemandRates
 from headroom.contract.jsonfile import parse_json
 from headroom.contract.ports import SIDECAR_PORT
@@ -178,9 +179,11 @@ def _reading_time(report: SaturationReport, received_at: float | None) -> float:
 
 
 def sample_from_report(
-    report: SaturationReport, received_at: float | None = None
+    report: SaturationReport, received_at: float | None = None, steady_at: float | None = None
 ) -> PodSample | None:
-    """A `/saturation` body as a sample; None when it carries no occupancy."""
+    """A `/saturation` body as a sample; None when it carries no occupancy. `received_at` (the
+    wall clock) times the sample, `steady_at` (`steady_time()`, the same moment) its counters:
+    a rate's span between two decisions must not move when the operator's clock steps."""
     if report.occupancy is None:
         return None
     return PodSample(
@@ -196,7 +199,7 @@ def sample_from_report(
         growth_blocks_per_second=report.growth_blocks_per_second,
         engine_up=report.engine_up and report.fresh,
         demand=demand_from_report(report),
-        counters=counters_from_report(report, received_at),
+        counters=counters_from_report(report, received_at if steady_at is None else steady_at),
     )
 
 
@@ -245,7 +248,7 @@ class SidecarSource:
                 if resp.status != 200:
                     return pod.name, None
                 body = await read_capped(resp, SIDECAR_BODY_LIMIT)
-            received_at = time.time()
+            received_at, steady_at = time.time(), steady_time()
             report = SaturationReport.model_validate_json(body)
         except (aiohttp.ClientError, TimeoutError, ValidationError, ValueError, OSError):
             return pod.name, None  # a silent pod: decide() holds rather than guess
@@ -255,7 +258,7 @@ class SidecarSource:
             report.inferencedeployment is not None and report.inferencedeployment != target.name
         ):
             return pod.name, None
-        return pod.name, usable(sample_from_report(report, received_at))
+        return pod.name, usable(sample_from_report(report, received_at, steady_at))
 
     async def sample(self, target: ScrapeTarget, pods: list[PodInfo]) -> dict[str, PodSample]:
         """Samples of the ready (and terminating, still draining) pods that answered; a pod
@@ -344,10 +347,17 @@ def _point(series: Any) -> tuple[str, str, float, float] | None:
         return None
 
 
-def parse_prometheus(doc: Any, window_seconds: float = 60.0) -> dict[str, PodSample]:
+def parse_prometheus(
+    doc: Any,
+    window_seconds: float = 60.0,
+    received_at: float | None = None,
+    steady_at: float | None = None,
+) -> dict[str, PodSample]:
     """An `/api/v1/query` response for `promql()` as samples keyed by pod (`window_seconds`:
     the rate window the query used); raises MetricsError when it is not a vector answer at all
-    (a series that is malformed is skipped)."""
+    (a series that is malformed is skipped). With `received_at` (and `steady_at`, see
+    `sample_from_report`) a sample is timed on the operator's clocks, its age the query's
+    evaluation time less its scrape time; else on Prometheus' clock."""
     if not isinstance(doc, dict):
         raise MetricsError(f"Prometheus answered {type(doc).__name__}, not a query result")
     if doc.get("status") != "success":
@@ -380,10 +390,16 @@ def parse_prometheus(doc: Any, window_seconds: float = 60.0) -> dict[str, PodSam
             v = fig.get(key)
             return None if v is None or not math.isfinite(v) else round(v)
 
+        # The scrape time of the sample, so a target Prometheus lost shows up as stale: on
+        # Prometheus' clock an age, on the operator's when it is given (a Prometheus node 90 s
+        # behind made every sample stale for good).
+        scraped = fig.get("time", fig["_ts"])
+        age = max(0.0, fig["_ts"] - scraped) if math.isfinite(scraped) else 0.0
+        at = scraped if received_at is None or not math.isfinite(scraped) else received_at - age
+        steady = at if steady_at is None or not math.isfinite(scraped) else steady_at - age
         sample = usable(PodSample(
             occupancy=occ,
-            # The scrape time of the sample, so a target Prometheus lost shows up as stale.
-            sampled_at=fig.get("time", fig["_ts"]),
+            sampled_at=at,
             eta_seconds=fig.get("eta"),  # usable() drops NaN and +Inf (not growing)
             waiting=count("waiting") or 0,
             running=count("running") or 0,
@@ -393,21 +409,21 @@ def parse_prometheus(doc: Any, window_seconds: float = 60.0) -> dict[str, PodSam
             capacity_blocks=count("capacity"),
             engine_up=fig.get("up", 0.0) >= 1.0,
             demand=_demand(fig, window_seconds),
-            counters=_counters(fig),
+            counters=_counters(fig, steady),
         ))  # fmt: skip
         if sample is not None:
             out[pod] = sample
     return out
 
 
-def _counters(fig: dict[str, float]) -> CounterSample | None:
+def _counters(fig: dict[str, float], t: float) -> CounterSample | None:
     values = [fig.get(k) for k in ("arrived_total", "departed_total", "block_seconds_total")]
     if any(v is None for v in values):  # usable() refuses what is not a number
         return None
     arrived, departed, block_seconds = (float(v) for v in values if v is not None)
     restarts = fig.get("restarts", 0.0)
     return CounterSample(
-        t=fig.get("time", fig["_ts"]),
+        t=t,
         arrived=arrived,
         departed=departed,
         block_seconds=block_seconds,
@@ -476,6 +492,7 @@ class PrometheusSource:
             ) as resp:
                 body = await read_capped(resp, PROMETHEUS_BODY_LIMIT)
                 status = resp.status
+            received_at, steady_at = time.time(), steady_time()
         except TimeoutError:
             # str(TimeoutError()) is empty: say what ran out.
             raise MetricsError(
@@ -491,7 +508,7 @@ class PrometheusSource:
             raise MetricsError(f"Prometheus at {base} answered HTTP {status}")
         if doc is None:
             raise MetricsError(f"Prometheus at {base} answered something other than JSON")
-        samples = parse_prometheus(doc, self.window_seconds)
+        samples = parse_prometheus(doc, self.window_seconds, received_at, steady_at)
         names = {p.name for p in pods}
         return {k: v for k, v in samples.items() if k in names}
 
