@@ -31,6 +31,7 @@ class FakeKube:
         self.applies: list[tuple[str, str, dict[str, Any]]] = []
         self.fail: list[KubeError] = []
         self.fail_kinds: dict[str, KubeError] = {}
+        self.forbidden_reads: set[str] = set()  # kinds whose GET is refused (RBAC)
         self.monitoring = monitoring
         self.pods: list[dict[str, Any]] = []
         self.ready = 0
@@ -39,6 +40,8 @@ class FakeKube:
         self.version = 0
 
     def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> Any:
+        if kind in self.forbidden_reads:
+            raise KubeError(403, "Forbidden", f"cannot get {kind}")
         obj = self.objects.get((kind, namespace or "", name))
         if obj is not None and kind == "Deployment":
             obj = copy.deepcopy(obj)
@@ -179,9 +182,29 @@ def test_monitoring_children_only_when_their_crds_exist() -> None:
 def test_forbidden_monitoring_is_skipped_with_a_warning() -> None:
     kube = FakeKube(monitoring=frozenset({"ServiceMonitor", "PrometheusRule"}))
     kube.fail_kinds["ServiceMonitor"] = KubeError(403, "Forbidden", "no RBAC")
+    # The same RBAC refuses reading it: the ownership check before any apply read it and
+    # raised, and kopf retried every 5 s with nothing applied and no status.
+    kube.forbidden_reads.add("ServiceMonitor")
     out = reconcile(kube, body(SPEC), NOW)
     assert "Deployment" in kube.kinds_applied() and "PrometheusRule" in kube.kinds_applied()
     assert any(e.reason == "MonitoringSkipped" for e in out.events)
+    assert cond(out.status, "Feasible")["status"] == "True"
+
+
+def test_an_infeasible_spec_is_not_ready_on_someone_else_s_deployment() -> None:
+    # A user's Deployment holds the name: it runs nothing of this InferenceDeployment's, so
+    # kubectl wait --for=condition=Ready must not pass on its 2/2 ready replicas.
+    kube = FakeKube()
+    kube.objects[("Deployment", "ns", "chat")] = {
+        "metadata": {"name": "chat", "namespace": "ns", "labels": {"app": "chat"}},
+        "spec": {"replicas": 2},
+    }
+    kube.ready = 2
+    out = reconcile(kube, body(INFEASIBLE), NOW)
+    ready = cond(out.status, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "Infeasible")
+    assert ready["message"].startswith("no Deployment: ")
+    assert kube.applies == []
 
 
 def test_infeasible_spec_has_no_deployment_and_a_fix_recovers() -> None:

@@ -103,10 +103,17 @@ def check_ownership(
     object: a forced apply would take it over (`live` is the Deployment, already read)."""
     for child in children:
         kind, name = child["kind"], child["metadata"]["name"]
-        current = (
-            live if kind == "Deployment"
-            else kube.get(child["apiVersion"], kind, owner.namespace, name)
-        )  # fmt: skip
+        try:
+            current = (
+                live if kind == "Deployment"
+                else kube.get(child["apiVersion"], kind, owner.namespace, name)
+            )  # fmt: skip
+        except KubeError as exc:
+            if kind in MONITORING_KINDS and exc.status == 403:
+                # An operator not allowed monitoring objects applies the rest: its apply is
+                # refused the same way and becomes a MonitoringSkipped warning.
+                continue
+            raise
         reason = conflict(kind, current, owner)
         if reason is not None:
             raise NameConflict(reason)
@@ -249,7 +256,8 @@ def reconcile(kube: KubeAPI, body: dict[str, Any], now: float) -> Outcome:
         if condition_changed(body, "Feasible", "False", "Infeasible"):
             out.events.append(Event("Warning", "Infeasible", message))
         set_status_condition(body, st, "Feasible", "False", "Infeasible", message, now)
-        if live is None:
+        if live is None or conflict("Deployment", live, owner) is not None:
+            # A Deployment of this name that is someone else's runs nothing of ours.
             set_status_condition(
                 body, st, "Ready", "False", "Infeasible", "no Deployment: " + message, now
             )
