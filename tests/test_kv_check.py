@@ -344,6 +344,27 @@ def test_a_cuda_backend_the_model_does_not_fit_exits_2_before_the_check(
     assert message in capsys.readouterr().err
 
 
+def test_kv_check_json_to_stdout_is_the_json_alone(
+    untrained: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # `--json -` wrote a file named "-" in the working directory, the table on stdout.
+    monkeypatch.chdir(tmp_path)
+    rc = headroom(
+        _args(
+            untrained, untrained / "documents.jsonl", "--kv-cache-dtype", "int8",
+            "--contexts", "96", "--num-prompts", "1", "--depths", "0.5",
+            "--positions", "4", "--greedy-tokens", "4", "--json", "-", "--quiet",
+        )
+    )  # fmt: skip
+    out, err = capsys.readouterr()
+    assert rc in (0, 1) and not (tmp_path / "-").exists()
+    assert [c["context"] for c in json.loads(out)["contexts"]] == [96]
+    assert "verdict: int8" in err
+
+
 def test_kv_check_runs_end_to_end_and_writes_json_and_png(
     untrained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -141,6 +141,9 @@ def test_bad_flags_and_unreachable_server(capsys: pytest.CaptureFixture[str]) ->
         (["--json", "/nonexistent/run.json"], "--json: no directory /nonexistent"),
         (["--json", "/tmp"], "--json: /tmp is a directory"),
         (["--temperature", "5"], "--temperature: Input should be less than or equal to 2"),
+        # One destination for both: they interleaved on stdout, or the CSV overwrote the JSON.
+        (["--json", "-", "--csv", "-"], "--json and --csv both name -: give each its own"),
+        (["--json", "/tmp/x.out", "--csv", "/tmp/../tmp/x.out"], "both name /tmp/x.out"),
     ):
         assert _load("-n", "1", *flags) == 2, flags
         err = capsys.readouterr().err

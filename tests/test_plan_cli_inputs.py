@@ -54,6 +54,23 @@ def test_a_reader_that_closes_stdout_ends_the_command_quietly() -> None:
     assert (r.returncode, r.stderr) == (0, "")
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("command", [["plan", *SMALL, "--json"], ["crd"]])
+def test_an_output_that_cannot_be_written_is_one_line_not_a_traceback(command: list[str]) -> None:
+    # stdout on a full disk raised OSError ENOSPC: a 10-line traceback instead of the reason.
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(
+            [sys.executable, "-m", "headroom.contract.cli", *command],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    assert r.returncode == 1
+    assert r.stderr == (
+        f"headroom {command[0]}: cannot write the output: [Errno 28] No space left on device\n"
+    )
+
+
 def test_a_broken_pipe_that_is_not_stdout_still_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     # A server's client socket breaking is a failure, not a reader that stopped reading.
     def broken(args: argparse.Namespace) -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
 import re
 import select
@@ -22,6 +24,9 @@ def fields_as_flags(message: str, fields: Iterable[str], flag: Callable[[str], s
 # name -> (module, registration function, one-line help). Only the chosen subcommand's module is
 # imported, so `headroom plan` never pays for torch, aiohttp or kopf. A subcommand that does not
 # set its own `func` default runs its module's `run(args)`.
+# An output that cannot be written, whatever the command: no room, past a size limit, I/O.
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EIO})
+
 _COMMANDS: dict[str, tuple[str, str, str]] = {
     "plan": (
         "headroom.contract.plan_cli",
@@ -116,6 +121,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # simulate/cli.py does, and with 0: stopping to read is not a failure.
         stdout_to_devnull()
         return 0
+    except OSError as e:
+        if e.errno not in _WRITE_ERRNOS:
+            raise
+        # The result could not be written (stdout on a full disk, a file past its size
+        # limit): one line, and the command failed.
+        with contextlib.suppress(OSError):
+            stdout_to_devnull()
+        print(f"headroom {command}: cannot write the output: {e}", file=sys.stderr)
+        return 1
     except ModuleNotFoundError as e:
         root = (e.name or "").split(".")[0]
         extra = extra_for(command, root)

@@ -132,7 +132,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cuda"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0, help="seeds the needles' keys and values")
-    p.add_argument("--json", type=Path, default=None, help="write the report as JSON")
+    p.add_argument("--json", type=Path, default=None,
+                   help="write the report as JSON (-: stdout, the table on stderr)")  # fmt: skip
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of the results")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=run)
@@ -250,7 +251,9 @@ def _run(args: argparse.Namespace) -> int:
         depths=cfg.depths,
         scales_path=None if scales_path is None else str(scales_path),
     )
-    print(report.table(rep))
+    # `--json -` is the JSON on stdout: the table goes to stderr then, as headroom load does.
+    to_stdout = args.json is not None and str(args.json) == "-"
+    print(report.table(rep), file=sys.stderr if to_stdout else sys.stdout)
     if args.json is not None:
         _write(args.json, rep.model_dump_json(indent=2) + "\n")
     if args.plot is not None:
@@ -305,6 +308,9 @@ def _write_scales(path: Path, scales: KVScales) -> None:
 
 
 def _write(path: Path, text: str) -> None:
+    if str(path) == "-":
+        sys.stdout.write(text)
+        return
     try:
         path.write_text(text)
     except OSError as exc:

@@ -155,6 +155,13 @@ def _json_safe(value: object) -> object:
     return value
 
 
+def _same_output(a: Path, b: Path) -> bool:
+    """Whether two output flags name one destination (stdout, or the same file)."""
+    if str(a) == "-" or str(b) == "-":
+        return str(a) == str(b)
+    return a.resolve() == b.resolve()
+
+
 def _write(path: Path, text: str) -> None:
     if str(path) == "-":
         sys.stdout.write(text)
@@ -197,6 +204,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except FlagError as e:
         print(f"headroom load: {e}", file=sys.stderr)
+        return 2
+    if args.json is not None and args.csv is not None and _same_output(args.json, args.csv):
+        # One would overwrite the other, or both would interleave on stdout.
+        print(f"headroom load: --json and --csv both name {args.json}: give each its own",
+              file=sys.stderr)  # fmt: skip
         return 2
     for flag, out in (("--json", args.json), ("--csv", args.csv)):
         # Checked before the run: a run is minutes of traffic, lost if it cannot be written.
