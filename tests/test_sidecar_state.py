@@ -102,12 +102,35 @@ def test_restart_by_instance_id_restarts_the_forecast() -> None:
 
 def test_restart_by_counter_going_backwards() -> None:
     eng = SyntheticEngine()
-    eng.instance_id = "fixed"
     state = _state()
+
+    def poll(t: float) -> bool:  # an engine without an id (vLLM multi-process, SGLang)
+        return state.record_success(replace(parse_headroom_stats(eng.body()), instance_id=None), t)
+
     eng.preemptions_total = 5
-    _poll(state, eng, 0.0)
-    eng.preemptions_total = 1  # same id (say, vLLM without an id) but the counter reset
-    assert _poll(state, eng, 1.0)
+    poll(0.0)
+    eng.preemptions_total = 1  # no id to tell: a counter that falls is the restart's sign
+    assert poll(1.0)
+
+
+def test_a_counter_that_falls_under_the_same_instance_id_is_no_restart() -> None:
+    # One series dipping (a data-parallel rank gone from vLLM's sum, an engine bug) counted
+    # as a restart: every other counter's whole value then read as new in the window, and
+    # the arrivals of 1/s read as 2,502/s, fresh, the demand 1.25 million blocks of 1,024.
+    eng = SyntheticEngine(capacity=1024)
+    eng.instance_id = "fixed"
+    eng.set_used(500)
+    state = _state()
+    for t in range(40):
+        eng.requests_arrived_total = eng.requests_finished_total = 2500 + t
+        eng.kv_block_seconds_total = 500.0 * t
+        eng.preemptions_total = 9 if t == 20 else 10
+        assert not _poll(state, eng, float(t))
+    fig = figures(state, CFG, now=39.0)
+    assert fig.restarts_total == 0 and fig.demand is not None
+    assert fig.demand.arrivals == pytest.approx(1.0)
+    assert fig.demand.demand_blocks == pytest.approx(500.0)
+    assert fig.preemption_rate_per_second is not None and fig.preemption_rate_per_second < 0.1
 
 
 def test_restart_seen_when_counters_come_back_lower_after_polls_without_them() -> None:

@@ -184,14 +184,19 @@ def forecast_saturation(
 def counter_increase(values: Sequence[float], epochs: Sequence[int] | None = None) -> float:
     """Total increase of a cumulative counter over `values` (oldest first), across resets.
 
-    `epochs`, when given, marks known restarts: a change of epoch is a reset even if the new
-    value happens not to be lower than the old one.
+    `epochs`, when given, marks the restarts: a change of epoch is a reset even if the new
+    value happens not to be lower than the old one, and a fall within an epoch (one series of a
+    sum gone, in the same process) adds nothing. Without them, any fall is a reset.
     """
     total = 0.0
     for i in range(1, len(values)):
         prev, cur = values[i - 1], values[i]
-        reset = cur < prev or (epochs is not None and epochs[i] != epochs[i - 1])
-        total += cur if reset else cur - prev
+        if epochs is not None and epochs[i] != epochs[i - 1]:
+            total += cur
+        elif cur < prev:
+            total += 0.0 if epochs is not None else cur
+        else:
+            total += cur - prev
     return total
 
 

@@ -264,9 +264,12 @@ def _markers(reading: EngineReading) -> dict[str, object]:
 
 
 def _restarted(seen: dict[str, object], cur: dict[str, object]) -> bool:
-    """A new instance id, or a counter below its last value seen."""
-    if "instance_id" in seen and "instance_id" in cur and seen["instance_id"] != cur["instance_id"]:
-        return True
+    """A new instance id; without ids on both sides, a counter below its last value seen."""
+    if "instance_id" in seen and "instance_id" in cur:
+        # Under the same id a counter that falls is that series' glitch (a data-parallel rank
+        # gone from vLLM's sum), not a restart, which would count every other counter's whole
+        # value as new in the window (arrivals 2,502/s for 1/s). counter_increase ignores it.
+        return seen["instance_id"] != cur["instance_id"]
     for name in _COUNTERS:
         before, after = seen.get(name), cur.get(name)
         if isinstance(before, float | int) and isinstance(after, float | int) and after < before:
