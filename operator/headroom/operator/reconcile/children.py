@@ -120,9 +120,10 @@ def sidecar_engine_url(run: EngineCommand) -> str:
     return f"http://127.0.0.1:{run.stats_port if run.stats_port is not None else ENGINE_PORT}"
 
 
-def _engine_container(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> dict[str, Any]:
+def _engine_container(
+    spec: InferenceDeploymentSpec, sizing: Sizing, run: EngineCommand
+) -> dict[str, Any]:
     gpus = str(spec.gpu.count_per_pod)
-    run = engine_command(spec, sizing, name)
     mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
     if needs_shm(spec, sizing):
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
@@ -185,7 +186,9 @@ def _secret_env(var: str, spec: InferenceDeploymentSpec) -> dict[str, Any]:
     return {"name": var, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
 
 
-def _sidecar_container(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> dict[str, Any]:
+def _sidecar_container(
+    spec: InferenceDeploymentSpec, sizing: Sizing, name: str, run: EngineCommand
+) -> dict[str, Any]:
     def field(path: str) -> dict[str, Any]:
         return {"fieldRef": {"fieldPath": path}}
 
@@ -206,7 +209,7 @@ def _sidecar_container(spec: InferenceDeploymentSpec, sizing: Sizing, name: str)
         "args": [
             "sidecar",
             "--engine-url",
-            sidecar_engine_url(engine_command(spec, sizing, name)),
+            sidecar_engine_url(run),
             "--port",
             str(SIDECAR_PORT),
             # The plan, so a running pool smaller than planned can be seen and alerted on.
@@ -230,6 +233,7 @@ def deployment(
     owner: Owner, spec: InferenceDeploymentSpec, sizing: Sizing, replicas: int | None
 ) -> dict[str, Any]:
     """The Deployment; `replicas=None` leaves the field to another owner (advisory mode)."""
+    run = engine_command(spec, sizing, owner.name)  # the engine's, and where its sidecar polls
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
     if needs_shm(spec, sizing):
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}})
@@ -255,8 +259,8 @@ def deployment(
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
         "containers": [
-            _engine_container(spec, sizing, owner.name),
-            _sidecar_container(spec, sizing, owner.name),
+            _engine_container(spec, sizing, run),
+            _sidecar_container(spec, sizing, owner.name, run),
         ],
         "volumes": volumes,
         "tolerations": [

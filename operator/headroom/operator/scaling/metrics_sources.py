@@ -394,9 +394,11 @@ def parse_prometheus(
         # Prometheus' clock an age, on the operator's when it is given (a Prometheus node 90 s
         # behind made every sample stale for good).
         scraped = fig.get("time", fig["_ts"])
-        age = max(0.0, fig["_ts"] - scraped) if math.isfinite(scraped) else 0.0
-        at = scraped if received_at is None or not math.isfinite(scraped) else received_at - age
-        steady = at if steady_at is None or not math.isfinite(scraped) else steady_at - age
+        at = steady = scraped
+        if received_at is not None and math.isfinite(scraped):
+            age = max(0.0, fig["_ts"] - scraped)
+            at = received_at - age
+            steady = (received_at if steady_at is None else steady_at) - age
         sample = usable(PodSample(
             occupancy=occ,
             sampled_at=at,

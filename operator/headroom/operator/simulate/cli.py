@@ -281,27 +281,27 @@ def _profile(args: argparse.Namespace) -> int:
         # Capped at the model's limit, as a --spec's pod caps it below: a p95 context past it
         # is a spec the sizing refuses (parse() names an unknown preset itself).
         try:
-            model_limit: int | None = model_preset(args.model).max_position_embeddings
+            limit: int | None = model_preset(args.model).max_position_embeddings
         except UnknownPreset:
-            model_limit = None
-        draft = verdict.wire(verdict.suggest(p, None, scaling, False, model_limit))
+            limit = None
         base = {
             "model": {"preset": args.model},
             "gpu": {"type": args.gpu},
             "engine": {"blockSize": block_size},
         }
         label = f"--model {args.model} --gpu {args.gpu}"
-        built = _pasted(base, draft, label, contexts)
-        spec, sizing = built.spec, built.sizing
-    limit = plan_input(spec).model.max_position_embeddings if spec is not None else None
+    else:
+        limit = plan_input(spec).model.max_position_embeddings if spec is not None else None
     explicit_mml = sf.spec.engine.max_model_len if sf is not None else None
     caps = [c for c in (explicit_mml, limit) if c is not None]
     cap = min(caps) if caps else None
     # The context first: the pods are sized for the requests the max model length it sets
-    # admits (a refused request holds no KV), on a pod that holds it (--model's is checked).
+    # admits (a refused request holds no KV), on a pod that holds it.
     draft = verdict.wire(verdict.suggest(p, None, scaling, sf is not None, cap))
-    if sf is not None:
-        _pasted(base, draft, label, contexts)
+    if sf is not None or args.model is not None:
+        built = _pasted(base, draft, label, contexts)
+        if args.model is not None:  # the pod is the one --model/--gpu build
+            spec, sizing = built.spec, built.sizing
     mml = explicit_mml or int(draft["traffic"]["contextTokens"])
     ld = verdict.load(trace, args.decode_tps, args.prefill_tps, mml if spec is not None else None)
     progress.done(f"profiled {len(trace):,} requests")
