@@ -28,6 +28,7 @@ from headroom.operator.handlers import (
 )
 from headroom.operator.kube import KubeError, owner_of
 from headroom.operator.reconcile.sizing import parse
+from headroom.operator.scaling.metrics_sources import client_session
 from headroom.operator.status import SCALING_MANAGER, Event, Outcome, get_condition
 
 # ----------------------------------------------------------------------------- peering
@@ -156,6 +157,62 @@ async def test_the_resync_re_applies_unless_the_last_apply_was_refused_for_good(
     await asyncio.sleep(1.5)
     await daemon.stop("OPERATOR_EXITING")
     assert (len(kube.applies) > before) is (reason != "ApplyFailed")
+
+
+class SessionSource:
+    """Polls through the operator's own HTTP session (loopback), once `go` is set."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx, self.calls = ctx, 0
+        self.entered, self.go = asyncio.Event(), asyncio.Event()
+
+    async def sample(self, *args: object) -> Any:
+        self.calls += 1
+        self.entered.set()
+        await self.go.wait()
+        assert self.ctx.http is not None
+        async with self.ctx.http.get("http://127.0.0.1:9/saturation"):
+            raise AssertionError("the session was open")
+
+
+def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_a_scaling_loop_spawned_while_the_operator_exits_ticks_nothing(
+    posted: list[tuple[str, str, str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    # kopf runs the cleanup handler, which closes the HTTP session, once its root tasks are
+    # done; a watch event still in a worker can spawn a daemon after the daemon killer stopped
+    # them all. Its first tick hit the closed session: a traceback on a graceful exit (CI).
+    kube, b = await created({**SPEC, "scaling": {"intervalSeconds": 1}})
+    ctx = Context(Options(), kube)
+    source = SessionSource(ctx)
+    ctx.source_factory = lambda kind, c: source
+    ctx.http = client_session()
+    await handlers.close(memo=kopf.Memo(ctx=ctx))
+    source.go.set()
+    for handler in (handlers.scale, handlers.resync):
+        daemon = Daemon(handler, ctx, b)
+        await asyncio.sleep(0.3)
+        assert daemon.task.done()  # it ended by itself, no stop needed
+    assert source.calls == 0 and kube.statuses == [] and _errors(caplog) == []
+
+
+async def test_a_tick_in_flight_when_the_operator_closes_its_session_is_no_failure(
+    posted: list[tuple[str, str, str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    kube, b = await created({**SPEC, "scaling": {"intervalSeconds": 1}})
+    ctx = Context(Options(), kube)
+    source = SessionSource(ctx)
+    ctx.source_factory = lambda kind, c: source
+    ctx.http = client_session()
+    daemon = Daemon(handlers.scale, ctx, b)
+    await asyncio.wait_for(source.entered.wait(), 5)
+    await handlers.close(memo=kopf.Memo(ctx=ctx))
+    source.go.set()
+    await asyncio.wait_for(daemon.task, 5)  # the loop ends with the operator
+    assert source.calls == 1 and kube.statuses == [] and _errors(caplog) == []
 
 
 async def test_a_scale_whose_status_write_fails_is_remembered_and_its_events_posted(

@@ -169,6 +169,10 @@ class Context:
         self.clock = clock
         self.priority = peering_priority(options)  # drawn once: kopf reads it at every event
         self.http: aiohttp.ClientSession | None = None
+        # Set by the cleanup handler before it closes `http`. kopf runs cleanup once its root
+        # tasks are done, but a watch event still in a worker can spawn a daemon after the
+        # daemon killer stopped them all: such a loop must end without a tick.
+        self.exiting = False
         # The last spec generation of each owned Deployment: a newer one that renders
         # differently is drift (kubectl set image, an edit) to undo.
         self.generations: dict[tuple[str, str], int] = {}
@@ -279,6 +283,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
 @kopf.on.cleanup(registry=REGISTRY)
 async def close(memo: kopf.Memo, **_: Any) -> None:
     ctx = _ctx(memo)
+    ctx.exiting = True
     if ctx.http is not None:
         await ctx.http.close()
 
@@ -303,7 +308,7 @@ async def scale(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, *
     memory: Memory | None = None
     meta = body["metadata"]
     try:
-        while not stopped:
+        while not stopped and not ctx.exiting:
             live = dict(body)  # the latest the watch has seen, parsed once per decision
             parsed = parse(live.get("spec"))
             memory = await _tick(ctx, live, parsed, memory, stopped)
@@ -321,14 +326,14 @@ async def resync(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, 
     (only Deployments are watched) or monitoring CRDs installed later are seen by no event.
     Server-side apply of what is already there writes nothing."""
     ctx = _ctx(memo)
-    while not stopped:
+    while not stopped and not ctx.exiting:
         await stopped.wait(ctx.options.resync_seconds)
         live = dict(body)
         ready = get_condition((live.get("status") or {}).get("conditions"), "Ready") or {}
         # A refused apply waits for the next spec change: retrying it would only repeat the
         # ApplyFailed Event.
         refused = ready.get("reason") == "ApplyFailed"
-        if stopped or live["metadata"].get("deletionTimestamp") or refused:
+        if stopped or ctx.exiting or live["metadata"].get("deletionTimestamp") or refused:
             continue
         try:
             await _reconcile(ctx, live)
@@ -357,6 +362,11 @@ async def _tick(
         log.warning("scaling %s/%s: %s", meta["namespace"], meta["name"], exc, extra=about)
         return memory
     except Exception:
+        if ctx.exiting:
+            # The operator closed the HTTP session under a tick in flight: not a failure.
+            log.debug("scaling %s/%s: operator exiting", meta["namespace"], meta["name"],
+                      extra=about)  # fmt: skip
+            return memory
         # A bug in one tick must not end the loop: kopf would restart the daemon after its
         # backoff with the decision memory lost. Logged with the traceback; the next tick runs.
         log.exception("scaling %s/%s: the decision failed", meta["namespace"], meta["name"],
