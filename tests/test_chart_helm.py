@@ -211,6 +211,11 @@ def test_peering_renders_the_peering_object_kopf_waits_for(helm: Path) -> None:
         assert "--peering=hr" in c["args"]
         # No --priority: each replica draws its own, so no two tie.
         assert not any(a.startswith("--priority") for a in c["args"])
+        # kopf's identity is the pod's name: a container restarted after a kill -9 (an
+        # OOMKill) renews its own peering record instead of drawing a new identity that
+        # waits behind the dead one's for its 60 s lifetime, half the time, scaling nothing.
+        env = {e["name"]: e for e in c["env"]}
+        assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     # Its CRD ships in crds/, as the RBAC rule names it.
     crd = yaml.safe_load((CHART / "crds" / "kopf-peering.yaml").read_text())
     assert crd["spec"]["scope"] == "Cluster"

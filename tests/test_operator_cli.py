@@ -180,3 +180,33 @@ def test_desired_replicas_metric() -> None:
     text = generate_latest(m.registry).decode()
     assert 'inferencedeployment="chat"' not in text  # the decisions counter's series too
     assert 'inferencedeployment="other"' in text
+
+
+@pytest.mark.parametrize(
+    ("raised", "says"),
+    [(OSError(98, "Address in use"), "headroom operator: [Errno 98] Address in use"),
+     (TimeoutError(), None)],
+)  # fmt: skip
+def test_only_a_port_the_system_refuses_is_the_one_line_port_error(
+    raised: OSError, says: str | None, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    # A TimeoutError out of kopf's shutdown is an OSError on Python 3.11: it printed as the
+    # empty line "headroom operator: " with exit 1, read as a crash with no reason.
+    from headroom.operator import handlers
+    from headroom.operator.kube import Kube
+
+    async def operate(*args: object, **kwargs: object) -> None:
+        raise raised
+
+    monkeypatch.setattr(handlers, "operate", operate)
+    monkeypatch.setattr(cli, "configure_logging", lambda **kwargs: None)  # leave the root alone
+    monkeypatch.setattr(Kube, "connect", classmethod(lambda cls, kubeconfig=None: object()))
+    args = parser().parse_args(["operator", "--metrics-port", "0"])
+    if says is None:
+        with pytest.raises(type(raised)):
+            cli.run_operator(args)
+        assert capsys.readouterr().err == ""
+    else:
+        assert cli.run_operator(args) == 1
+        assert capsys.readouterr().err == says + "\n"

@@ -154,7 +154,12 @@ async def test_the_resync_re_applies_unless_the_last_apply_was_refused_for_good(
     b["status"]["conditions"] = [{"type": "Ready", "status": "False", "reason": reason}]
     before = len(kube.applies)
     daemon = Daemon(handlers.resync, Context(Options(resync_seconds=1.0), kube), b)
-    await asyncio.sleep(1.5)
+    # Bounded waits, not one fixed sleep: a pause of the loop (a GC pass on a loaded CI
+    # machine) could otherwise land the stop before the first resync.
+    for _ in range(100 if reason == "Available" else 25):  # 10 s, or 2.5 s: two resyncs
+        if len(kube.applies) > before:
+            break
+        await asyncio.sleep(0.1)
     await daemon.stop("OPERATOR_EXITING")
     assert (len(kube.applies) > before) is (reason != "ApplyFailed")
 
@@ -215,6 +220,95 @@ async def test_a_tick_in_flight_when_the_operator_closes_its_session_is_no_failu
     assert source.calls == 1 and kube.statuses == [] and _errors(caplog) == []
 
 
+async def _kopf_stops(daemon: Daemon, handler: Any, reason: str) -> None:
+    """kopf's own stop of a daemon (exit, a peering pause), with the handler's registered
+    cancellation backoff and timeout."""
+    from kopf._core.engines import daemons
+    from kopf._core.intents import stoppers
+
+    registered = next(h for h in handlers.REGISTRY._spawning.get_all_handlers()
+                      if h.fn is handler)  # fmt: skip
+    kd = daemons.Daemon(task=daemon.task, logger=logging.getLogger("kopf"), handler=registered,
+                        stopper=daemon.setter)  # fmt: skip
+    await daemons.stop_daemon(settings=kopf.OperatorSettings(), daemon=kd,
+                              reason=getattr(stoppers.DaemonStoppingReason, reason))  # fmt: skip
+
+
+@pytest.mark.parametrize("reason", ["OPERATOR_EXITING", "OPERATOR_PAUSING"])
+async def test_a_scale_in_flight_when_kopf_stops_the_loop_is_recorded(
+    posted: list[tuple[str, str, str]], reason: str
+) -> None:
+    # kopf cancelled the daemon at once (no cancellation backoff): the PATCH went through in
+    # its worker thread but the status never said so, and the next operator (a restart, the
+    # peer taking over) scaled again inside scaleUpStabilizationSeconds.
+    import threading
+
+    kube, b = await created({**SPEC, "scaling": {"scaleUpStabilizationSeconds": 600}})
+    started, scale = threading.Event(), kube.scale
+
+    def slow_scale(*args: Any, **kwargs: Any) -> int:
+        started.set()
+        threading.Event().wait(0.5)  # a slow API answer
+        return scale(*args, **kwargs)
+
+    kube.scale = slow_scale  # type: ignore[method-assign]
+    ctx = Context(Options(), kube, source_factory=lambda k, c: FakeSource(0.97, arrivals=3.0))
+    ctx.clock = lambda: NOW
+    daemon = Daemon(handlers.scale, ctx, b)
+    assert await asyncio.to_thread(started.wait, 5)
+    await _kopf_stops(daemon, handlers.scale, reason)
+    assert daemon.task.done() and not daemon.task.cancelled()
+    ((_, replicas, _),) = kube.scales
+    ((_, status),) = kube.statuses
+    assert status["replicas"] == replicas and status["lastDecisions"][0]["to"] == replicas
+
+
+async def test_a_loop_asleep_wakes_when_the_operator_starts_to_exit(
+    posted: list[tuple[str, str, str]],
+) -> None:
+    # A loop kopf does not know to stop (spawned after its daemon killer ran) slept through
+    # its interval, 300 s for the resync; kopf cancelled it as a hung task 5 s later, and the
+    # sleep's own timer task, found ended in TimeoutError, was raised out of the operator:
+    # exit 1 with the empty line "headroom operator: ".
+    kube, b = await created({**SPEC, "scaling": {"intervalSeconds": 600}})
+    ctx = Context(Options(), kube, source_factory=lambda k, c: FakeSource(0.5, arrivals=1.0))
+    ctx.clock = lambda: NOW
+    loops = [Daemon(handlers.scale, ctx, b), Daemon(handlers.resync, ctx, b)]
+    for _ in range(100):
+        if kube.statuses:
+            break
+        await asyncio.sleep(0.05)
+    assert len(kube.statuses) == 1  # the scaling loop's first tick, then asleep
+    ctx.leaving.set()
+    await asyncio.wait_for(asyncio.gather(*(d.task for d in loops)), 5)
+    assert len(kube.statuses) == 1
+    assert not [t for t in asyncio.all_tasks() if "daemon stopper" in t.get_name()]
+
+
+async def test_the_operator_hears_the_stop_before_kopf_cancels_anything() -> None:
+    import inspect
+
+    from kopf._core.reactor import running
+
+    # The task kopf ends on SIGTERM, SIGINT or its stop flag goes by this name in the kopf
+    # the lock installs.
+    assert f'name="{handlers.STOP_CHECKER}"' in inspect.getsource(running.spawn_tasks)
+    ctx = Context(Options(), kube=None)  # type: ignore[arg-type]
+    signal = asyncio.get_running_loop().create_future()
+
+    async def checker() -> None:
+        await signal
+
+    task = asyncio.create_task(checker(), name=handlers.STOP_CHECKER)
+    handlers._hear_the_stop(ctx)
+    await asyncio.sleep(0)
+    assert not ctx.exiting
+    signal.set_result(None)
+    await task
+    await asyncio.sleep(0)
+    assert ctx.exiting
+
+
 async def test_a_scale_whose_status_write_fails_is_remembered_and_its_events_posted(
     posted: list[tuple[str, str, str]],
 ) -> None:
@@ -262,19 +356,39 @@ async def test_a_refused_scale_is_a_warning_and_a_condition_not_a_lost_tick(
 # ----------------------------------------------------------------------------- logs
 
 
+QUIETED = ("kopf", "aiohttp.access")
+
+
 def _log_lines(
-    capsys: pytest.CaptureFixture[str], json_format: bool, emit: Callable[[], None]
+    capsys: pytest.CaptureFixture[str],
+    json_format: bool,
+    emit: Callable[[], None],
+    verbose: bool = False,
 ) -> list[str]:
     """What the operator's own log handler prints (stderr) for the records `emit` logs."""
     root = logging.getLogger()
-    saved = (root.handlers[:], root.level, logging.getLogger("kopf").level)
+    saved = (root.handlers[:], root.level, [logging.getLogger(n).level for n in QUIETED])
     try:
-        configure_logging(verbose=False, json_format=json_format)
+        configure_logging(verbose=verbose, json_format=json_format)
         emit()
     finally:
         root.handlers[:], root.level = saved[0], saved[1]
-        logging.getLogger("kopf").setLevel(saved[2])
+        for name, level in zip(QUIETED, saved[2], strict=True):
+            logging.getLogger(name).setLevel(level)
     return capsys.readouterr().err.splitlines()
+
+
+def test_the_liveness_probe_is_not_a_log_line_unless_verbose(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # kopf's /healthz server is aiohttp: its access log printed a line for every kubelet probe.
+    def emit() -> None:
+        logging.getLogger("aiohttp.access").info('127.0.0.1 "GET /healthz HTTP/1.1" 200')
+        logging.getLogger("aiohttp.access").warning("a warning still shows")
+
+    assert [line for line in _log_lines(capsys, False, emit) if "healthz" in line] == []
+    assert len(_log_lines(capsys, False, emit)) == 1
+    assert len(_log_lines(capsys, False, emit, verbose=True)) == 2
 
 
 def test_kopf_lines_about_an_object_name_it_in_text_logs(
@@ -315,7 +429,7 @@ async def test_failed_ticks_and_events_name_the_object_in_json_logs(
 
     async def ticks() -> list[str]:
         root = logging.getLogger()
-        saved = root.handlers[:], root.level, logging.getLogger("kopf").level
+        saved = root.handlers[:], root.level, [logging.getLogger(n).level for n in QUIETED]
         try:
             configure_logging(verbose=False, json_format=True)
             for _ in range(2):
@@ -323,7 +437,8 @@ async def test_failed_ticks_and_events_name_the_object_in_json_logs(
             _post(b, owner_of(b), Outcome(events=[Event("Warning", "Infeasible", "too big")]))
         finally:
             root.handlers[:], root.level = saved[0], saved[1]
-            logging.getLogger("kopf").setLevel(saved[2])
+            for name, level in zip(QUIETED, saved[2], strict=True):
+                logging.getLogger(name).setLevel(level)
         return capsys.readouterr().err.splitlines()
 
     docs = [json.loads(line) for line in await ticks()]

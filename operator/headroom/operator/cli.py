@@ -118,9 +118,10 @@ def configure_logging(*, verbose: bool, json_format: bool) -> None:
         # lines carry the object as fields); False printed "Handler ... failed" about nothing.
         log_prefix=None,
     )
-    if not verbose:
-        # kopf narrates every handler run at INFO; keep the operator quiet by default.
-        logging.getLogger("kopf").setLevel(logging.WARNING)
+    # kopf narrates every handler run at INFO, and its /healthz server logs every kubelet probe
+    # (aiohttp's access log: a line each 10 s, forever); keep the operator quiet by default.
+    for name in ("kopf", "aiohttp.access"):
+        logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.WARNING)
 
 
 def run_operator(args: argparse.Namespace) -> int:
@@ -171,7 +172,11 @@ def run_operator(args: argparse.Namespace) -> int:
             metrics.serve(options.metrics_port, addr=str(options.metrics_host))
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(operate(options, kube=kube, metrics=metrics))
-    except OSError as exc:  # a port taken: one line, as `headroom serve` says it
-        print(f"headroom operator: {exc}", file=sys.stderr)
+    except OSError as exc:
+        if exc.errno is None:
+            # Not the system refusing a port: on Python 3.11 a TimeoutError out of kopf's
+            # shutdown is an OSError too, and it would print as one empty line.
+            raise
+        print(f"headroom operator: {exc}", file=sys.stderr)  # a port taken, as `serve` says it
         return 1
     return 0

@@ -63,6 +63,8 @@ FINALIZER = f"{GROUP}/finalizer"
 SourceFactory = Callable[[str, "Context"], MetricsSource]
 LOOPBACK = IPv4Address("127.0.0.1")
 REGISTRY = kopf.OperatorRegistry()
+# kopf's root task that ends when the operator is told to stop (its name in kopf 1.3x-1.4x).
+STOP_CHECKER = "stop-flag checker"
 # Priorities drawn for peering replicas lie below this: an operator started by hand with
 # `--priority` at or above it outranks (and pauses) every replica, kopf's way to debug live.
 DRAWN_PRIORITIES = 1_000_000_000
@@ -145,7 +147,9 @@ def peering_priority(options: Options, draw: Callable[[int], int] = secrets.rand
     priority hashed from the pod name would keep the tie, since a container restarts in the
     same pod; drawing also needs nothing from the pod spec). The highest live one works and the
     others stand by; when it stops renewing its peering record (kopf's 60 s lifetime), the next
-    highest takes over. Standalone, the priority is never read."""
+    highest takes over. The chart sets kopf's identity (POD_ID) to the pod's name, so a
+    restarted container replaces its own record rather than waiting behind it. Standalone,
+    the priority is never read."""
     if options.priority is not None:
         return options.priority
     return draw(DRAWN_PRIORITIES) if options.peering else 0
@@ -169,13 +173,19 @@ class Context:
         self.clock = clock
         self.priority = peering_priority(options)  # drawn once: kopf reads it at every event
         self.http: aiohttp.ClientSession | None = None
-        # Set by the cleanup handler before it closes `http`. kopf runs cleanup once its root
-        # tasks are done, but a watch event still in a worker can spawn a daemon after the
-        # daemon killer stopped them all: such a loop must end without a tick.
-        self.exiting = False
+        # Set the moment the operator starts to exit (SIGTERM, SIGINT, the stop flag), and by
+        # the cleanup handler before it closes `http`. kopf stops the daemons it knows of,
+        # but a watch event still in a worker can spawn one after that: such a loop must end
+        # without a tick, and a loop asleep between ticks must wake.
+        self.leaving = asyncio.Event()
         # The last spec generation of each owned Deployment: a newer one that renders
         # differently is drift (kubectl set image, an edit) to undo.
         self.generations: dict[tuple[str, str], int] = {}
+
+    @property
+    def exiting(self) -> bool:
+        """Whether the operator has begun to exit."""
+        return self.leaving.is_set()
 
     def source(self, kind: str) -> MetricsSource:
         """The metrics source a spec's `scaling.metricsSource` names."""
@@ -278,12 +288,24 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         settings.peering.clusterwide = True
         log.info("peering %r at priority %d", ctx.options.peering, ctx.priority)
     ctx.http = client_session()
+    _hear_the_stop(ctx)
+
+
+def _hear_the_stop(ctx: Context) -> None:
+    """Mark `ctx` exiting when kopf's stop-flag checker ends, which it does on SIGTERM, SIGINT
+    or the stop flag, before kopf cancels anything: the cleanup handler comes only after kopf
+    has stopped the daemons it knows of and waited for its other tasks."""
+    checker = next((t for t in asyncio.all_tasks() if t.get_name() == STOP_CHECKER), None)
+    if checker is None:  # another kopf release: the cleanup handler still marks it
+        log.debug("no %r task: the exit is heard at cleanup", STOP_CHECKER)
+        return
+    checker.add_done_callback(lambda _: ctx.leaving.set())
 
 
 @kopf.on.cleanup(registry=REGISTRY)
 async def close(memo: kopf.Memo, **_: Any) -> None:
     ctx = _ctx(memo)
-    ctx.exiting = True
+    ctx.leaving.set()
     if ctx.http is not None:
         await ctx.http.close()
 
@@ -300,7 +322,32 @@ async def reconcile_children(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None
     await _reconcile(_ctx(memo), dict(body))
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10, registry=REGISTRY)
+async def _pause(ctx: Context, stopped: kopf.DaemonStopped, seconds: float) -> None:
+    """Sleep `seconds`, less if the daemon is stopped or the operator exits. Not
+    `stopped.wait(seconds)`: its timer is a task of its own, which kopf, waiting for its hung
+    tasks at exit, finds ended in TimeoutError and raises out of the whole operator."""
+
+    async def until_stopped() -> None:
+        await stopped.wait()
+
+    waiters = [asyncio.create_task(until_stopped()), asyncio.create_task(ctx.leaving.wait())]
+    try:
+        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+
+
+# A tick in flight gets DAEMON_GRACE seconds to finish when kopf stops its daemon (exit, a
+# peering pause): cancelled between its scale and its status write, the scale would stand with
+# no decision recorded, and the next operator would scale again inside the stabilization
+# window. Grace plus kopf's cancellation timeout stays under the pod's 30 s termination grace.
+DAEMON_GRACE = 5.0
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=DAEMON_GRACE, cancellation_timeout=10,
+             registry=REGISTRY)  # fmt: skip
 async def scale(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any) -> None:
     """The scaling loop of one InferenceDeployment: a decision every intervalSeconds, and
     the decision's memory, owned here and nowhere else."""
@@ -312,7 +359,7 @@ async def scale(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, *
             live = dict(body)  # the latest the watch has seen, parsed once per decision
             parsed = parse(live.get("spec"))
             memory = await _tick(ctx, live, parsed, memory, stopped)
-            await stopped.wait(parsed.spec.scaling.interval_seconds if parsed.spec else 60)
+            await _pause(ctx, stopped, parsed.spec.scaling.interval_seconds if parsed.spec else 60)
     finally:
         # Whatever ends the loop (deleted, this replica paused for a peer with priority, the
         # operator exiting), its last decision must not stay on /metrics as a frozen series
@@ -320,14 +367,15 @@ async def scale(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, *
         ctx.metrics.forget(meta.get("namespace") or "", meta["name"])
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10, registry=REGISTRY)
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=DAEMON_GRACE, cancellation_timeout=10,
+             registry=REGISTRY)  # fmt: skip
 async def resync(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any) -> None:
     """Re-apply the children every --resync-seconds: a deleted Service or PodDisruptionBudget
     (only Deployments are watched) or monitoring CRDs installed later are seen by no event.
     Server-side apply of what is already there writes nothing."""
     ctx = _ctx(memo)
     while not stopped and not ctx.exiting:
-        await stopped.wait(ctx.options.resync_seconds)
+        await _pause(ctx, stopped, ctx.options.resync_seconds)
         live = dict(body)
         ready = get_condition((live.get("status") or {}).get("conditions"), "Ready") or {}
         # A refused apply waits for the next spec change: retrying it would only repeat the
