@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -212,16 +213,32 @@ def _answer(url: str) -> int | str:
         return f"no answer: {exc!r}"
 
 
-def _poll(url: str, proc: subprocess.Popen[bytes], log: Path, want: str = "") -> str:
-    deadline = time.monotonic() + 180
+def _poll(
+    url: str,
+    proc: subprocess.Popen[bytes],
+    log: Path,
+    want: Callable[[str], bool] | None = None,
+    within: float = 180,
+) -> str:
+    """The first 200 body from `url` that `want` accepts (bounded, while `proc` runs)."""
+    deadline = time.monotonic() + within
+    body = ""
     while True:
         assert proc.poll() is None, log.read_text()
         with contextlib.suppress(OSError):
             status, body = _get(url)
-            if status == 200 and want in body:
+            if status == 200 and (want is None or want(body)):
                 return body
-        assert time.monotonic() < deadline, f"{url}: not ready\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"{url}: not ready\n{body}\n{log.read_text()}"
         time.sleep(0.5)
+
+
+def _engine_up(metrics: str) -> bool:
+    """Whether the sidecar's /metrics says the engine is up. The sidecar answers before its
+    first poll of the engine has come back, with `headroom_engine_up{...} 0.0`, so a wait for
+    the line alone may return that body; one that never reads the engine fails the wait."""
+    up = [ln for ln in metrics.splitlines() if ln.startswith("headroom_engine_up{")]
+    return bool(up) and up[0].endswith(" 1.0")
 
 
 def _with(args: list[str], **flags: str) -> list[str]:
@@ -328,8 +345,9 @@ def test_the_rendered_headroom_pod_guards_its_api_and_still_probes_and_scrapes(
         assert _get(base + "/v1/models", key)[0] == 200
         pod = {"POD_NAME": "chat-0", "POD_NAMESPACE": "team-a"}
         side = _start(_sidecar_args(sidecar, local, side_port), slog, pod)
-        metrics = _poll(f"http://127.0.0.1:{side_port}/metrics", side, slog,
-                        want="headroom_engine_up{")  # fmt: skip
+        metrics = _poll(
+            f"http://127.0.0.1:{side_port}/metrics", side, slog, want=_engine_up, within=60
+        )
         up = [ln for ln in metrics.splitlines() if ln.startswith("headroom_engine_up{")]
         assert up and up[0].endswith(" 1.0"), metrics  # it reads /stats without the key
     finally:
@@ -372,8 +390,9 @@ def test_the_rendered_headroom_pod_probes_and_scrapes_past_a_full_api_listener(
             assert _answer(_probe_url(engine, probe, local)) == 200, probe
         pod = {"POD_NAME": "chat-0", "POD_NAMESPACE": "team-a"}
         side = _start(_sidecar_args(sidecar, local, side_port), slog, pod)
-        metrics = _poll(f"http://127.0.0.1:{side_port}/metrics", side, slog,
-                        want="headroom_engine_up{")  # fmt: skip
+        metrics = _poll(
+            f"http://127.0.0.1:{side_port}/metrics", side, slog, want=_engine_up, within=60
+        )
         up = [ln for ln in metrics.splitlines() if ln.startswith("headroom_engine_up{")]
         assert up and up[0].endswith(" 1.0"), metrics
         # The API's own /health waited in the queue all along; a freed slot lets it in.

@@ -598,22 +598,37 @@ async def test_real_sidecar_and_prometheus_agree(tmp_path: Path) -> None:
             await asyncio.sleep(0.25)
 
     async with TestServer(eng.app(), host="127.0.0.1") as engine:
-        driver = asyncio.create_task(drive())
+        driver: asyncio.Task[None] | None = None
         try:
             async with stack(tmp_path, str(engine.make_url("/"))) as (sc_port, prom_url):
                 pods = [PodInfo("chat-0", "127.0.0.1", True, 0.0)]
                 async with aiohttp.ClientSession() as http:
                     direct = SidecarSource(http, port=sc_port)
+                    prom = PrometheusSource(http, prom_url)
+
+                    async def stack_up() -> Any:
+                        d = (await direct.sample(TARGET, pods)).get("chat-0")
+                        p = (await prom.sample(TARGET, pods)).get("chat-0")
+                        return d is not None and d.engine_up and p is not None and p.engine_up
+
+                    # The ramp starts once the sidecar and Prometheus answer, so that it has its
+                    # ~37 s to the wall however slowly the two processes started.
+                    await eventually("the sidecar and Prometheus to see the engine", stack_up)
+                    driver = asyncio.create_task(drive())
 
                     async def direct_ok() -> Any:
                         got = await direct.sample(TARGET, pods)
                         s = got.get("chat-0")
-                        return s if s and s.eta_seconds is not None else None
+                        # The forecast of the ramp: its first points, beside the flat ones before
+                        # it in the sidecar's window, give a far eta (the segmented fit takes the
+                        # ramp alone from its fifth point on).
+                        ramp = s is not None and s.eta_seconds is not None and s.eta_seconds < 120
+                        return s if ramp else None
 
-                    d = await eventually("the sidecar's /saturation with a forecast", direct_ok)
+                    d = await eventually("the sidecar's /saturation with the ramp's forecast",
+                                         direct_ok)  # fmt: skip
                     assert d.engine_up and d.capacity_blocks == 2000
                     assert d.eta_seconds is not None and 0 < d.eta_seconds < 120
-                    prom = PrometheusSource(http, prom_url)
 
                     async def prom_ok() -> Any:
                         got = await prom.sample(TARGET, pods)
@@ -628,4 +643,5 @@ async def test_real_sidecar_and_prometheus_agree(tmp_path: Path) -> None:
                     # Other deployments' pods are not mixed in.
                     assert await prom.sample(ScrapeTarget("llm", "other"), pods) == {}
         finally:
-            driver.cancel()
+            if driver is not None:
+                driver.cancel()

@@ -317,14 +317,25 @@ async def test_prometheus_sees_forecast_and_pending_alert_on_a_ramp(
             await asyncio.sleep(0.1)
 
     async with TestServer(ramp.app(), host="127.0.0.1") as engine:
-        driver = asyncio.create_task(drive())
+        driver: asyncio.Task[None] | None = None
         try:
             async with scraped(tmp_path, str(engine.make_url("/")), interval=0.5) as (prom, http):
 
-                async def eta() -> list[dict[str, Any]]:
-                    return await prom.query(http, "headroom_kv_saturation_eta_seconds < 1e9")
+                async def up() -> list[dict[str, Any]]:
+                    return await prom.query(http, "headroom_engine_up == 1")
 
-                eta_series = await wait_for("a finite eta in Prometheus", eta, within=60)
+                # The ramp starts once Prometheus has the sidecar's series, so that it has its
+                # ~50 s to the wall however slowly the sidecar and Prometheus started.
+                await wait_for("headroom_engine_up == 1 in Prometheus", up, within=60)
+                driver = asyncio.create_task(drive())
+
+                async def eta() -> list[dict[str, Any]]:
+                    return await prom.query(http, "headroom_kv_saturation_eta_seconds < 120")
+
+                # The forecast of the ramp: its first points, beside the flat ones before it in
+                # the sidecar's window, give a far eta (the segmented fit takes the ramp alone
+                # from its fifth point on).
+                eta_series = await wait_for("the ramp's eta (< 120 s) in Prometheus", eta, 60)
                 occ = await prom.query(http, "headroom_kv_block_occupancy_ratio")
                 hit = await prom.query(http, "headroom_prefix_cache_hit_ratio")
                 cap = await prom.query(http, "headroom_kv_blocks_capacity")
@@ -337,7 +348,8 @@ async def test_prometheus_sees_forecast_and_pending_alert_on_a_ramp(
 
                 alerts = await wait_for("HeadroomKVSaturationImminent", pending, within=30)
         finally:
-            driver.cancel()
+            if driver is not None:
+                driver.cancel()
 
     for series in (*eta_series, *occ, *hit):
         _labels_ok(series, model="synthetic")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import pytest
 from aiohttp import ClientSession
@@ -21,14 +22,26 @@ from headroom.sidecar.server import build_app
 
 pytestmark = pytest.mark.timeout(60)
 
+T = TypeVar("T")
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
 
 @dataclass
 class Rig:
+    """A sidecar polling a synthetic engine, both in the test's event loop.
+
+    A pause of that loop (a garbage-collection pass of a large test process, a loaded CI
+    machine: hundreds of ms) can make any one poll time out or any one reading stale. So a
+    test waits, bounded, for a body that shows what it expects and asserts on that same body,
+    never on a second read that a pause in between could have made stale."""
+
     engine: SyntheticEngine
     sidecar: BaseTestServer
     http: ClientSession
 
-    async def metrics(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    async def metrics(self) -> Samples:
         async with self.http.get(self.sidecar.make_url("/metrics")) as resp:
             assert resp.status == 200
             assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
@@ -44,17 +57,74 @@ class Rig:
             assert resp.status == 200
             return SaturationReport.model_validate_json(await resp.read())
 
-    async def until(self, cond: Callable[[SaturationReport], bool], within: float = 10.0) -> None:
-        """Wait (bounded) until the sidecar's report satisfies `cond`."""
-        deadline = asyncio.get_running_loop().time() + within
-        while not cond(await self.report()):
-            if asyncio.get_running_loop().time() > deadline:
-                raise AssertionError(f"condition not reached; last report {await self.report()}")
-            await asyncio.sleep(0.02)
+    async def healthz(self) -> dict[str, Any]:
+        async with self.http.get(self.sidecar.make_url("/healthz")) as resp:
+            assert resp.status == 200  # the sidecar itself is fine, whatever the engine does
+            body: dict[str, Any] = await resp.json()
+            return body
+
+    async def until(
+        self, cond: Callable[[SaturationReport], bool], within: float = 10.0
+    ) -> SaturationReport:
+        """Wait (bounded) until the sidecar's report satisfies `cond`; return that report."""
+        return await _wait(self.report, cond, "report", within)
+
+    async def metrics_until(self, cond: Callable[[Samples], bool], within: float = 10.0) -> Samples:
+        """Wait (bounded) until the sidecar's /metrics satisfies `cond`; return that body."""
+        return await _wait(self.metrics, cond, "metrics", within)
 
 
-def _value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str,
-           **labels: str) -> float | None:  # fmt: skip
+async def _wait(
+    read: Callable[[], Awaitable[T]], cond: Callable[[T], bool], what: str, within: float
+) -> T:
+    deadline = asyncio.get_running_loop().time() + within
+    while not cond(got := await read()):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not reached in {within:g} s; last {what}: {got}")
+        await asyncio.sleep(0.02)
+    return got
+
+
+async def next_poll(served: Callable[[], int], within: float = 10.0) -> None:
+    """Wait (bounded) until an engine stand-in that counts its /metrics requests in `served`
+    has served one more: a poll that read whatever the test set before this call."""
+    before = served()
+    deadline = asyncio.get_running_loop().time() + within
+    while served() == before:
+        assert asyncio.get_running_loop().time() < deadline, f"no poll of the engine in {within} s"
+        await asyncio.sleep(0.005)
+
+
+async def scrape_when_up(
+    http: ClientSession, sidecar: BaseTestServer, within: float = 10.0
+) -> tuple[str, dict[str, Any]]:
+    """The sidecar's /metrics text and /saturation report, read (bounded) until the metrics say
+    the engine is up and the report read right after says fresh: a test asserts on these two,
+    never on a read a pause of its process could have left stale."""
+
+    async def read() -> tuple[str, dict[str, Any]]:
+        async with http.get(sidecar.make_url("/metrics")) as resp:
+            assert resp.status == 200
+            text = await resp.text()
+        async with http.get(sidecar.make_url("/saturation")) as resp:
+            assert resp.status == 200
+            report: dict[str, Any] = await resp.json()
+        return text, report
+
+    def up(got: tuple[str, dict[str, Any]]) -> bool:
+        text, report = got
+        engine_up = [
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "headroom_engine_up"
+        ]
+        return engine_up == [1.0] and report["fresh"] is True
+
+    return await _wait(read, up, "/metrics and /saturation", within)
+
+
+def _value(samples: Samples, name: str, **labels: str) -> float | None:
     for (n, lbls), v in samples.items():
         if n == name and set(labels.items()) <= lbls:
             return v
@@ -65,29 +135,33 @@ def _value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: s
 async def rig() -> AsyncIterator[Rig]:
     engine = SyntheticEngine(capacity=1000, model="tiny", slow_seconds=1.0)
     async with TestServer(engine.app()) as eng_srv:
+        # Polls 0.2 s apart, each given 0.2 s: none of these tests needs them any shorter.
         cfg = SidecarConfig(
-            engine_url=str(eng_srv.make_url("/")), interval=0.05, timeout=0.04,
+            engine_url=str(eng_srv.make_url("/")), interval=0.2, timeout=0.2,
             window=5.0, forecast_window=5.0,
         )  # fmt: skip
         async with TestServer(build_app(cfg)) as sidecar, ClientSession() as http:
             yield Rig(engine, sidecar, http)
 
 
+def _up_with_forecast(m: Samples) -> bool:
+    return (
+        _value(m, "headroom_engine_up", model="tiny") == 1.0
+        and _value(m, "headroom_kv_saturation_eta_seconds") is not None
+    )
+
+
 async def test_healthy_engine(rig: Rig) -> None:
     rig.engine.set_used(250)
-    await rig.until(lambda r: r.fresh and r.forecast_ready)
-    m = await rig.metrics()
-    assert _value(m, "headroom_engine_up", model="tiny") == 1.0
+    m = await rig.metrics_until(_up_with_forecast)
     assert _value(m, "headroom_kv_block_occupancy_ratio") == pytest.approx(0.25)
     assert _value(m, "headroom_kv_blocks", state="used") == 250
     assert _value(m, "headroom_kv_saturation_eta_seconds") == float("inf")
-    report = await rig.report()
+    report = await rig.until(lambda r: r.fresh and r.forecast_ready)
     assert report.engine_up and report.occupancy == pytest.approx(0.25)
     assert report.used_blocks == 250 and report.capacity_blocks == 1000
     assert report.eta_seconds is None  # not growing
-    async with rig.http.get(rig.sidecar.make_url("/healthz")) as resp:
-        assert resp.status == 200
-        assert (await resp.json())["engine_up"] is True
+    await _wait(rig.healthz, lambda h: h["engine_up"] is True, "/healthz", 10.0)
 
 
 async def test_growing_usage_gives_a_finite_eta(rig: Rig) -> None:
@@ -95,7 +169,7 @@ async def test_growing_usage_gives_a_finite_eta(rig: Rig) -> None:
     for step in range(30):
         rig.engine.set_used(100 + 10 * step)
         await asyncio.sleep(0.03)
-    report = await rig.report()
+    report = await rig.until(lambda r: r.fresh and r.forecast_ready)
     assert report.growth_blocks_per_second is not None and report.growth_blocks_per_second > 0
     assert report.eta_seconds is not None and report.eta_seconds > 0
 
@@ -115,20 +189,20 @@ async def test_faults_mark_the_engine_down_then_recover(
     rig.engine.set_used(400)
     await rig.until(lambda r: r.fresh)
     rig.engine.behaviour = behaviour  # type: ignore[assignment]
-    await rig.until(lambda r: not r.engine_up)
-    report = await rig.report()
+    # Down for this fault's reason (a pause could first time out a poll the engine answered).
+    report = await rig.until(
+        lambda r: not r.engine_up and r.last_error is not None and r.last_error.startswith(reason)
+    )
     assert not report.fresh and report.occupancy is None and report.eta_seconds is None
-    assert report.last_error is not None and report.last_error.startswith(reason)
-    m = await rig.metrics()
+    m = await rig.metrics()  # the fault goes on: no pause can bring the engine back up
     assert _value(m, "headroom_engine_up") == 0.0
     assert _value(m, "headroom_sidecar_poll_errors_total", reason=reason) >= 1  # type: ignore[operator]
     assert _value(m, "headroom_kv_block_occupancy_ratio") is None  # no stale value as fresh
     assert _value(m, "headroom_kv_blocks", state="used") is None
-    async with rig.http.get(rig.sidecar.make_url("/healthz")) as resp:
-        assert resp.status == 200  # the sidecar itself is fine
+    await rig.healthz()  # the sidecar itself is fine
     rig.engine.behaviour = "ok"
-    await rig.until(lambda r: r.fresh)
-    assert _value(await rig.metrics(), "headroom_kv_block_occupancy_ratio") == pytest.approx(0.4)
+    m = await rig.metrics_until(lambda m: _value(m, "headroom_engine_up") == 1.0)
+    assert _value(m, "headroom_kv_block_occupancy_ratio") == pytest.approx(0.4)
 
 
 async def test_unreachable_engine() -> None:
@@ -153,10 +227,9 @@ async def test_engine_restart_resets_forecast_and_counts(rig: Rig) -> None:
         await asyncio.sleep(0.03)
     await rig.until(lambda r: r.forecast_ready)
     rig.engine.restart()
-    await rig.until(lambda r: r.engine_restarts_total == 1)
-    report = await rig.report()
-    assert report.fresh and report.used_blocks == 0
-    m = await rig.metrics()
+    report = await rig.until(lambda r: r.engine_restarts_total == 1 and r.fresh)
+    assert report.used_blocks == 0
+    m = await rig.metrics_until(lambda m: _value(m, "headroom_engine_up") == 1.0)
     assert _value(m, "headroom_sidecar_engine_restarts_total") == 1.0
     assert _value(m, "headroom_prefix_cache_queries_tokens_total") == 0.0  # the engine's reset
 

@@ -51,6 +51,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
+from test_sidecar_server import next_poll, scrape_when_up
 
 from headroom.sidecar.cli import config_from_args, configure_parser
 from headroom.sidecar.config import SidecarConfig
@@ -785,8 +786,11 @@ async def test_sidecar_in_sglang_mode_exports_headroom_metrics(server: SglangSer
     contract, counting each pool once."""
     ranks = [server.scheduler(tp_rank=0), server.scheduler(tp_rank=1)]
     tok = server.tokenizer()
+    served = 0
 
     async def metrics(_: web.Request) -> web.Response:
+        nonlocal served
+        served += 1
         return web.Response(body=server.text().encode(), content_type="text/plain")
 
     engine_app = web.Application()
@@ -796,8 +800,8 @@ async def test_sidecar_in_sglang_mode_exports_headroom_metrics(server: SglangSer
             engine_url=str(engine.make_url("/")),
             source="sglang",
             page_size=16,
-            interval=0.05,
-            timeout=0.05,
+            interval=0.1,
+            timeout=0.1,
             window=5.0,
             forecast_window=5.0,
         )
@@ -811,12 +815,12 @@ async def test_sidecar_in_sglang_mode_exports_headroom_metrics(server: SglangSer
                         num_retracted_reqs=1 if step == 5 else 0,
                     )
                 tok.finish(prompt=100, cached=50, generated=10, ttft=0.2, itl=0.02)
-                await asyncio.sleep(0.06)
-            async with http.get(sidecar.make_url("/metrics")) as resp:
-                assert resp.status == 200
-                text = await resp.text()
-            async with http.get(sidecar.make_url("/saturation")) as resp:
-                report = await resp.json()
+                await next_poll(lambda: served)  # the sidecar reads each step
+            # One more poll begun: the one that read the last step is recorded. A body that
+            # says the engine is up from now on shows the end state, however the test's process
+            # was paused (a poll that timed out, a reading gone stale).
+            await next_poll(lambda: served)
+            text, report = await scrape_when_up(http, sidecar)
 
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -841,10 +845,13 @@ async def test_sidecar_in_sglang_mode_exports_headroom_metrics(server: SglangSer
 
 
 async def _sidecar_reads(
-    routes: dict[str, bytes], flags: dict[str, Any]
+    routes: dict[str, bytes],
+    flags: dict[str, Any],
+    done: Callable[[dict[str, Any]], bool] = lambda report: True,
 ) -> tuple[dict[tuple[str, tuple[tuple[str, str], ...]], float], dict[str, Any]]:
     """Start a stand-in serving `routes`, a sidecar polling it; return its samples and report
-    once it is fresh."""
+    once the engine is up, the report fresh and `done` with it (bounded: a server-info request
+    a pause timed out is asked again only 10 s later)."""
 
     def handler(body: bytes) -> Any:
         async def answer(_: web.Request) -> web.Response:
@@ -856,17 +863,16 @@ async def _sidecar_reads(
     for route, body in routes.items():
         engine_app.router.add_get(route, handler(body))
     async with TestServer(engine_app) as engine:
-        cfg = SidecarConfig(engine_url=str(engine.make_url("/")), source="sglang", interval=0.05,
-                            timeout=0.05, window=5.0, forecast_window=5.0, **flags)  # fmt: skip
+        cfg = SidecarConfig(engine_url=str(engine.make_url("/")), source="sglang", interval=0.2,
+                            timeout=0.2, window=5.0, forecast_window=5.0, **flags)  # fmt: skip
         async with TestServer(build_app(cfg)) as sidecar, ClientSession() as http:
-            for _ in range(200):
-                async with http.get(sidecar.make_url("/saturation")) as resp:
-                    report = await resp.json()
-                if report["fresh"]:
+            deadline = asyncio.get_running_loop().time() + 30
+            while True:
+                text, report = await scrape_when_up(http, sidecar)
+                if done(report):
                     break
-                await asyncio.sleep(0.02)
-            async with http.get(sidecar.make_url("/metrics")) as resp:
-                text = await resp.text()
+                assert asyncio.get_running_loop().time() < deadline, report
+                await asyncio.sleep(0.05)
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for f in text_string_to_metric_families(text)
@@ -886,6 +892,7 @@ async def test_sidecar_reports_an_sglang_0_5_3_pool_and_the_plan(info_route: str
             info_route: SERVER_INFO_053.read_bytes(),
         },
         {"page_size": 1, "planned_blocks": 1024},
+        lambda report: report["capacity_blocks"] is not None,
     )
     model = (("model", MODEL),)
     assert report["fresh"] is True
@@ -921,7 +928,8 @@ async def test_sglang_without_server_info_still_reports_occupancy() -> None:
     [
         # answered: read once, then again only a minute later
         ({"/get_server_info"}, {"/get_server_info": 1}),
-        # not served at all: both routes tried once, retried only after 10 s
+        # not served at all: both routes tried once, retried only after 10 s (the six polls
+        # take about 3 s)
         (set(), {"/get_server_info": 1, "/server_info": 1}),
     ],
 )
@@ -946,11 +954,13 @@ async def test_server_info_is_not_asked_at_every_poll(
     for route in {"/metrics", *served}:
         engine_app.router.add_get(route, answer)
     async with TestServer(engine_app) as engine:
-        cfg = SidecarConfig(engine_url=str(engine.make_url("/")), source="sglang", interval=0.05,
-                            timeout=0.05)  # fmt: skip
+        # Each request given 0.5 s: one that a pause of this process timed out would be a
+        # failure the sidecar is right to ask again for.
+        cfg = SidecarConfig(engine_url=str(engine.make_url("/")), source="sglang", interval=0.5,
+                            timeout=0.5)  # fmt: skip
         async with TestServer(build_app(cfg)):
-            while hits.get("/metrics", 0) < 10:
-                await asyncio.sleep(0.05)
+            for _ in range(6):
+                await next_poll(lambda: hits.get("/metrics", 0))
     assert {path: n for path, n in hits.items() if path != "/metrics"} == asked
 
 

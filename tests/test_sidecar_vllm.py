@@ -40,7 +40,6 @@ per-engine size, so occupancy is the plain mean of the engines' usage.
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,6 +49,7 @@ from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from test_sidecar_server import next_poll, scrape_when_up
 
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.poller import parse_body
@@ -809,8 +809,11 @@ def test_duplicate_series_are_garbage_not_averaged(text: str) -> None:
 async def test_sidecar_in_vllm_mode_exports_headroom_metrics() -> None:
     """Sidecar polling a live vLLM-format /metrics serves the headroom contract."""
     ex = VllmExporter("Qwen/Qwen3-0.6B", engines=1, num_gpu_blocks=2000)
+    served = 0
 
     async def metrics(_: web.Request) -> web.Response:
+        nonlocal served
+        served += 1
         return web.Response(body=ex.text().encode(), content_type="text/plain")
 
     engine_app = web.Application()
@@ -819,8 +822,8 @@ async def test_sidecar_in_vllm_mode_exports_headroom_metrics() -> None:
         cfg = SidecarConfig(
             engine_url=str(engine.make_url("/")),
             source="vllm",
-            interval=0.05,
-            timeout=0.05,
+            interval=0.1,
+            timeout=0.1,
             window=5.0,
             forecast_window=5.0,
             planned_blocks=2048,
@@ -836,12 +839,12 @@ async def test_sidecar_in_vllm_mode_exports_headroom_metrics() -> None:
                 if step >= 2:
                     ex.finish(0, generated=10)
                 ex.running.labels(ex.model, "0").set(min(step + 1, 12) - max(step - 1, 0))
-                await asyncio.sleep(0.06)
-            async with http.get(sidecar.make_url("/metrics")) as resp:
-                assert resp.status == 200
-                text = await resp.text()
-            async with http.get(sidecar.make_url("/saturation")) as resp:
-                report = await resp.json()
+                await next_poll(lambda: served)  # the sidecar reads each step
+            # One more poll begun: the one that read the last step is recorded. A body that
+            # says the engine is up from now on shows the end state, however the test's process
+            # was paused (a poll that timed out, a reading gone stale).
+            await next_poll(lambda: served)
+            text, report = await scrape_when_up(http, sidecar)
 
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value

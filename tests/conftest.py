@@ -1,0 +1,12 @@
+"""Settings shared by the whole test suite."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+
+# No per-example deadline (Hypothesis' default is 200 ms): one garbage-collection pass of this
+# suite's process takes 340-655 ms on a slow, loaded CI machine, and would fail whichever
+# example it fell in with a DeadlineExceeded that says nothing about the code. The profile
+# inherits the one Hypothesis loaded (its `ci` profile on CI); `--hypothesis-profile` still wins.
+settings.register_profile("headroom", deadline=None)
+settings.load_profile("headroom")
