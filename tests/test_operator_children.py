@@ -96,6 +96,35 @@ def test_pod_requests_gpus_probes_and_runs_hardened() -> None:
     assert dep["spec"]["replicas"] == 3
 
 
+@pytest.mark.parametrize("runtime", ["headroom", "vllm", "sglang"])
+def test_a_removed_pod_serves_until_the_service_forgets_it_then_drains(runtime: str) -> None:
+    # Nothing held a terminating pod's containers back from SIGTERM: the engine drained at
+    # once, and each request the Service, kube-proxy or an ingress still routed to it in the
+    # seconds before its endpoints caught up was refused (503, then connection refused).
+    from headroom.engine.async_engine import STOP_MARGIN_S
+    from headroom.engine.server.runner import HANDLER_FLUSH_S
+    from headroom.engine.server.state import ServerSettings
+    from headroom.operator.reconcile.children import PRESTOP_SECONDS
+
+    s = spec(engine={"runtime": runtime})
+    dep = deployment(OWNER, s, size(s), replicas=2)
+    for c in containers(dep).values():
+        assert c["lifecycle"] == {"preStop": {"sleep": {"seconds": PRESTOP_SECONDS}}}
+    # The sidecar reports the pod's KV (the operator counts a draining pod's) until the engine
+    # is gone, within what is left of the kubelet's deadline.
+    wait = float(flags(containers(dep)["sidecar"]["args"])["--shutdown-wait"])
+    left = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] - PRESTOP_SECONDS
+    assert 0 < wait <= left
+    assert PRESTOP_SECONDS >= 5
+    # The kubelet's deadline covers the sleep and the headroom engine's worst drain: its grace,
+    # the margin for a step in flight, the handlers' flush and the listeners' close.
+    grace = ServerSettings.model_fields["shutdown_grace_s"].default
+    drain = grace + STOP_MARGIN_S + 2 * HANDLER_FLUSH_S
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= (
+        PRESTOP_SECONDS + drain
+    )
+
+
 def test_advisory_leaves_replicas_out() -> None:
     s = spec(scaling={"mode": "advisory"})
     dep = deployment(OWNER, s, size(s), replicas=None)
@@ -316,6 +345,7 @@ def _sidecar_args(sidecar: dict[str, Any], local: dict[int, int], port: int) -> 
 
 
 def _stop(*procs: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM each in turn; a rendered sidecar waits for its engine (--shutdown-wait)."""
     for proc in procs:
         if proc is not None:
             proc.terminate()
@@ -351,7 +381,7 @@ def test_the_rendered_headroom_pod_guards_its_api_and_still_probes_and_scrapes(
         up = [ln for ln in metrics.splitlines() if ln.startswith("headroom_engine_up{")]
         assert up and up[0].endswith(" 1.0"), metrics  # it reads /stats without the key
     finally:
-        _stop(side, eng)
+        _stop(eng, side)  # as the kubelet's deadline ends them: the sidecar outlasts the engine
 
 
 def _wait_for_line(log: Path, text: str, proc: subprocess.Popen[bytes]) -> None:
@@ -402,4 +432,4 @@ def test_the_rendered_headroom_pod_probes_and_scrapes_past_a_full_api_listener(
     finally:
         for sock in held:
             sock.close()
-        _stop(side, eng)
+        _stop(eng, side)  # as the kubelet's deadline ends them: the sidecar outlasts the engine

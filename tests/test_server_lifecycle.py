@@ -1,10 +1,13 @@
 """Server life cycle against real subprocesses: bearer auth and the open stats listener, a
-client disconnect freeing its blocks, SIGTERM draining, and the fail-fast pool check."""
+client disconnect freeing its blocks, SIGTERM draining (and its 503 ending a kept-alive
+connection, so a retry reconnects), and the fail-fast pool check."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import signal
 import threading
 import time
 import urllib.error
@@ -12,6 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from engine_process import ServerProcess, free_port
@@ -158,6 +162,97 @@ def test_sigterm_drains_with_503_and_exits_zero() -> None:
     # 4000 tokens do not fit in a 3 s grace on this CPU: the stream ends, aborted, not cut off.
     assert finish == ["abort"]
     assert "shutting down" in srv.output and "stopped" in srv.output
+
+
+async def test_a_draining_503_ends_its_kept_alive_connection_so_a_retry_reconnects() -> None:
+    """A client's pooled connection (which a Service's conntrack pins to this pod) gets the
+    draining 503 with `Connection: close` and `Retry-After`, so its retry connects anew and
+    can reach another replica; the openai client's own retries do not all ride one
+    connection. An in-flight stream keeps the server draining, and streaming, meanwhile."""
+    srv = ServerProcess("--model", "tiny", "--max-model-len", "4096", "--num-blocks", "512",
+                        "--shutdown-grace", "120")  # fmt: skip
+    with srv:
+        assert srv.proc is not None
+        url = srv.url + "/v1/completions"
+        events: list[str] = []  # the pooled session's connections: "new" or "reused"
+        trace = aiohttp.TraceConfig()
+
+        async def on_new(*_: object) -> None:
+            events.append("new")
+
+        async def on_reuse(*_: object) -> None:
+            events.append("reused")
+
+        trace.on_connection_create_end.append(on_new)
+        trace.on_connection_reuseconn.append(on_reuse)
+        pooled = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=1), trace_configs=[trace]
+        )
+        # The stock openai client (2 retries), its attempts seen by an httpx response hook.
+        attempts: list[tuple[int, int, str | None]] = []
+
+        async def on_response(resp: Any) -> None:
+            port = resp.extensions["network_stream"].get_extra_info("client_addr")[1]
+            attempts.append((resp.status_code, port, resp.headers.get("connection")))
+
+        http = openai.DefaultAsyncHttpxClient(event_hooks={"response": [on_response]})
+        client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", http_client=http)
+        async with pooled, aiohttp.ClientSession() as other, client:
+            hold = await other.post(url, json={"model": "tiny", "prompt": "long",
+                                               "max_tokens": 4000, "stream": True,
+                                               "ignore_eos": True})  # fmt: skip
+            assert hold.status == 200
+            streamed: list[bytes] = []
+
+            async def read_hold() -> None:
+                async for line in hold.content:
+                    streamed.append(line)
+
+            reader = asyncio.create_task(read_hold())
+
+            async def post(prompt: str) -> tuple[int, dict[str, str], str]:
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+                async with pooled.post(url, json=body) as r:
+                    return r.status, dict(r.headers), (await r.read()).decode()
+
+            # Both clients hold a kept-alive connection, opened before the drain.
+            status, headers, _ = await post("warm")
+            assert status == 200 and headers.get("Connection", "").lower() != "close"
+            assert events == ["new"]
+            assert (await client.completions.create(model="tiny", prompt="w", max_tokens=1)
+                    ).choices  # fmt: skip
+            deadline = time.monotonic() + 30
+            while not streamed:
+                assert time.monotonic() < deadline, "the in-flight stream sent nothing in 30 s"
+                await asyncio.sleep(0.05)
+            srv.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while (await asyncio.to_thread(_get, srv.url + "/ready"))[0] != 503:
+                assert time.monotonic() < deadline, "the server did not start draining in 30 s"
+                await asyncio.sleep(0.05)
+
+            status, headers, body = await post("late")
+            assert events == ["new", "reused"]  # it rode the kept-alive connection
+            assert status == 503 and json.loads(body)["error"]["code"] == "draining"
+            assert headers.get("Connection", "").lower() == "close", headers
+            assert headers.get("Retry-After") == "1", headers
+            status, headers, body = await post("retry")
+            assert events == ["new", "reused", "new"], "the retry reused the draining connection"
+            assert status == 503 and json.loads(body)["error"]["code"] == "draining"
+
+            with pytest.raises(openai.InternalServerError) as info:
+                await client.completions.create(model="tiny", prompt="late", max_tokens=1)
+            assert info.value.status_code == 503 and info.value.code == "draining"
+            assert [a[0] for a in attempts] == [200, 503, 503, 503], attempts
+            assert {a[2] for a in attempts[1:]} == {"close"}, attempts
+            assert len({a[1] for a in attempts[1:]}) > 1, f"retries on one connection: {attempts}"
+
+            # The in-flight stream was served all along; hanging up ends the drain.
+            assert not reader.done(), "the in-flight stream ended during the drain"
+            reader.cancel()
+            hold.close()
+        code = await asyncio.to_thread(srv.wait, 60)
+    assert code == 0
 
 
 def test_pool_too_small_fails_fast_with_the_numbers(capsys: pytest.CaptureFixture[str]) -> None:

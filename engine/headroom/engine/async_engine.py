@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 # and abort what is left. A step normally takes far less, so a thread still busy then is
 # most likely hung (in a kernel or a collective): Python cannot interrupt it, and waiting
 # longer only ends in the kubelet's SIGKILL. Grace 30 + 10 + the handlers' 5 s flush stays
-# inside the 60 s terminationGracePeriodSeconds the operator renders.
+# inside the 60 s the operator's rendered pod leaves after its preStop sleep.
 STOP_MARGIN_S = 10.0
 
 

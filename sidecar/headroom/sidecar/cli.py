@@ -1,4 +1,6 @@
-"""`headroom sidecar`: flags (with the pod's env vars as defaults) into a `SidecarConfig`."""
+"""`headroom sidecar`: flags (with the pod's env vars as defaults) into a `SidecarConfig`, and
+the process's stop: with `--shutdown-wait`, it goes on polling and serving while its engine
+drains (see `run`)."""
 
 from __future__ import annotations
 
@@ -6,10 +8,12 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
 import sys
+from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
@@ -89,6 +93,16 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model", default="", help="model label (default: what the engine reports)")
     p.add_argument(
+        "--shutdown-wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="on SIGTERM or SIGINT, go on polling and serving until the engine's port refuses "
+        "connections (the engine has exited), for at most this long; a second signal exits at "
+        "once. For a pod's sidecar, signalled with its engine: the operator counts the KV a "
+        "draining pod still holds. Default 0: exit at once (the engine may well run on)",
+    )
+    p.add_argument(
         "--log-level",
         default=env("HEADROOM_LOG_LEVEL", "WARNING"),
         help="logging level (default WARNING: state changes only)",
@@ -136,13 +150,67 @@ def flag_errors(exc: ValidationError) -> list[str]:
     return out
 
 
+async def engine_listening(url: str, timeout: float) -> bool:
+    """Whether anything accepts a TCP connection at `url`'s host and port. A refusal (or any
+    other failure to connect) is the engine gone; no answer within `timeout` is not proof of
+    that (a full listen queue), so it counts as still there."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        async with asyncio.timeout(timeout):
+            _, writer = await asyncio.open_connection(parts.hostname, port)
+    except TimeoutError:
+        return True
+    except OSError:
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
+async def stop_when_engine_exits(
+    url: str, wait_s: float, interval: float, timeout: float, stop: asyncio.Event
+) -> None:
+    """Set `stop` once the engine at `url` no longer listens (at once if it is already gone),
+    or after `wait_s`: until then the sidecar polls and serves as before, so the operator
+    still reads the KV a draining engine holds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    said = False
+    while await engine_listening(url, timeout):
+        left = deadline - loop.time()
+        if left <= 0:
+            log.warning("event=shutdown_wait_over engine=%s waited_s=%g (the engine still "
+                        "listens; exiting)", url, wait_s)  # fmt: skip
+            break
+        if not said:
+            said = True
+            # A pod's normal end (every scale-in): not a warning.
+            log.info("event=shutdown_wait engine=%s (serving until the engine exits, at "
+                     "most %g s; signal again to exit now)", url, wait_s)  # fmt: skip
+        await asyncio.sleep(min(interval, left))
+    else:
+        log.info("event=engine_gone engine=%s (exiting)", url)
+    stop.set()
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the sidecar until SIGTERM/SIGINT; returns the exit code."""
+    """Run the sidecar until SIGTERM/SIGINT; returns the exit code. With `--shutdown-wait`, the
+    first signal (the kubelet's, to every container of the pod at once: SIGINT, the image's
+    STOPSIGNAL, or SIGTERM) lets it serve on while the engine drains, until the engine's port
+    refuses connections or the wait runs out; a second signal, or an engine already gone,
+    exits at once."""
     try:
         cfg = config_from_args(args)
     except ValidationError as exc:
         for line in flag_errors(exc):
             print(f"headroom sidecar: {line}", file=sys.stderr)
+        return 2
+    wait_s = float(args.shutdown_wait)
+    if not (math.isfinite(wait_s) and wait_s >= 0):
+        print(f"headroom sidecar: --shutdown-wait: must be a finite number of seconds >= 0, "
+              f"got {args.shutdown_wait!r}", file=sys.stderr)  # fmt: skip
         return 2
     level = logging.getLevelName(str(args.log_level).upper())
     if not isinstance(level, int):
@@ -158,10 +226,26 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        waiting: list[asyncio.Task[None]] = []
+
+        def on_signal() -> None:
+            if waiting or wait_s == 0:
+                stop.set()
+                return
+            waiting.append(loop.create_task(stop_when_engine_exits(
+                cfg.poll_url, wait_s, cfg.interval, cfg.timeout, stop
+            )))  # fmt: skip
+
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        await serve(cfg, stop)
+                loop.add_signal_handler(sig, on_signal)
+        try:
+            await serve(cfg, stop)
+        finally:
+            for task in waiting:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     try:
         asyncio.run(main())

@@ -17,7 +17,13 @@ from pydantic import BaseModel, ValidationError
 
 from headroom.engine.errors import RequestRejected
 from headroom.engine.server.auth import auth_middleware
-from headroom.engine.server.errors import APIError, from_validation_error, json_path, rejected
+from headroom.engine.server.errors import (
+    APIError,
+    draining,
+    from_validation_error,
+    json_path,
+    rejected,
+)
 from headroom.engine.server.http_log import one_line
 from headroom.engine.server.listener import ConnectionHandler
 from headroom.engine.server.sse import ClientDisconnected
@@ -74,12 +80,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 @web.middleware
 async def admission_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """503 while the model loads or the server drains; counts in-flight API requests."""
+    """503 while the model loads or the server drains (a draining 503 also closes the
+    connection: see errors.draining); counts in-flight API requests."""
     if not request.path.startswith("/v1/"):
         return await handler(request)
     st = state_of(request)
     if st.draining:
-        raise APIError(503, "server is shutting down; retry on another replica", code="draining")
+        raise draining("server is shutting down; retry on another replica")
     if st.engine is None:
         msg = st.load_error or "model is still loading"
         raise APIError(503, msg, code="not_ready")

@@ -31,6 +31,16 @@ FIELD_MANAGER = "headroom-operator"
 SELECTOR_LABEL = f"{GROUP}/inferencedeployment"
 RUN_AS_USER = 10001
 MODELS_MOUNT = "/models"
+# A terminating pod leaves the Service's endpoints a few seconds after the API marks it: the
+# EndpointSlice, then every kube-proxy and ingress, catch up. Its containers get SIGTERM only
+# after this preStop sleep, so the requests routed to it meanwhile are still served, where the
+# engine, draining at once, refused them (503, then connection refused) on every scale-in.
+PRESTOP_SECONDS = 10
+# The preStop sleep, then the engine's drain: headroom's lets running requests finish for
+# --shutdown-grace (30 s) plus a step margin and the handlers' flush, about 55 s at worst;
+# SGLang drains until it is killed. The kubelet kills what is left at this deadline.
+TERMINATION_GRACE_SECONDS = PRESTOP_SECONDS + 60
+_PRESTOP = {"preStop": {"sleep": {"seconds": PRESTOP_SECONDS}}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +184,7 @@ def _engine_container(
             "timeoutSeconds": 3,
             "failureThreshold": 3,
         },
+        "lifecycle": dict(_PRESTOP),
         "securityContext": dict(_CONTAINER_SECURITY),
         "volumeMounts": mounts,
     }
@@ -215,6 +226,9 @@ def _sidecar_container(
             # The plan, so a running pool smaller than planned can be seen and alerted on.
             "--planned-blocks",
             str(sizing.plan.kv_blocks_per_pod),
+            # At its stop signal, report on until the engine's port refuses (its drain ends).
+            "--shutdown-wait",
+            str(TERMINATION_GRACE_SECONDS - PRESTOP_SECONDS),
             *sidecar_source_args(spec),
         ],
         "env": env,
@@ -224,6 +238,8 @@ def _sidecar_container(
             "limits": {"memory": "256Mi"},
         },
         "livenessProbe": {"tcpSocket": {"port": "metrics"}, "periodSeconds": 20},
+        # It keeps reporting while the engine drains: the operator counts a terminating pod's KV.
+        "lifecycle": dict(_PRESTOP),
         "securityContext": dict(_CONTAINER_SECURITY),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
@@ -257,7 +273,7 @@ def deployment(
         },
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "containers": [
             _engine_container(spec, sizing, run),
             _sidecar_container(spec, sizing, owner.name, run),
