@@ -294,6 +294,10 @@ async def test_server_maps_failures_and_an_unhealthy_engine_fails_its_probes(
         with pytest.raises(openai.APIStatusError) as refused:
             await client.completions.create(model="tiny", prompt="hi", max_tokens=4)
         assert refused.value.status_code == 503
+        # The connection ends with it, so the client's retry reconnects (through the Service,
+        # to another replica) instead of coming back to this pod on a kept-alive connection.
+        assert refused.value.response.headers.get("Connection") == "close"
+        assert refused.value.response.headers.get("Retry-After") == "1"
         assert _pool_is_whole(engine.engine)
     finally:
         await client.close()

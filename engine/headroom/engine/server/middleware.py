@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from headroom.engine.errors import RequestRejected
 from headroom.engine.server.auth import auth_middleware
 from headroom.engine.server.errors import (
+    DRAINING_RETRY_AFTER_S,
     APIError,
     draining,
     from_validation_error,
@@ -91,7 +92,11 @@ async def admission_middleware(request: web.Request, handler: Handler) -> web.St
         msg = st.load_error or "model is still loading"
         raise APIError(503, msg, code="not_ready")
     if (reason := st.unhealthy) is not None:
-        raise APIError(503, f"{reason}; retry on another replica", code="engine_unhealthy")
+        # Closed as a draining 503 is: a retry on this kept-alive connection would come back
+        # here until the kubelet restarts the pod.
+        retry = {"Retry-After": str(DRAINING_RETRY_AFTER_S)}
+        raise APIError(503, f"{reason}; retry on another replica", code="engine_unhealthy",
+                       close=True, headers=retry)  # fmt: skip
     st.enter()
     try:
         return await handler(request)
