@@ -13,7 +13,7 @@ from typing import Any
 import kopf
 import pytest
 from kopf._core.actions.loggers import ObjectLogger
-from test_operator_reconcile import NOW, SPEC, FakeSource, created, pods
+from test_operator_reconcile import NOW, SPEC, FakeKube, FakeSource, created, pods
 
 import headroom.operator.handlers as handlers
 from headroom.operator.cli import configure_logging
@@ -184,17 +184,23 @@ def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+async def _session_rig() -> tuple[FakeKube, dict[str, Any], Context, SessionSource]:
+    """A deployment whose ticks poll through the operator's own (open) HTTP session."""
+    kube, b = await created({**SPEC, "scaling": {"intervalSeconds": 1}})
+    ctx = Context(Options(), kube)
+    source = SessionSource(ctx)
+    ctx.source_factory = lambda kind, c: source
+    ctx.http = client_session()
+    return kube, b, ctx, source
+
+
 async def test_a_scaling_loop_spawned_while_the_operator_exits_ticks_nothing(
     posted: list[tuple[str, str, str]], caplog: pytest.LogCaptureFixture
 ) -> None:
     # kopf runs the cleanup handler, which closes the HTTP session, once its root tasks are
     # done; a watch event still in a worker can spawn a daemon after the daemon killer stopped
     # them all. Its first tick hit the closed session: a traceback on a graceful exit (CI).
-    kube, b = await created({**SPEC, "scaling": {"intervalSeconds": 1}})
-    ctx = Context(Options(), kube)
-    source = SessionSource(ctx)
-    ctx.source_factory = lambda kind, c: source
-    ctx.http = client_session()
+    kube, b, ctx, source = await _session_rig()
     await handlers.close(memo=kopf.Memo(ctx=ctx))
     source.go.set()
     for handler in (handlers.scale, handlers.resync):
@@ -207,11 +213,7 @@ async def test_a_scaling_loop_spawned_while_the_operator_exits_ticks_nothing(
 async def test_a_tick_in_flight_when_the_operator_closes_its_session_is_no_failure(
     posted: list[tuple[str, str, str]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    kube, b = await created({**SPEC, "scaling": {"intervalSeconds": 1}})
-    ctx = Context(Options(), kube)
-    source = SessionSource(ctx)
-    ctx.source_factory = lambda kind, c: source
-    ctx.http = client_session()
+    kube, b, ctx, source = await _session_rig()
     daemon = Daemon(handlers.scale, ctx, b)
     await asyncio.wait_for(source.entered.wait(), 5)
     await handlers.close(memo=kopf.Memo(ctx=ctx))

@@ -24,6 +24,15 @@ def output_error(path: Path, flag: str) -> str | None:
     return None
 
 
+def write_output(path: Path, text: str) -> None:
+    """`text` into `path`, or onto stdout (flushed) when `path` is '-'."""
+    if str(path) == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        path.write_text(text)
+
+
 def chart_error(path: Path, flag: str) -> str | None:
     """`output_error`, and a suffix matplotlib can write."""
     if path.suffix.lower() not in CHART_SUFFIXES:

@@ -8,7 +8,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import signal
 import socket
@@ -124,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         timeout=args.timeout,
         window=args.window,
         forecast_window=args.forecast_window,
+        shutdown_wait=args.shutdown_wait,
         labels=IdentityLabels(
             model=args.model,
             namespace=args.namespace,
@@ -207,11 +207,6 @@ def run(args: argparse.Namespace) -> int:
         for line in flag_errors(exc):
             print(f"headroom sidecar: {line}", file=sys.stderr)
         return 2
-    wait_s = float(args.shutdown_wait)
-    if not (math.isfinite(wait_s) and wait_s >= 0):
-        print(f"headroom sidecar: --shutdown-wait: must be a finite number of seconds >= 0, "
-              f"got {args.shutdown_wait!r}", file=sys.stderr)  # fmt: skip
-        return 2
     level = logging.getLevelName(str(args.log_level).upper())
     if not isinstance(level, int):
         print(f"headroom sidecar: unknown --log-level {args.log_level!r}", file=sys.stderr)
@@ -229,11 +224,11 @@ def run(args: argparse.Namespace) -> int:
         waiting: list[asyncio.Task[None]] = []
 
         def on_signal() -> None:
-            if waiting or wait_s == 0:
+            if waiting or cfg.shutdown_wait == 0:
                 stop.set()
                 return
             waiting.append(loop.create_task(stop_when_engine_exits(
-                cfg.poll_url, wait_s, cfg.interval, cfg.timeout, stop
+                cfg.poll_url, cfg.shutdown_wait, cfg.interval, cfg.timeout, stop
             )))  # fmt: skip
 
         for sig in (signal.SIGTERM, signal.SIGINT):

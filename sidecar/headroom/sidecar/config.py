@@ -65,6 +65,11 @@ class SidecarConfig(BaseModel):
         description="slope-fit window, seconds",
     )  # fmt: skip
     min_forecast_points: int = Field(default=3, ge=2)
+    shutdown_wait: float = Field(
+        default=0.0, ge=0, allow_inf_nan=False,
+        description="seconds the sidecar serves on after its stop signal while the engine "
+        "still listens (0: it exits at once)",
+    )  # fmt: skip
     labels: IdentityLabels = IdentityLabels()
 
     @model_validator(mode="after")

@@ -18,7 +18,7 @@ from typing import TextIO
 
 import torch
 
-from headroom.contract.outputs import chart_error, output_error
+from headroom.contract.outputs import chart_error, output_error, write_output
 from headroom.engine.attention import BackendUnavailable, select_backend
 from headroom.engine.attention.kv_scales import SCALES_FILE, KVScales, write_scales
 from headroom.engine.kv_check import check, report
@@ -308,10 +308,9 @@ def _write_scales(path: Path, scales: KVScales) -> None:
 
 
 def _write(path: Path, text: str) -> None:
-    if str(path) == "-":
-        sys.stdout.write(text)
-        return
     try:
-        path.write_text(text)
+        write_output(path, text)
     except OSError as exc:
+        if str(path) == "-":
+            raise  # stdout: the command line's one line for an output it cannot write
         raise UsageError(f"cannot write {path}: {exc}") from None

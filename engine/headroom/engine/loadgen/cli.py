@@ -14,7 +14,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from headroom.contract.cli import fields_as_flags
-from headroom.contract.outputs import output_error
+from headroom.contract.outputs import output_error, write_output
 from headroom.engine.loadgen.client import LoadResult, RunState, Target, run_load
 from headroom.engine.loadgen.progress import ProgressBar
 from headroom.engine.loadgen.stats import records_csv, render_summary, summarize
@@ -162,14 +162,6 @@ def _same_output(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
 
-def _write(path: Path, text: str) -> None:
-    if str(path) == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    else:
-        path.write_text(text)
-
-
 def _flag_errors(err: ValidationError) -> str:
     flags = {
         "ramp_s": "--ramp-duration",
@@ -261,9 +253,9 @@ def run(args: argparse.Namespace) -> int:
             "records": [r.model_dump(mode="json") for r in result.records],
             "stats_samples": [s.model_dump(mode="json") for s in result.samples],
         }
-        _write(args.json, json.dumps(_json_safe(payload), indent=2, allow_nan=False) + "\n")
+        write_output(args.json, json.dumps(_json_safe(payload), indent=2, allow_nan=False) + "\n")
     if args.csv is not None:
-        _write(args.csv, records_csv(result.records))
+        write_output(args.csv, records_csv(result.records))
     if summary.requests == 0:  # --duration shorter than one request: nothing was measured
         print("headroom load: no request was sent", file=sys.stderr)
         return 1

@@ -64,24 +64,24 @@ class APIError(Exception):
         return resp
 
 
-#: Seconds a draining 503 asks the client to wait before its retry (`Retry-After`, which the
-#: openai client honours): time for the retry's new connection to reach a replica the Service
-#: still routes to.
-DRAINING_RETRY_AFTER_S = 1
+#: Seconds a 503 that sends the client elsewhere asks it to wait before its retry
+#: (`Retry-After`, which the openai client honours): time for the retry's new connection to
+#: reach a replica the Service still routes to.
+RETRY_ELSEWHERE_AFTER_S = 1
 
 
-def draining(message: str) -> APIError:
-    """The 503 of a replica that is shutting down (or whose engine has closed): the connection
-    ends after it (`Connection: close`; an unread request body is still read first, so the
-    client sees the 503 and not a reset), so a retry connects anew, through the Service, to
-    another replica. On a kept-alive connection, which conntrack pins to this pod, every retry
-    would come back here until the pod is gone."""
+def retry_elsewhere(message: str, code: str = "draining") -> APIError:
+    """The 503 of a replica that cannot serve and will not soon (shutting down, its engine
+    closed or unhealthy): the connection ends after it (`Connection: close`; an unread request
+    body is still read first, so the client sees the 503 and not a reset), so a retry connects
+    anew, through the Service, to another replica. On a kept-alive connection, which conntrack
+    pins to this pod, every retry would come back here until the pod is gone."""
     return APIError(
         503,
-        message,
-        code="draining",
+        f"{message}; retry on another replica",
+        code=code,
         close=True,
-        headers={"Retry-After": str(DRAINING_RETRY_AFTER_S)},
+        headers={"Retry-After": str(RETRY_ELSEWHERE_AFTER_S)},
     )
 
 

@@ -15,7 +15,12 @@ from headroom.engine.async_engine import EngineClosed
 from headroom.engine.errors import RequestFailed, RequestRejected
 from headroom.engine.outputs import CompletionOutput, RequestOutput
 from headroom.engine.sampling import SamplingParams
-from headroom.engine.server.errors import APIError, draining, from_validation_error, rejected
+from headroom.engine.server.errors import (
+    APIError,
+    from_validation_error,
+    rejected,
+    retry_elsewhere,
+)
 from headroom.engine.server.protocol import ChatCompletionRequest, CompletionRequest, Usage
 from headroom.engine.server.state import ServerState
 from headroom.engine.validation import resolve_max_tokens
@@ -98,7 +103,7 @@ class Generation:
                 if isinstance(item, RequestRejected):
                     raise rejected(item)
                 if isinstance(item, EngineClosed):
-                    raise draining(f"{item}; retry on another replica")
+                    raise retry_elsewhere(str(item))
                 if isinstance(item, RequestFailed):
                     raise APIError(500, str(item), code="engine_error")
                 if isinstance(item, ValueError):

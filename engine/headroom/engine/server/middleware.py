@@ -18,12 +18,11 @@ from pydantic import BaseModel, ValidationError
 from headroom.engine.errors import RequestRejected
 from headroom.engine.server.auth import auth_middleware
 from headroom.engine.server.errors import (
-    DRAINING_RETRY_AFTER_S,
     APIError,
-    draining,
     from_validation_error,
     json_path,
     rejected,
+    retry_elsewhere,
 )
 from headroom.engine.server.http_log import one_line
 from headroom.engine.server.listener import ConnectionHandler
@@ -81,22 +80,19 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 @web.middleware
 async def admission_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """503 while the model loads or the server drains (a draining 503 also closes the
-    connection: see errors.draining); counts in-flight API requests."""
+    """503 while the model loads, the server drains or the engine is unhealthy (the last two
+    also close the connection: see errors.retry_elsewhere); counts in-flight API requests."""
     if not request.path.startswith("/v1/"):
         return await handler(request)
     st = state_of(request)
     if st.draining:
-        raise draining("server is shutting down; retry on another replica")
+        raise retry_elsewhere("server is shutting down")
     if st.engine is None:
         msg = st.load_error or "model is still loading"
         raise APIError(503, msg, code="not_ready")
     if (reason := st.unhealthy) is not None:
-        # Closed as a draining 503 is: a retry on this kept-alive connection would come back
-        # here until the kubelet restarts the pod.
-        retry = {"Retry-After": str(DRAINING_RETRY_AFTER_S)}
-        raise APIError(503, f"{reason}; retry on another replica", code="engine_unhealthy",
-                       close=True, headers=retry)  # fmt: skip
+        # Until the kubelet restarts the pod, a retry on this connection would come back here.
+        raise retry_elsewhere(reason, code="engine_unhealthy")
     st.enter()
     try:
         return await handler(request)

@@ -40,7 +40,11 @@ PRESTOP_SECONDS = 10
 # --shutdown-grace (30 s) plus a step margin and the handlers' flush, about 55 s at worst;
 # SGLang drains until it is killed. The kubelet kills what is left at this deadline.
 TERMINATION_GRACE_SECONDS = PRESTOP_SECONDS + 60
-_PRESTOP = {"preStop": {"sleep": {"seconds": PRESTOP_SECONDS}}}
+
+
+def _lifecycle() -> dict[str, Any]:
+    """A container's preStop sleep (a fresh dict each: no two containers share one)."""
+    return {"preStop": {"sleep": {"seconds": PRESTOP_SECONDS}}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +188,7 @@ def _engine_container(
             "timeoutSeconds": 3,
             "failureThreshold": 3,
         },
-        "lifecycle": dict(_PRESTOP),
+        "lifecycle": _lifecycle(),
         "securityContext": dict(_CONTAINER_SECURITY),
         "volumeMounts": mounts,
     }
@@ -239,7 +243,7 @@ def _sidecar_container(
         },
         "livenessProbe": {"tcpSocket": {"port": "metrics"}, "periodSeconds": 20},
         # It keeps reporting while the engine drains: the operator counts a terminating pod's KV.
-        "lifecycle": dict(_PRESTOP),
+        "lifecycle": _lifecycle(),
         "securityContext": dict(_CONTAINER_SECURITY),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
