@@ -19,7 +19,6 @@ schedule -> run -> update, one way. The scheduler never touches a block itself.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Mapping
 
 from headroom.contract.admission import fits, watermark_blocks
@@ -30,6 +29,7 @@ from headroom.engine.prefix_cache import PrefixCache
 from headroom.engine.scheduled import ScheduledSeq, SchedulerOutput
 from headroom.engine.sequence import Sequence, SequenceStatus
 from headroom.engine.validation import resolve_max_tokens
+from headroom.engine.waiting_queue import WaitingQueue
 
 _WAITING = SequenceStatus.WAITING
 _RUNNING = SequenceStatus.RUNNING
@@ -49,7 +49,7 @@ class Scheduler:
             cache = PrefixCache(self.num_blocks) if config.enable_prefix_caching else None
             kv = KVManager(self.num_blocks, config.block_size, cache)
         self.kv = kv
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()
         # Admission order: the tail is the most recently admitted, the first to be preempted.
         self.running: list[Sequence] = []
         self._seqs: dict[int, Sequence] = {}
@@ -152,15 +152,20 @@ class Scheduler:
 
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
         kv, waiting, running = self.kv, self.waiting, self.running
+        max_seqs = self.config.max_num_seqs
         while waiting and budget > 0:
-            seq = waiting[0]
+            # Every admission takes a block at least: when not even one fits (or no slot is
+            # free), stop before the prefix walk, which is as long as the head's prompt and
+            # would otherwise be redone, and thrown away, at every step the queue is blocked.
+            if not fits(kv.num_available, 1, self._watermark_blocks, len(running), max_seqs):
+                break
+            seq = waiting.head()
             prefix = kv.computed_blocks(seq)
             if prefix is None:
                 break  # its first sibling is still computing their prompt
             blocks, computed = prefix
             n = min(seq.num_tokens - computed, budget)
             need = kv.blocks_to_admit(blocks, computed, n)
-            max_seqs = self.config.max_num_seqs
             if not fits(kv.num_available, need, self._watermark_blocks, len(running), max_seqs):
                 break
             waiting.popleft()
