@@ -437,3 +437,27 @@ def test_an_upgraded_crd_applies_over_the_old_one_and_ratchets_its_new_rules(
     finally:
         crd.apply(crd_yaml())
         crd.kubectl("delete", "infd", name, "-n", ns, "--ignore-not-found", check=False)
+
+
+def test_a_status_apply_read_at_a_stale_version_is_refused(
+    crd: Cluster, cluster_namespace: str
+) -> None:
+    """The watch's readiness write carries the resourceVersion it read: a reconcile or a tick
+    that wrote in between must win, not be overwritten from an older read."""
+    from headroom.operator.kube import Kube, KubeError, load_configuration, owner_of
+
+    ns = cluster_namespace
+    crd.apply([{"apiVersion": "headroom.dev/v1alpha1", "kind": "InferenceDeployment",
+                "metadata": {"name": "stale", "namespace": ns}, "spec": BASE}])  # fmt: skip
+    kube = Kube(load_configuration(str(crd.kubeconfig)))
+    body = kube.get("headroom.dev/v1alpha1", "InferenceDeployment", ns, "stale")
+    assert body is not None
+    version = body["metadata"]["resourceVersion"]
+    kube.apply_status(owner_of(body), {"replicas": 1}, field_manager="first",
+                      resource_version=version)  # fmt: skip
+    with pytest.raises(KubeError) as refused:
+        kube.apply_status(owner_of(body), {"replicas": 2}, field_manager="second",
+                          resource_version=version)  # fmt: skip
+    assert refused.value.status == 409
+    after = kube.get("headroom.dev/v1alpha1", "InferenceDeployment", ns, "stale")
+    assert after is not None and after["status"]["replicas"] == 1

@@ -651,6 +651,51 @@ def test_drift_on_the_owned_deployment_is_undone(
     operator.check()
 
 
+def test_ready_follows_the_deployment_between_ticks_and_waits_for_a_stuck_rollout(
+    cluster: Cluster, operator: InProcessOperator, cluster_namespace: str
+) -> None:
+    """Ready came only from the reconcile and the scaling tick: with a long interval,
+    `kubectl wait --for=condition=Ready` waited the whole interval after the pod was ready.
+    And it read `readyReplicas` alone, so a rollout whose new pods never start (here a PVC
+    that does not exist) said Ready=True for the new generation on the previous spec's pod."""
+    ns = cluster_namespace
+    spec = {**SPEC, "scaling": {**SPEC["scaling"], "intervalSeconds": 600}}
+    apply_cr(cluster, ns, "ready", spec)
+    reconciled(cluster, ns, "ready")
+    obj = eventually(
+        "Ready=True long before the next tick (600 s)",
+        lambda: (o := get(cluster, "infd", "ready", ns))
+        and condition(o, "Ready").get("status") == "True" and o,
+    )  # fmt: skip
+    assert obj["status"]["readyReplicas"] == 1
+    managers = {e["manager"] for e in obj["metadata"]["managedFields"]}
+    assert "headroom-readiness" in managers, managers
+
+    cluster.kubectl("patch", "infd", "ready", "-n", ns, "--type", "merge",
+                    "-p", '{"spec":{"model":{"volumeClaimName":"no-such-pvc"}}}')  # fmt: skip
+
+    def rolling_out() -> dict[str, Any] | None:
+        o = get(cluster, "infd", "ready", ns)
+        ready = condition(o, "Ready")
+        generation = (o or {}).get("metadata", {}).get("generation")
+        stuck = ready.get("reason") == "RollingOut" and ready.get("observedGeneration") == 2
+        return o if generation == 2 and stuck else None
+
+    obj = eventually("Ready=False RollingOut for the new generation", rolling_out)
+    assert condition(obj, "Ready")["status"] == "False"
+    time.sleep(3)  # the previous spec's pod stays ready; Ready must not come back
+    assert condition(get(cluster, "infd", "ready", ns), "Ready")["reason"] == "RollingOut"
+
+    cluster.kubectl("patch", "infd", "ready", "-n", ns, "--type", "json",
+                    "-p", '[{"op":"remove","path":"/spec/model/volumeClaimName"}]')  # fmt: skip
+    eventually(
+        "Ready=True once the rollout to the fixed spec completes",
+        lambda: (c := condition(get(cluster, "infd", "ready", ns), "Ready"))
+        and c.get("status") == "True" and c.get("observedGeneration") == 3,
+    )  # fmt: skip
+    operator.check()
+
+
 def test_a_deleted_service_and_pdb_come_back_at_the_next_resync(
     cluster: Cluster, operator: InProcessOperator, cluster_namespace: str
 ) -> None:

@@ -76,6 +76,19 @@ def test_sample_from_report_keeps_the_figures() -> None:
     assert sample_from_report(report(occupancy=None)) is None
 
 
+def test_a_sample_tells_no_forecast_yet_from_not_growing() -> None:
+    # The contract's None ETA is "not growing" only when forecast_ready; before the sidecar's
+    # forecast is ready (its first polls after a start or restart) it is "no forecast yet".
+    pending = usable(sample_from_report(report(eta_seconds=None, forecast_ready=False)))
+    flat = usable(sample_from_report(report(eta_seconds=None, forecast_ready=True)))
+    assert pending is not None and pending.eta_seconds is None and not pending.forecast_ready
+    assert flat is not None and flat.eta_seconds is None and flat.forecast_ready
+    # An ETA that is no number is no forecast either, not "not growing".
+    for eta in (math.nan, -5.0):
+        s = usable(sample_from_report(report(eta_seconds=eta, forecast_ready=True)))
+        assert s is not None and s.eta_seconds is None and not s.forecast_ready, eta
+
+
 def test_promql_is_one_query_with_every_series_tagged() -> None:
     q = promql(ScrapeTarget(namespace='we"ird', name="chat"))
     assert q.count(" or ") == 16
@@ -109,6 +122,13 @@ def test_parse_prometheus_vector() -> None:
     assert a.eta_seconds is None and a.hit_ratio is None and a.engine_up
     assert (a.waiting, a.preemption_rate, a.capacity_blocks, a.sampled_at) == (3, 0.25, 2000, 95.5)
     assert b.eta_seconds == 40 and not b.engine_up and b.sampled_at == 100.0
+    # +Inf: a forecast that says not growing; no ETA series: the sidecar has no forecast yet.
+    assert a.forecast_ready and b.forecast_ready
+    doc["data"]["result"] = [vec("d", "occupancy", "0.5"), vec("e", "occupancy", "0.5"),
+                             vec("e", "eta", "NaN")]  # fmt: skip
+    out = parse_prometheus(doc)
+    assert not out["d"].forecast_ready and out["d"].eta_seconds is None
+    assert not out["e"].forecast_ready and out["e"].eta_seconds is None
     with pytest.raises(MetricsError, match="bad_data"):
         parse_prometheus({"status": "error", "error": "bad_data: parse error"})
 

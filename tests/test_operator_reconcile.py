@@ -10,13 +10,20 @@ import pytest
 from headroom.contract.budget.memory import activation_reserve_bytes
 from headroom.contract.budget.presets import gpu_preset, model_preset
 from headroom.contract.demand import DemandRates
+from headroom.contract.report import SaturationReport
 from headroom.operator.kube import KubeError
 from headroom.operator.reconcile.children import FIELD_MANAGER, SELECTOR_LABEL
 from headroom.operator.reconcile.loop import HANDOFF_MANAGER, apply_failed, reconcile
 from headroom.operator.reconcile.sizing import parse
 from headroom.operator.scaling.decide import Memory, PodSample
 from headroom.operator.scaling.loop import last_changes, tick
-from headroom.operator.scaling.metrics_sources import MetricsError, PodInfo, ScrapeTarget
+from headroom.operator.scaling.metrics_sources import (
+    MetricsError,
+    PodInfo,
+    ScrapeTarget,
+    sample_from_report,
+    usable,
+)
 from headroom.operator.status import RECONCILE_MANAGER, SCALING_MANAGER, get_condition
 
 NOW = 1_700_000_000.0
@@ -414,6 +421,62 @@ async def test_tick_reports_saturation_at_max() -> None:
     assert kube.scales == []
     assert cond(res.outcome.status, "ScalingLimited")["reason"] == "AtMaxReplicas"
     assert cond(res.outcome.status, "KVSaturated")["status"] == "True"
+
+
+class ReportSource:
+    """Pod i answers the sidecar's /saturation report `reports[i]` (forecast_ready, eta_seconds),
+    read by the sidecar source's own parsing."""
+
+    def __init__(self, reports: list[tuple[bool, float | None]]) -> None:
+        self.reports = reports
+
+    async def sample(self, target: ScrapeTarget, pods: list[PodInfo]) -> dict[str, PodSample]:
+        out: dict[str, PodSample] = {}
+        for p, (ready, eta) in zip([p for p in pods if p.ready], self.reports, strict=False):
+            figures: dict[str, Any] = dict(
+                time=NOW, source="headroom", pod=p.name, namespace="ns", inferencedeployment="chat",
+                engine_up=True, fresh=True, age_seconds=0.5, stale_after_seconds=10.0,
+                occupancy=0.42, used_blocks=round(0.42 * BLOCKS), capacity_blocks=BLOCKS,
+                running=7, waiting=0, eta_seconds=eta, forecast_ready=ready,
+                forecast_points=9 if ready else 1, window_seconds=60.0,
+                forecast_window_seconds=30.0, engine_restarts_total=0,
+            )  # fmt: skip
+            for name, info in SaturationReport.model_fields.items():
+                if name not in figures and info.is_required():
+                    ann = str(info.annotation)
+                    figures[name] = (
+                        None if "None" in ann else False if "bool" in ann else 0 if "int" in ann
+                        else 0.0
+                    )  # fmt: skip
+            sample = usable(sample_from_report(SaturationReport(**figures), NOW))
+            assert sample is not None
+            out[p.name] = sample
+        return out
+
+
+@pytest.mark.parametrize(
+    ("reports", "column", "words"),
+    [([(False, None)] * 4, "pending", "soonest saturation no forecast yet,"),
+     ([(True, None)] * 4, "steady", "soonest saturation not growing,"),
+     ([(True, None)] * 3 + [(False, None)], "pending", "soonest saturation no forecast yet,"),
+     ([(True, 290.0)] + [(False, None)] * 3, "290s",
+      "soonest saturation 290 s (3 pod(s) with no forecast yet),"),
+     ([(True, 290.0)] + [(True, None)] * 3, "290s", "soonest saturation 290 s,")],
+)  # fmt: skip
+async def test_the_eta_is_steady_only_when_every_reporting_pod_has_a_forecast(
+    reports: list[tuple[bool, float | None]], column: str, words: str
+) -> None:
+    # A sidecar with no forecast yet (its first polls after a start or an engine restart)
+    # reports eta_seconds None with forecast_ready False: "no forecast yet", not "not growing".
+    # The ETA column read "steady" and KVSaturated "not growing" all the same.
+    kube, b = await created(SPEC)
+    res = await tick(kube, ReportSource(reports), b, parse(b["spec"]), NOW)
+    st = res.outcome.status
+    assert st["kv"]["podsReporting"] == 4
+    assert st["kv"]["eta"] == column
+    kv = cond(st, "KVSaturated")
+    assert (kv["status"], kv["reason"]) == ("False", "WithinCapacity")
+    assert words in kv["message"], kv["message"]
 
 
 async def test_a_pool_smaller_than_the_plan_is_a_condition_with_both_numbers() -> None:

@@ -35,6 +35,7 @@ from headroom.contract.ports import SIDECAR_PORT
 from headroom.contract.urls import http_url
 from headroom.operator.crd.models import GROUP, KIND, PLURAL, VERSION
 from headroom.operator.kube import Kube, KubeError, owner_of, with_retries
+from headroom.operator.readiness import READINESS_MANAGER, figures, readiness
 from headroom.operator.reconcile.apply_errors import namespace_terminating, permanent_apply_error
 from headroom.operator.reconcile.children import SELECTOR_LABEL, Owner, render
 from headroom.operator.reconcile.loop import apply_failed, reconcile
@@ -181,6 +182,9 @@ class Context:
         # The last spec generation of each owned Deployment: a newer one that renders
         # differently is drift (kubectl set image, an edit) to undo.
         self.generations: dict[tuple[str, str], int] = {}
+        # What each owned Deployment last said of readiness (see `readiness.figures`), once
+        # written or found already in the InferenceDeployment's status.
+        self.readiness: dict[tuple[str, str], tuple[object, ...]] = {}
 
     @property
     def exiting(self) -> bool:
@@ -448,7 +452,8 @@ async def _tick(
                registry=REGISTRY)  # fmt: skip
 async def owned_deployment(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     """Undo what someone else did to a Deployment this operator owns: re-create it when
-    deleted, re-apply it when its spec drifted from what the spec renders."""
+    deleted, re-apply it when its spec drifted from what the spec renders. A change of its
+    readiness goes to the InferenceDeployment's Ready and replica counts at once."""
     ctx = _ctx(memo)
     obj: dict[str, Any] = dict(event["object"])
     meta: dict[str, Any] = obj.get("metadata", {})
@@ -458,12 +463,16 @@ async def owned_deployment(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> N
         return
     if event["type"] == "DELETED":
         ctx.generations.pop(key, None)
+        ctx.readiness.pop(key, None)
     else:
         generation = int(meta.get("generation") or 0)
         seen = ctx.generations.get(key)
         ctx.generations[key] = generation
         if seen is None or generation <= seen:
-            return  # first sight (the resume handler reconciles) or no spec change
+            # First sight (the resume handler reconciles) or no spec change.
+            if seen is not None and not ctx.exiting:
+                await _refresh_readiness(ctx, key, owner["name"], obj)
+            return
     body = await asyncio.to_thread(ctx.kube.get, f"{GROUP}/{VERSION}", KIND, key[0], owner["name"])
     if body is None or body["metadata"].get("deletionTimestamp"):
         return
@@ -479,6 +488,36 @@ async def owned_deployment(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> N
     except kopf.TemporaryError as exc:
         log.warning("re-applying %s/%s: %s", key[0], owner["name"], exc,
                     extra=log_fields(key[0], owner["name"]))  # fmt: skip
+
+
+async def _refresh_readiness(
+    ctx: Context, key: tuple[str, str], owner: str, deployment: dict[str, Any]
+) -> None:
+    """Write Ready and the replica counts the Deployment's status now implies, if they moved
+    (`headroom.operator.readiness`). A write that meets a newer InferenceDeployment (a
+    reconcile or a tick wrote in between) is dropped: both write the same from fresher reads."""
+    now_figures = figures(deployment)
+    if ctx.readiness.get(key) == now_figures:
+        return
+    body = await asyncio.to_thread(ctx.kube.get, f"{GROUP}/{VERSION}", KIND, key[0], owner)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return
+    outcome = readiness(body, deployment, ctx.clock())
+    if outcome is not None:
+        version = body["metadata"].get("resourceVersion")
+        try:
+            await asyncio.to_thread(
+                with_retries,
+                lambda: ctx.kube.apply_status(owner_of(body), outcome.status,
+                                              field_manager=READINESS_MANAGER,
+                                              resource_version=version),
+                conflicts=False,
+            )  # fmt: skip
+        except KubeError as exc:
+            log.debug("readiness of %s/%s not written: %s", key[0], owner, exc,
+                      extra=log_fields(key[0], owner))  # fmt: skip
+            return
+    ctx.readiness[key] = now_figures
 
 
 def _drifted(body: dict[str, Any], live: dict[str, Any]) -> bool:

@@ -177,14 +177,23 @@ class Kube:
         return out
 
     def apply_status(
-        self, owner: Owner, status: dict[str, Any], *, field_manager: str
+        self,
+        owner: Owner,
+        status: dict[str, Any],
+        *,
+        field_manager: str,
+        resource_version: str | None = None,
     ) -> dict[str, Any]:
         """Server-side apply of an InferenceDeployment's status subresource: `field_manager`
-        owns exactly the fields in `status` (conditions are a list keyed by type)."""
+        owns exactly the fields in `status` (conditions are a list keyed by type). With
+        `resource_version`, a 409 if the object changed since it was read at that version."""
+        metadata = {"name": owner.name, "namespace": owner.namespace}
+        if resource_version is not None:
+            metadata["resourceVersion"] = resource_version
         obj = {
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": KIND,
-            "metadata": {"name": owner.name, "namespace": owner.namespace},
+            "metadata": metadata,
             # An apply has no null: a field left out is a field this manager no longer owns.
             "status": without_nulls(status),
         }
@@ -322,7 +331,12 @@ class KubeAPI(Protocol):
     def served_kinds(self, group_version: str, ttl: float | None = None) -> frozenset[str]: ...
 
     def apply_status(
-        self, owner: Owner, status: dict[str, Any], *, field_manager: str
+        self,
+        owner: Owner,
+        status: dict[str, Any],
+        *,
+        field_manager: str,
+        resource_version: str | None = None,
     ) -> dict[str, Any]: ...
 
     def scale(self, namespace: str, name: str, replicas: int, *, field_manager: str) -> int: ...

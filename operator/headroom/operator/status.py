@@ -110,13 +110,30 @@ class Outcome:
 def ready_condition(
     deployment: dict[str, Any] | None,
 ) -> tuple[Literal["True", "False"], str, str]:
-    """(status, reason, message) of Ready from the owned Deployment."""
+    """(status, reason, message) of Ready from the owned Deployment: every replica ready on
+    its current spec, as `kubectl rollout status` has it, not only `readyReplicas` (which
+    counts the previous spec's pods while a rollout is stuck)."""
     if deployment is None:
         return "False", "NoDeployment", "no Deployment exists for this InferenceDeployment"
     want = int(deployment.get("spec", {}).get("replicas", 1) or 0)
     st = deployment.get("status", {}) or {}
     ready = int(st.get("readyReplicas", 0) or 0)
-    if want > 0 and ready >= want:
+    updated = int(st.get("updatedReplicas", 0) or 0)
+    total = int(st.get("replicas", 0) or 0)
+    generation = deployment.get("metadata", {}).get("generation")
+    seen = st.get("observedGeneration")
+    unseen = generation is not None and (seen is None or int(seen) < int(generation))
+    if unseen and total:
+        return "False", "RollingOut", (
+            f"the Deployment's controller has not yet acted on its new spec; {ready}/{want} "
+            "replicas ready on the previous one"
+        )  # fmt: skip
+    if total > updated:
+        return "False", "RollingOut", (
+            f"{updated}/{want} replicas on the current spec, {total - updated} of the "
+            f"previous one left; {ready} ready"
+        )  # fmt: skip
+    if want > 0 and ready >= want and not unseen:
         return "True", "AllReplicasReady", f"{ready}/{want} replicas ready"
     return "False", "ReplicasNotReady", f"{ready}/{want} replicas ready"
 

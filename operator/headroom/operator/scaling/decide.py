@@ -86,7 +86,7 @@ class PodSample:
 
     occupancy: float
     sampled_at: float  # unix seconds
-    eta_seconds: float | None = None  # None: not growing
+    eta_seconds: float | None = None  # None: not growing, or no forecast yet (forecast_ready)
     waiting: int = 0
     running: int = 0
     preemption_rate: float = 0.0  # preemptions per second over the last minute
@@ -97,6 +97,9 @@ class PodSample:
     engine_up: bool = True
     demand: DemandRates | None = None  # the demand counters' rates over the sidecar's window
     counters: CounterSample | None = None  # the demand counters themselves (cumulative)
+    # False while the source has no saturation forecast for the pod (its first polls after a
+    # start or an engine restart): then a None eta_seconds says nothing about growth.
+    forecast_ready: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +219,7 @@ class DecisionFigures:
     mean_occupancy: float | None = None
     max_occupancy: float | None = None
     min_eta_seconds: float | None = None
+    forecast_pending: int = 0  # reporting pods with no saturation forecast yet
     waiting: int = 0
     preemption_rate: float = 0.0
     hit_ratio: float | None = None
@@ -582,6 +586,7 @@ def _with_figures(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Decis
         mean_occupancy=d.mean_occupancy,
         max_occupancy=max_occ,
         min_eta_seconds=d.min_eta,
+        forecast_pending=sum(not s.forecast_ready for s in samples),
         waiting=d.waiting,
         preemption_rate=d.preempt,
         hit_ratio=sum(hits) / len(hits) if hits else None,

@@ -139,7 +139,7 @@ def kv_status(d: Decision, now: float) -> dict[str, Any]:
         hit_ratio=hit,
         hit_percent=round(100 * hit) if hit is not None else None,
         eta_seconds=round(eta) if eta is not None else None,
-        eta=(f"{eta:.0f}s" if eta is not None else "steady") if f.reporting else None,
+        eta=_eta_column(eta, f.forecast_pending) if f.reporting else None,
         waiting=f.waiting if f.reporting else None,
         preemption_rate_per_second=_r(f.preemption_rate) if f.reporting else None,
         pods_reporting=f.reporting,
@@ -151,6 +151,21 @@ def kv_status(d: Decision, now: float) -> dict[str, Any]:
         observed_at=rfc3339(now),
     )
     return kv.merge_patch()
+
+
+def _eta_column(eta: float | None, pending: int) -> str:
+    """status.kv.eta: the soonest saturation; with none forecast, "steady" only when every
+    reporting pod has a forecast that says not growing, "pending" while one has none yet."""
+    if eta is not None:
+        return f"{eta:.0f}s"
+    return "pending" if pending else "steady"
+
+
+def _eta_words(eta: float | None, pending: int) -> str:
+    """The soonest saturation for the KVSaturated message (see `_eta_column`)."""
+    if eta is None:
+        return "no forecast yet" if pending else "not growing"
+    return f"{eta:.0f} s" + (f" ({pending} pod(s) with no forecast yet)" if pending else "")
 
 
 def decision_record(d: Decision, current: int, now: float, applied: bool) -> dict[str, Any]:
@@ -414,7 +429,7 @@ def _conditions(
             out.events.append(Event("Warning", "KVSaturated", d.saturated_message))
         set_status_condition(body, st, "KVSaturated", "True", reason, d.saturated_message, now)
     else:
-        eta = "not growing" if f.min_eta_seconds is None else f"{f.min_eta_seconds:.0f} s"
+        eta = _eta_words(f.min_eta_seconds, f.forecast_pending)
         msg = (
             f"mean occupancy {f.mean_occupancy or 0:.0%}, max {f.max_occupancy or 0:.0%}, "
             f"soonest saturation {eta}, {f.waiting} waiting, {f.reporting}/{f.ready} pods report"

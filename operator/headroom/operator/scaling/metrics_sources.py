@@ -111,10 +111,14 @@ def usable(sample: PodSample | None) -> PodSample | None:
     hit = _finite(sample.hit_ratio)
     rate = _finite(sample.preemption_rate)
     eta = _finite(sample.eta_seconds)
+    # +Inf is "not growing"; a NaN or negative ETA is no forecast at all (not "not growing").
+    raw_eta = sample.eta_seconds
+    no_forecast = raw_eta is not None and (math.isnan(raw_eta) or raw_eta < 0)
     return replace(
         sample,
         occupancy=min(occ, 1.0),
-        eta_seconds=eta if eta is not None and eta >= 0 else None,  # None: not growing
+        eta_seconds=eta if eta is not None and eta >= 0 else None,
+        forecast_ready=sample.forecast_ready and not no_forecast,
         preemption_rate=rate if rate is not None and rate >= 0 else 0.0,
         hit_ratio=hit if hit is not None and 0.0 <= hit <= 1.0 else None,
         growth_blocks_per_second=_finite(sample.growth_blocks_per_second),
@@ -190,6 +194,8 @@ def sample_from_report(
         occupancy=report.occupancy,
         sampled_at=_reading_time(report, received_at),
         eta_seconds=report.eta_seconds,
+        # The contract's None ETA is "not growing" only with a ready forecast.
+        forecast_ready=report.forecast_ready,
         waiting=report.waiting or 0,
         running=report.running or 0,
         preemption_rate=report.preemption_rate_per_second or 0.0,
@@ -403,6 +409,9 @@ def parse_prometheus(
             occupancy=occ,
             sampled_at=at,
             eta_seconds=fig.get("eta"),  # usable() drops NaN and +Inf (not growing)
+            # The sidecar exports the ETA gauge only once its forecast is ready (+Inf when not
+            # growing; README, "Where the figures come from"): no series is no forecast yet.
+            forecast_ready="eta" in fig,
             waiting=count("waiting") or 0,
             running=count("running") or 0,
             preemption_rate=fig.get("preempt", 0.0),
