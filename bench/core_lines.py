@@ -3,7 +3,10 @@ lines, comments or docstrings (a line counts when a token other than a comment o
 starts or continues on it).
 
 The core is what issue 21 names: the block pool, the prefix cache, the KV manager, the
-scheduler (with the step it hands the model runner) and the sequence. nano-vllm's equivalent is
+scheduler (with the step it hands the model runner), the sequence, and the admission rule the
+scheduler shares with the simulator. Every headroom module the core imports is either counted
+or excused by name in NOT_CORE; an unlisted one is a MISS, so splitting code out of the core
+cannot shrink the count. nano-vllm's equivalent is
 its `nanovllm/engine/` `block_manager.py`, `scheduler.py` and `sequence.py` at the version with
 chunked prefill (120, 92 and 83 lines in all), read with the search tool and counted by
 `code_lines` below; it cannot be fetched at run time, so its counts are pinned here. Features
@@ -23,15 +26,25 @@ import io
 import tokenize
 from pathlib import Path
 
-ENGINE = Path(__file__).resolve().parent.parent / "engine" / "headroom" / "engine"
-CORE = (
-    "block_pool.py",
-    "prefix_cache.py",
-    "kv_manager.py",
-    "scheduler.py",
-    "scheduled.py",
-    "sequence.py",
-)
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = ROOT / "engine" / "headroom" / "engine"
+CORE = {
+    "block_pool.py": ENGINE / "block_pool.py",
+    "prefix_cache.py": ENGINE / "prefix_cache.py",
+    "kv_manager.py": ENGINE / "kv_manager.py",
+    "scheduler.py": ENGINE / "scheduler.py",
+    "scheduled.py": ENGINE / "scheduled.py",
+    "sequence.py": ENGINE / "sequence.py",
+    # The admission rule (a free slot, the watermark), shared with the simulator.
+    "admission.py": ROOT / "contract" / "headroom" / "contract" / "admission.py",
+}
+# Modules of headroom the core imports that are not core, each with why: nano-vllm keeps the
+# same in its config and engine, outside the three files counted.
+NOT_CORE = {
+    "headroom.engine.config": "the engine's configuration (nano-vllm: config.py)",
+    "headroom.engine.errors": "the request-rejection exception",
+    "headroom.engine.validation": "request validation at the API (nano-vllm: llm_engine.py)",
+}
 # nano-vllm (GeeeekExplorer/nano-vllm, nanovllm/engine/), code lines by `code_lines`.
 NANO_VLLM = {"block_manager.py": 102, "scheduler.py": 78, "sequence.py": 65}
 TARGET_RATIO = 2.0
@@ -70,14 +83,27 @@ def code_lines(source: str) -> int:
     return len(lines)
 
 
+def uncounted() -> list[str]:
+    """headroom modules the core imports that are neither counted nor excused in NOT_CORE: a
+    module split out of the core would otherwise leave the count."""
+    counted = {f"headroom.{p.parent.name}.{p.stem}" for p in CORE.values()}
+    found: set[str] = set()
+    for path in CORE.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("headroom."):
+                found.add(node.module or "")
+    return sorted(found - counted - NOT_CORE.keys())
+
+
 def main() -> int:
-    ours = {name: code_lines((ENGINE / name).read_text()) for name in CORE}
+    ours = {name: code_lines(path.read_text()) for name, path in CORE.items()}
     total, theirs = sum(ours.values()), sum(NANO_VLLM.values())
     ratio = total / theirs
-    verdict = "PASS" if ratio <= TARGET_RATIO else "MISS"
+    missing = uncounted()
+    verdict = "PASS" if ratio <= TARGET_RATIO and not missing else "MISS"
     print("engine core vs nano-vllm, code lines (no blanks, comments or docstrings)")
     print()
-    print(f"{'headroom.engine':<22}{'lines':>7}    {'nano-vllm':<20}{'lines':>7}")
+    print(f"{'headroom':<22}{'lines':>7}    {'nano-vllm':<20}{'lines':>7}")
     print("-" * 60)
     rows = max(len(ours), len(NANO_VLLM))
     left, right = list(ours.items()), list(NANO_VLLM.items())
@@ -88,7 +114,9 @@ def main() -> int:
     print("-" * 60)
     print(f"{'total':<22}{total:>7}    {'total':<20}{theirs:>7}")
     print()
-    print(f"ratio {ratio:.2f}x (target <= {TARGET_RATIO:g}x): {verdict}")
+    if missing:
+        print(f"imported by the core but neither counted nor excused: {', '.join(missing)}")
+    print(f"ratio {ratio:.3f}x (target <= {TARGET_RATIO:g}x): {verdict}")
     return 0 if verdict == "PASS" else 1
 
 

@@ -255,7 +255,7 @@ def test_abort_frees_blocks_at_once_for_waiting_and_running_sequences() -> None:
     )
     assert sched.finish(waiting.seq_id) and not sched.has_unfinished()
     assert not sched.finish(waiting.seq_id) and not sched.finish(12345)
-    assert running.seq_id not in sched._seqs
+    assert running.seq_id not in sched.seqs
 
 
 def test_abort_while_the_step_runs_is_skipped_by_update() -> None:
@@ -447,3 +447,52 @@ def test_a_queue_blocked_on_a_full_pool_does_not_walk_the_heads_prefix_every_ste
     assert walks == [] and len(sched.waiting) == 1
     drive(sched, sim)
     assert walks and not sched.has_unfinished()
+
+
+class _Compared(Sequence):
+    compared = 0
+
+    def __eq__(self, other: object) -> bool:
+        _Compared.compared += 1
+        return self is other
+
+    __hash__ = Sequence.__hash__
+
+
+def test_aborting_sequences_deep_in_the_queue_does_not_scan_it() -> None:
+    # A client that goes away takes its waiting sequences from anywhere in the queue; a
+    # deque's `remove` compared each against every sequence ahead of it, on the engine thread
+    # (3.5 s for a 4,096-sequence request behind 28,672 others, every stream paused).
+    sched, sim = make(num_blocks=64, max_num_seqs=4)
+    seqs = [_Compared(f"r{i}", [i % VOCAB + 1], 2) for i in range(2_000)]
+    for s in seqs:
+        sched.add(s)
+    _Compared.compared = 0
+    for s in seqs[1_000:1_010]:
+        assert sched.finish(s.seq_id) and not sched.finish(s.seq_id)
+    assert _Compared.compared == 0
+    assert scheduler_stats(sched).requests.waiting == 1_990 == len(sched.seqs)
+    admitted: list[Sequence] = []
+    while sched.has_unfinished():
+        admitted += [e.seq for e in step(sched, sim).scheduled if e.start == 0]
+    assert admitted == seqs[:1_000] + seqs[1_010:], "first come, first served, aborted skipped"
+    assert not sched.waiting and sched.kv.pool.num_used == 0
+
+
+def test_a_sequence_aborted_while_it_waits_behind_a_preempted_one_is_never_admitted() -> None:
+    sched, sim = make(num_blocks=6, block_size=4, max_model_len=24, watermark=0.0)
+    a, b, c = (seq(7, max_tokens=12, start=10 * i) for i in range(3))
+    for s in (a, b, c):
+        sched.add(s)
+    step(sched, sim)
+    late = seq(3, max_tokens=2, start=90)
+    sched.add(late)
+    step(sched, sim)
+    out = sched.schedule()
+    assert out.preempted == [c]
+    sched.update(out, {k: sample(v) for k, v in sim.run(out).items()})
+    assert sched.finish(late.seq_id) and sched.finish(c.seq_id)
+    assert scheduler_stats(sched).requests.waiting == 0 and sched.has_unfinished()
+    while sched.has_unfinished():
+        assert not {late, c} & {e.seq for e in step(sched, sim).scheduled}
+    assert sched.kv.pool.num_used == 0 and late.status is SequenceStatus.FINISHED

@@ -225,7 +225,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.sched.finish(seq_id)
         seq = self.live.pop(seq_id)
         assert seq.status is SequenceStatus.FINISHED and not seq.block_table
-        assert seq_id not in self.sched._seqs
+        assert seq_id not in self.sched.seqs
         assert not self.sched.finish(seq_id), "a second abort is a no-op"
         self.stopped.add(seq_id)
 
@@ -287,7 +287,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         if cache is None:
             assert stats.prefix_cache.queries_tokens_total == 0 and pool.num_cached == 0
         assert stats.requests.running == len(sched.running)
-        assert stats.requests.waiting == len(sched.waiting)
+        waiting = [s for s in sched.waiting if s.status is SequenceStatus.WAITING]
+        assert stats.requests.waiting == len(waiting) == len(sched.seqs) - len(sched.running)
 
     @invariant()
     def check_sequences(self) -> None:
@@ -300,7 +301,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert all(0 <= t < VOCAB for t in seq.output_token_ids)
             # Every computed position holds this sequence's own KV.
             self.sim.check(seq, seq.num_computed_tokens)
-        assert set(self.live) == {s.seq_id for s in [*sched.waiting, *sched.running]}
+        # A sequence finished while it waited stays in the queue until it reaches the front.
+        waiting = [s for s in sched.waiting if s.status is SequenceStatus.WAITING]
+        assert set(self.live) == {s.seq_id for s in [*waiting, *sched.running]} == set(sched.seqs)
 
 
 SchedulerMachine.TestCase.settings = settings(

@@ -72,7 +72,9 @@ def scheduler_stats(scheduler: Scheduler, bytes_per_token: int = 0) -> Scheduler
             queries_tokens_total=cache.queries_tokens_total if cache else 0,
             hits_tokens_total=cache.hits_tokens_total if cache else 0,
         ),
-        requests=RequestStats(running=len(scheduler.running), waiting=len(scheduler.waiting)),
+        requests=RequestStats(
+            running=len(scheduler.running), waiting=len(scheduler.seqs) - len(scheduler.running)
+        ),
         preemptions_total=scheduler.preemptions_total,
         steps_total=scheduler.steps_total,
         last_step_schedule_seconds=scheduler.last_step_schedule_seconds,
