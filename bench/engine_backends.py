@@ -77,13 +77,16 @@ def llama_1b_config() -> ModelConfig:
     )
 
 
+MODELS = ("tiny", "llama-1b")
+
+
 def load(name: str, device: torch.device) -> LoadedModel:
     """The model with random weights, built on `device` (bf16 on a GPU, fp32 on the CPU)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if name == "tiny":
         return load_model("tiny", str(dtype).removeprefix("torch."), device)
     if name != "llama-1b":
-        raise ValueError(f"unknown model {name!r} (tiny, llama-1b)")
+        raise ValueError(f"unknown model {name!r} ({', '.join(MODELS)})")
     cfg = llama_1b_config()
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -284,13 +287,31 @@ def fp8_row(
 
 
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+    """An argparse `type` for a comma list of batch sizes, each at least 1."""
+    out = [positive_int(x.strip()) for x in text.split(",") if x.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError("needs at least one batch size")
+    return out
+
+
+def _models(text: str) -> list[str]:
+    """An argparse `type` for a comma list of the models this bench builds."""
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    known = ", ".join(MODELS)
+    for name in out:
+        if name not in MODELS:
+            raise argparse.ArgumentTypeError(f"unknown model {name!r} (one of {known})")
+    if not out:
+        raise argparse.ArgumentTypeError(f"needs at least one model ({known})")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    ap.add_argument("--models", default=None, help="default: tiny,llama-1b (GPU), tiny (CPU)")
+    ap.add_argument(
+        "--models", type=_models, default=None, help="default: tiny,llama-1b (GPU), tiny (CPU)"
+    )
     ap.add_argument("--batches", type=_ints, default=None, help="default: 1,8,64 (GPU), 1,8")
     ap.add_argument("--new-tokens", type=positive_int, default=None, help="default: 128 (GPU), 16")
     ap.add_argument("--prompt-len", type=positive_int, default=None, help="default: 128 (GPU), 16")
@@ -309,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--device cuda: torch sees no CUDA GPU")
     device = torch.device(name)
     gpu = device.type == "cuda"
-    args.models = (args.models or ("tiny,llama-1b" if gpu else "tiny")).split(",")
+    args.models = args.models or (["tiny", "llama-1b"] if gpu else ["tiny"])
     args.batches = args.batches or ([1, 8, 64] if gpu else [1, 8])
     args.new_tokens = args.new_tokens or (128 if gpu else 16)
     args.prompt_len = args.prompt_len or (128 if gpu else 16)

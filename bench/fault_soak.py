@@ -226,12 +226,26 @@ def _errors(c: Counter[str]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(c.items())) or "-"
 
 
+def probability(text: str) -> float:
+    """An argparse `type` for the fault rate: a probability p with 0 < p <= 1 (at 0 no fault
+    is injected and the soak has nothing to grade)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a probability in (0, 1], got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     ap.add_argument("--requests", type=positive_int, default=200, help="requests per seed")
     ap.add_argument("--concurrency", type=positive_int, default=8)
-    ap.add_argument("--fault-rate", type=float, default=0.01, help="per-step forward failure p")
+    ap.add_argument(
+        "--fault-rate", type=probability, default=0.01, help="per-step forward failure p"
+    )
     args = ap.parse_args(argv)
     # Each injected fault logs an error in the engine; the table counts them instead.
     logging.getLogger("headroom").setLevel(logging.CRITICAL)

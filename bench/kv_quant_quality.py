@@ -440,8 +440,32 @@ def retrieval_rows(
     return lines
 
 
+# The shortest context a needle prompt fits (`kv_check.check.needle_prompts` refuses shorter
+# ones, after the model is built and calibrated): BOS, at least one filler token, the fact
+# "the pass key for | KEY is | VALUE | ." (7 tokens: the retrieval model's tokenizer has one
+# token per word, "KEY is" merged) and the question "what is the pass key for KEY ? the pass
+# key for | KEY is" (13 tokens). tests/test_bench_guards.py checks it against the check.
+MIN_RETRIEVAL_CONTEXT = 1 + 1 + 7 + 13
+
+
 def parse_contexts(text: str) -> tuple[int, ...]:
-    return tuple(int(p[:-1]) * 1024 if p.endswith("k") else int(p) for p in text.split(","))
+    """An argparse `type` for `--retrieval-contexts`: "512,1k,4k" -> (512, 1024, 4096), each
+    at least `MIN_RETRIEVAL_CONTEXT` tokens (refused here, not after minutes of work)."""
+    out = []
+    for part in text.split(","):
+        p = part.strip().lower()
+        try:
+            n = int(p[:-1]) * 1024 if p.endswith("k") else int(p)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part.strip()!r} is not a length like 512 or 4k"
+            ) from None
+        if n < MIN_RETRIEVAL_CONTEXT:
+            raise argparse.ArgumentTypeError(
+                f"{part.strip()!r}: a needle prompt needs at least {MIN_RETRIEVAL_CONTEXT} tokens"
+            )
+        out.append(n)
+    return tuple(out)
 
 
 def main(argv: list[str] | None = None) -> int:

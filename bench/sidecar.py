@@ -35,7 +35,7 @@ from pathlib import Path
 from aiohttp import ClientSession, web
 from prometheus_client import generate_latest
 
-from bench.verdicts import Verdicts
+from bench.verdicts import Verdicts, positive_int
 from headroom.contract.forecast import forecast_saturation
 from headroom.sidecar.collector import SidecarCollector, make_registry
 from headroom.sidecar.config import SidecarConfig
@@ -302,12 +302,28 @@ def _pct(x: float) -> str:
     return "inf" if math.isinf(x) else f"{100 * x:.1f} %"
 
 
-def main() -> int:
+def positive_seconds(text: str) -> float:
+    """An argparse `type` for a measurement length: a finite number of seconds above 0 (none
+    would measure nothing and grade it)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cpu-seconds", type=float, default=20.0, help="CPU measurement length")
-    ap.add_argument("--seeds", type=int, default=20, help="random series per ramp scenario")
-    ap.add_argument("--renders", type=int, default=2000)
-    args = ap.parse_args()
+    ap.add_argument(
+        "--cpu-seconds", type=positive_seconds, default=20.0, help="CPU measurement length"
+    )
+    ap.add_argument(
+        "--seeds", type=positive_int, default=20, help="random series per ramp scenario"
+    )
+    ap.add_argument("--renders", type=positive_int, default=2000, help="/metrics renders timed")
+    args = ap.parse_args(argv)
 
     print(
         f"headroom sidecar benchmark — {os.cpu_count()} CPU cores, Python "

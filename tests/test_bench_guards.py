@@ -24,6 +24,18 @@ def _exits_2(main: Any, argv: list[str], capsys: pytest.CaptureFixture[str]) -> 
     return capsys.readouterr().err
 
 
+@pytest.fixture
+def parse_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arguments that parse stop the test instead of starting the bench's real work."""
+    parse = argparse.ArgumentParser.parse_args
+
+    def checked(self: argparse.ArgumentParser, *a: Any, **k: Any) -> Any:
+        args = parse(self, *a, **k)
+        raise AssertionError(f"{self.prog}: parsed without an error: {args}")
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", checked)
+
+
 def test_at_least_refuses_smaller_counts_and_non_integers() -> None:
     assert positive_int("3") == 3
     assert at_least(0)("0") == 0
@@ -32,31 +44,74 @@ def test_at_least_refuses_smaller_counts_and_non_integers() -> None:
             positive_int(bad)
 
 
+_AT_LEAST_1 = "must be at least 1, got 0"
+
+
 @pytest.mark.parametrize(
-    ("module", "argv"),
+    ("module", "argv", "reason"),
     [
-        ("kv_waste", ["--requests", "0"]),
-        ("cpu_attention", ["--reps", "0"]),
-        ("cpu_attention", ["--threads", "0"]),
-        ("hf_pipeline", ["--rounds", "0"]),
-        ("hf_pipeline", ["--requests", "0"]),
-        ("kv_pool", ["--repeats", "0"]),
-        ("prefix_trace", ["--requests", "0"]),
-        ("kv_quant_quality", ["--decode", "0"]),
-        ("kv_quant_quality", ["--context", "0"]),
-        ("fault_soak", ["--requests", "0"]),
-        ("fault_soak", ["--concurrency", "0"]),
-        ("engine_backends", ["--long-batch", "0"]),
+        ("kv_waste", ["--requests", "0"], _AT_LEAST_1),
+        ("cpu_attention", ["--reps", "0"], _AT_LEAST_1),
+        ("cpu_attention", ["--threads", "0"], _AT_LEAST_1),
+        ("hf_pipeline", ["--rounds", "0"], _AT_LEAST_1),
+        ("hf_pipeline", ["--requests", "0"], _AT_LEAST_1),
+        ("kv_pool", ["--repeats", "0"], _AT_LEAST_1),
+        ("prefix_trace", ["--requests", "0"], _AT_LEAST_1),
+        ("kv_quant_quality", ["--decode", "0"], _AT_LEAST_1),
+        ("kv_quant_quality", ["--context", "0"], _AT_LEAST_1),
+        ("kv_quant_quality", ["--retrieval-contexts", "0"], "needs at least 22 tokens"),
+        ("kv_quant_quality", ["--retrieval-contexts", "512,21"], "'21': a needle prompt needs"),
+        ("kv_quant_quality", ["--retrieval-contexts", "1k,x"], "'x' is not a length"),
+        ("fault_soak", ["--requests", "0"], _AT_LEAST_1),
+        ("fault_soak", ["--concurrency", "0"], _AT_LEAST_1),
+        ("fault_soak", ["--fault-rate", "-1"], "must be a probability in (0, 1], got -1"),
+        ("fault_soak", ["--fault-rate", "0"], "must be a probability in (0, 1], got 0"),
+        ("fault_soak", ["--fault-rate", "1.5"], "must be a probability in (0, 1], got 1.5"),
+        ("engine_backends", ["--long-batch", "0"], _AT_LEAST_1),
+        ("engine_backends", ["--batches", "0"], _AT_LEAST_1),
+        ("engine_backends", ["--batches", "1,-8"], "must be at least 1, got -8"),
+        ("engine_backends", ["--batches", ","], "needs at least one batch size"),
+        ("engine_backends", ["--models", "foo"], "unknown model 'foo' (one of tiny, llama-1b)"),
+        ("engine_backends", ["--models", "tiny,foo"], "unknown model 'foo'"),
+        ("sidecar", ["--seeds", "0"], _AT_LEAST_1),
+        ("sidecar", ["--renders", "0"], _AT_LEAST_1),
+        ("sidecar", ["--cpu-seconds", "0"], "must be a positive number of seconds, got 0"),
+        ("sidecar", ["--cpu-seconds", "nan"], "must be a positive number of seconds, got nan"),
     ],
 )
-def test_degenerate_counts_exit_2_with_a_message(
-    module: str, argv: list[str], capsys: pytest.CaptureFixture[str]
+@pytest.mark.usefixtures("parse_only")
+def test_degenerate_arguments_exit_2_with_a_message(
+    module: str, argv: list[str], reason: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import importlib
 
     bench = importlib.import_module(f"bench.{module}")
     err = _exits_2(bench.main, argv, capsys)
-    assert f"{argv[0]}: must be at least 1, got 0" in err
+    assert f"argument {argv[0]}: " in err and reason in err, err
+
+
+def test_kv_quant_quality_shortest_retrieval_context_is_the_needle_checks(
+    tmp_path: Any,
+) -> None:
+    """`MIN_RETRIEVAL_CONTEXT` is the shortest context `needle_prompts` takes with the
+    retrieval model's own tokenizer (built here without the model)."""
+    from bench import kv_quant_quality as bench
+    from headroom.engine.kv_check import check
+    from headroom.engine.kv_check import retrieval_model as rm
+    from headroom.engine.kv_check.prompts import Haystacks
+    from headroom.engine.model.tokenizer import HFTokenizer
+
+    rm.write_tokenizer(tmp_path, rm.TrainConfig())
+    tok = HFTokenizer(tmp_path / "tokenizer.json", bos_token_id=rm.BOS)
+    hay = Haystacks([list(range(100, 300))], tok.bos_token_id)
+    shortest = bench.MIN_RETRIEVAL_CONTEXT
+    cfg = check.CheckConfig((shortest,), bench.RETRIEVAL_PROMPTS, bench.RETRIEVAL_DEPTHS)
+    trials = check.needle_prompts(tok, hay, shortest, cfg)
+    assert len(trials) == bench.RETRIEVAL_PROMPTS * len(bench.RETRIEVAL_DEPTHS)
+    assert {len(ids) for ids, _, _ in trials} == {shortest}
+    with pytest.raises(check.CheckError, match="too short for the needle"):
+        check.needle_prompts(tok, hay, shortest - 1, cfg)
+    assert bench.parse_contexts("22, 512,1k") == (shortest, 512, 1024)
 
 
 # --- fault_soak: an error is explained by its injected cause only -------------------------
@@ -153,6 +208,88 @@ def test_cpu_attention_clock_is_the_process_with_more_than_one_thread() -> None:
     assert bench.cpu_clock(1) is time.thread_time
     assert bench.cpu_clock(2) is time.process_time
     assert "thread" in bench.clock_name(1) and "process" in bench.clock_name(4)
+
+
+# --- cpu_attention: the dense baseline is SDPA's grouped form, the same math ----------------
+
+
+@pytest.mark.parametrize("lens", [[40, 40, 40], [64, 17, 33]])
+def test_cpu_attention_grouped_dense_baseline_is_the_gqa_math(lens: list[int]) -> None:
+    from bench import cpu_attention as bench
+
+    gen = torch.Generator().manual_seed(3)
+    b, h, kv, d, n = len(lens), 8, 2, 16, max(lens)
+    q = torch.randn(b, h, d, generator=gen)
+    k, v = torch.randn(2, b, kv, n, d, generator=gen)
+    valid = torch.arange(n)[None, :] < torch.tensor(lens)[:, None]
+    mask = None if len(set(lens)) == 1 else valid[:, None, None, :]
+    scale = d**-0.5
+    grouped = bench.dense_attention(q, k, v, mask, scale)
+    assert torch.allclose(grouped, bench.dense_attention_gqa(q, k, v, mask, scale), atol=1e-6)
+    # By hand: query head j reads KV head j // (h // kv), over its own valid positions only.
+    kh = k.repeat_interleave(h // kv, dim=1)
+    vh = v.repeat_interleave(h // kv, dim=1)
+    scores = torch.einsum("bhd,bhnd->bhn", q, kh) * scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    by_hand = torch.einsum("bhn,bhnd->bhd", scores.softmax(-1), vh)
+    assert torch.allclose(grouped, by_hand, atol=1e-5)
+
+
+# --- cpu_attention: a wrong kernel misses whatever its speed ---------------------------------
+
+
+def test_cpu_attention_grades_correctness_apart_from_speed() -> None:
+    from bench import cpu_attention as bench
+
+    assert bench.grade_row(1.0, 3e-7) == []
+    assert bench.grade_row(2.0, 3e-7) == ["slow: ratio 2.00 > 1.5"]
+    assert bench.grade_row(0.5, 0.3) == ["wrong output: max|diff| 3.0e-01 > 1e-04"]
+    assert len(bench.grade_row(0.5, float("nan"))) == 1
+    assert len(bench.grade_row(2.0, 0.3)) == 2
+
+
+def test_cpu_attention_row_measures_a_wrong_kernels_difference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A paged kernel that attends to the second half of each context only (half the work,
+    the wrong output) gives a difference far over the tolerance; the right one does not."""
+    from bench import cpu_attention as bench
+    from headroom.engine.attention import TorchBackend
+
+    lens = [64, 48, 40]
+    _, _, _, right = bench.attention_row(lens, 1, torch.Generator().manual_seed(0))
+    assert not bench.grade_row(1.0, right)
+
+    class HalfContext(TorchBackend):
+        def decode(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            return super().decode(*args, sliding_window=min(lens) // 2)
+
+    monkeypatch.setattr(bench, "TorchBackend", HalfContext)
+    _, _, _, wrong = bench.attention_row(lens, 1, torch.Generator().manual_seed(0))
+    assert wrong > 100 * bench.DIFF_TOLERANCE
+    assert bench.grade_row(0.5, wrong) == [
+        f"wrong output: max|diff| {wrong:.1e} > {bench.DIFF_TOLERANCE:.0e}"
+    ]
+
+
+def test_cpu_attention_prints_miss_and_exits_1_for_a_fast_wrong_kernel(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench import cpu_attention as bench
+
+    # Every row twice as fast as dense; the mixed row's output is wrong.
+    monkeypatch.setattr(
+        bench, "attention_row", lambda lens, *a: (0.5, 1.0, 2.0, 0.2 if len(set(lens)) > 1 else 0.0)
+    )
+    monkeypatch.setattr(bench, "tiny_decode_tokens_per_s", lambda *a: (1.0, 1.0))
+    monkeypatch.setattr(bench, "pin_to_one_core", lambda: None)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    assert bench.main(["--reps", "1"]) == 1
+    captured = capsys.readouterr()
+    rows = [line for line in captured.out.splitlines() if line.strip().startswith(("512", "mixed"))]
+    assert rows[0].endswith(" PASS")
+    assert "MISS (wrong output: max|diff| 2.0e-01 > 1e-04)" in rows[1]
+    assert "4 PASS, 1 MISS" in captured.err
 
 
 # --- engine_backends: an fp8 target above the bytes ceiling is not graded -----------------
