@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from headroom.contract.budget.windows import sliding_windows
+from headroom.contract.budget.windows import model_family, sliding_windows
 from headroom.contract.jsonfile import fields_line, read_json_object
 
 WeightDtype = Literal["fp32", "bf16", "fp16", "fp8", "int8", "int4"]
@@ -70,6 +71,9 @@ class ModelArch(BaseModel):
     # MLA (DeepSeek-V2/V3) caches one compressed latent plus a shared rope key per layer.
     kv_lora_rank: int | None = Field(default=None, ge=1, le=65536)
     qk_rope_head_dim: int | None = Field(default=None, ge=1, le=4096)
+    # DeepSeek-V3.2's sparse attention: a lightning indexer caches one fp8 key this wide (and a
+    # float32 scale per 128 of it) per layer, and vLLM stores the MLA latent as fp8_ds_mla.
+    indexer_head_dim: int | None = Field(default=None, ge=1, le=4096)
     # Sliding-window layers only ever hold `sliding_window` tokens of KV.
     sliding_window: int | None = Field(default=None, ge=1, le=100_000_000)
     num_sliding_window_layers: int = Field(default=0, ge=0, le=1024)
@@ -83,6 +87,8 @@ class ModelArch(BaseModel):
             )
         if (self.kv_lora_rank is None) != (self.qk_rope_head_dim is None):
             raise ValueError("MLA needs both kv_lora_rank and qk_rope_head_dim")
+        if self.indexer_head_dim is not None and self.kv_lora_rank is None:
+            raise ValueError("indexer_head_dim (DeepSeek-V3.2's sparse attention) needs MLA")
         if self.num_sliding_window_layers > self.num_layers:
             raise ValueError("num_sliding_window_layers exceeds num_layers")
         if self.num_sliding_window_layers and self.sliding_window is None:
@@ -133,7 +139,7 @@ def from_hf_config(
         arch = from_hf_dict(cfg, p.parent.name, num_parameters, weight_dtype)
     except ValidationError as exc:  # name each field on one line, without pydantic's links
         raise ValueError(f"{p}: {fields_line(exc)}") from None
-    except ValueError as exc:
+    except (ValueError, ConfigFieldError) as exc:
         raise ValueError(f"{p}: {exc}") from None
     except (KeyError, TypeError, ZeroDivisionError, OverflowError, AttributeError) as exc:
         # A field missing, null, zero or beyond a number: say which file, and what broke.
@@ -199,6 +205,133 @@ def quantized_weight_dtype(q: Any) -> WeightDtype | None:
     )
 
 
+def _squashed(names: Iterable[str]) -> frozenset[str]:
+    """Model types as `_family` compares them: lower case, no underscores."""
+    return frozenset(n.lower().replace("_", "") for n in names)
+
+
+def _family(cfg: dict[str, Any]) -> str:
+    """`model_family` without underscores, so that a model_type ("qwen3_next") and an
+    architecture ("Qwen3NextForCausalLM", where a config states no model_type) compare equal."""
+    return model_family(cfg).replace("_", "")
+
+
+# vLLM's MLA models (`is_deepseek_mla`, vllm/config/model.py): only these cache one latent per
+# layer. Any other model with a kv_lora_rank (MiniCPM3) projects through the low rank but
+# attends over full K and V heads, and caches those.
+MLA_MODEL_TYPES = frozenset(
+    {"deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_mtp", "kimi_k2", "longcat_flash"}
+)
+_FALCON_TYPES = _squashed({"falcon", "RefinedWeb", "RefinedWebModel"})
+# Families whose MLP is two matrices (up, down; 4 x hidden unless stated) and whose embeddings
+# are tied unless the config says otherwise (transformers' defaults for them).
+_PLAIN_MLP_TYPES = _FALCON_TYPES | _squashed({"gpt_bigcode", "gpt2"})
+_LLAMA4_TYPES = _squashed({"llama4", "llama4_text"})
+# Hybrid models: some layers hold a per-sequence recurrent state (Mamba, linear attention,
+# short convolutions) instead of KV. These keys, or these words in a per-layer type list, say so.
+_HYBRID_KEYS = (
+    "full_attention_interval",  # Qwen3-Next: every n-th layer attends, the rest are linear
+    "linear_conv_kernel_dim",
+    "attn_layer_period",  # Jamba
+    "attn_layer_offset",
+    "attn_layer_indices",  # Bamba
+    "layers_block_type",  # Jamba, Zamba
+    "hybrid_override_pattern",  # Nemotron-H
+    "ssm_cfg",
+    "attn_type_list",  # MiniMax-Text-01's lightning attention
+    "linear_attn_config",  # Kimi-Linear
+    "conv_L_cache",  # LFM2
+)
+_HYBRID_LAYER_WORDS = ("linear", "mamba", "conv", "ssm", "recurrent", "rwkv")
+_STATE_SPACE_TYPES = _squashed(
+    {"mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "xlstm", "qwen3_next",
+     "jamba", "bamba", "zamba", "zamba2", "falcon_h1", "nemotron_h", "granitemoehybrid",
+     "lfm2", "plamo2", "kimi_linear", "minimax", "minimax_text_01"}
+)  # fmt: skip
+# What transformers fills in where a published config leaves a field out (and so what vLLM,
+# which reads configs through transformers, serves): Gemma 3's text_config states no vocab_size.
+_VOCAB_DEFAULTS = {"gemma3": 262_208, "gemma3text": 262_208}
+# transformers' default width of Llama 4's dense (non-MoE) layers.
+_LLAMA4_DENSE_WIDTH = 16384
+
+
+def _types(raw: dict[str, Any]) -> set[str]:
+    """The model types a config names (`_family`): its own and its text_config's."""
+    text = raw.get("text_config")
+    return {_family(c) for c in (raw, text) if isinstance(c, dict)} - {""}
+
+
+def is_mla(raw: dict[str, Any]) -> bool:
+    """Whether vLLM runs this config's attention as MLA (`is_deepseek_mla`): one of
+    MLA_MODEL_TYPES (its own type or its text_config's), with a kv_lora_rank."""
+    text = raw.get("text_config")
+    cfg = {**(text if isinstance(text, dict) else {}), **raw}
+    return cfg.get("kv_lora_rank") is not None and bool(_types(raw) & _squashed(MLA_MODEL_TYPES))
+
+
+class ConfigFieldError(TypeError):
+    """A config.json field absent or not one number, its message naming it. A TypeError, as
+    int() of such a field raises: a reader that names the file for those names it for this."""
+
+
+def _number(cfg: dict[str, Any], *keys: str, default: int | None = None) -> int:
+    """The first of `keys` the config states, as an int; `default` where it states none.
+    ConfigFieldError naming the key where it states none and there is no default, or states
+    something other than one number (a per-layer list)."""
+    for key in keys:
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            what = "a per-layer list" if isinstance(value, list) else type(value).__name__
+            raise ConfigFieldError(
+                f"{key} is {what}, not one number: a model whose layers differ in {key} is "
+                "not sized yet"
+            )
+        try:
+            return int(value)
+        except (ValueError, OverflowError):
+            raise ConfigFieldError(f"{key}: {value!r} is not a number") from None
+    if default is None:
+        raise ConfigFieldError(
+            f"{keys[0]}: config.json states none (nor does its text_config); add it there"
+        )
+    return default
+
+
+def hybrid_marker(cfg: dict[str, Any]) -> str | None:
+    """What marks a config as a hybrid or state-space model (some or all layers keep a
+    recurrent state, not KV), or None."""
+    for key in ("layer_types", "layers_block_type", "block_types"):
+        kinds = cfg.get(key)
+        if isinstance(kinds, list):
+            for kind in kinds:
+                if isinstance(kind, str) and any(w in kind.lower() for w in _HYBRID_LAYER_WORDS):
+                    return f"{key} {kind!r}"
+    for key in _HYBRID_KEYS:
+        if cfg.get(key) is not None:
+            return key
+    for key in sorted(cfg):
+        if key.startswith("mamba_") and cfg[key] is not None:
+            return key
+    if _family(cfg) in _STATE_SPACE_TYPES:
+        return f"model_type {model_family(cfg)!r}"
+    return None
+
+
+def _kv_heads(cfg: dict[str, Any], heads: int) -> int:
+    """KV heads by vLLM's `get_total_num_kv_heads` (vllm/config/model.py): multi_query means
+    one (except a new-architecture Falcon), then n_head_kv (Falcon), num_kv_heads,
+    num_key_value_heads, multi_query_group_num (ChatGLM), else one per query head."""
+    new_falcon = _family(cfg) in _FALCON_TYPES and bool(cfg.get("new_decoder_architecture"))
+    if not new_falcon and cfg.get("multi_query"):
+        return 1
+    if cfg.get("multi_query_group_num") is not None and not cfg.get("multi_query_attention", True):
+        return heads  # ChatGLM without multi_query_attention attends with every head
+    keys = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num")
+    return _number(cfg, *keys, default=heads)
+
+
 def from_hf_dict(
     cfg: dict[str, Any],
     name: str = "custom",
@@ -206,41 +339,80 @@ def from_hf_dict(
     weight_dtype: WeightDtype | None = None,
 ) -> ModelArch:
     """The architecture record of a parsed `config.json` mapping (`name` when it names none);
-    `weight_dtype` overrides what the config says its weights are stored as."""
-    cfg = {**cfg.get("text_config", {}), **cfg}  # multimodal wrappers nest the decoder config
-    heads = int(_get(cfg, "num_attention_heads", "n_head"))
-    hidden = int(_get(cfg, "hidden_size", "n_embd"))
-    layers = int(_get(cfg, "num_hidden_layers", "n_layer"))
-    kv_heads = int(_get(cfg, "num_key_value_heads", default=heads))
-    head_dim = int(_get(cfg, "head_dim", default=hidden // heads))
-    vocab = int(cfg["vocab_size"])
-    inter = _get(cfg, "intermediate_size")
+    `weight_dtype` overrides what the config says its weights are stored as. ValueError for a
+    model this cannot size (hybrid and state-space models), naming what says so."""
+    raw = cfg
+    text = raw.get("text_config")
+    cfg = {**(text if isinstance(text, dict) else {}), **raw}  # multimodal wrappers nest it
+    if (marker := hybrid_marker(cfg)) is not None:
+        raise ValueError(
+            f"{marker}: hybrid linear-attention / state-space (Mamba) models are not sized yet "
+            "(their layers are not all KV layers, and each sequence keeps a recurrent state)"
+        )
+    types = _types(raw)
+    heads = _number(cfg, "num_attention_heads", "n_head")
+    hidden = _number(cfg, "hidden_size", "n_embd")
+    # num_layers, padded_vocab_size, ffn_hidden_size, seq_length: ChatGLM's names.
+    layers = _number(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    vocab_default = next((v for t, v in _VOCAB_DEFAULTS.items() if t in types), None)
+    vocab = _number(cfg, "vocab_size", "padded_vocab_size", default=vocab_default)
+    kv_heads = _kv_heads(cfg, heads)
+    head_dim = _number(cfg, "head_dim", default=hidden // heads)
+    inter_keys = ("intermediate_size", "ffn_hidden_size", "n_inner")
+    widths = next((cfg[k] for k in inter_keys if cfg.get(k) is not None), None)
+    if isinstance(widths, list) and widths and all(isinstance(w, int) for w in widths):
+        # Gemma 3n: one MLP width per layer, and per-layer embeddings besides.
+        if num_parameters is None:
+            raise ValueError(
+                "intermediate_size is a per-layer list: the parameter count cannot be "
+                "estimated from it; state it (headroom plan --params BILLIONS)"
+            )
+        inter: int | None = max(widths)
+    else:
+        inter = _number(cfg, *inter_keys, default=0) or None
+    mla = is_mla(raw)
+    if cfg.get("kv_lora_rank") is not None and not mla:
+        # MiniCPM3 in vLLM (minicpm3.py): K is [nope | rope] and V is padded to the same
+        # width, one pair per attention head.
+        head_dim = _number(cfg, "qk_nope_head_dim") + _number(cfg, "qk_rope_head_dim")
+        kv_heads = heads
+    # Gemma 3n: the last num_kv_shared_layers reuse earlier layers' KV and cache none.
+    kv_layers = layers - _number(cfg, "num_kv_shared_layers", default=0)
     # Counted by the rule the engine runs its attention by (windows.py).
-    windows = [w for w in sliding_windows(cfg, layers) if w is not None]
+    windows = [w for w in sliding_windows(cfg, layers)[:kv_layers] if w is not None]
     if num_parameters is None:
-        num_parameters = _parameters_of(cfg, layers, hidden, inter, heads, kv_heads, head_dim)
+        num_parameters = _parameters_of(
+            cfg, vocab, layers, hidden, inter, heads, kv_heads, head_dim
+        )
     if weight_dtype is None:
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
         weight_dtype = quantized_weight_dtype(cfg.get("quantization_config")) or DTYPE_NAMES.get(
             dtype, "bf16"
         )
+    # DeepSeek-V3.2 (vLLM tells it by index_topk): sparse attention with an indexer cache.
+    indexer = (
+        _number(cfg, "index_head_dim", default=128)
+        if mla and cfg.get("index_topk") is not None
+        else None
+    )
     return ModelArch(
         name=str(cfg.get("_name_or_path") or name or "custom"),
-        num_layers=layers,
+        num_layers=kv_layers,
         num_attention_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         hidden_size=hidden,
-        intermediate_size=int(inter) if inter else None,
+        intermediate_size=inter,
         vocab_size=vocab,
         # n_positions: GPT-2 and GPT-J's name for it (their configs map it, as n_head and n_embd).
-        max_position_embeddings=int(
-            _get(cfg, "max_position_embeddings", "n_positions", default=4096)
+        max_position_embeddings=_number(
+            cfg, "max_position_embeddings", "n_positions", "seq_length", default=4096
         ),
         num_parameters=num_parameters,
         weight_dtype=weight_dtype,
-        kv_lora_rank=_get(cfg, "kv_lora_rank"),
-        qk_rope_head_dim=_get(cfg, "qk_rope_head_dim") if _get(cfg, "kv_lora_rank") else None,
+        kv_lora_rank=_number(cfg, "kv_lora_rank") if mla else None,
+        qk_rope_head_dim=_number(cfg, "qk_rope_head_dim") if mla else None,
+        indexer_head_dim=indexer,
         sliding_window=min(windows) if windows else None,
         num_sliding_window_layers=len(windows),
     )
@@ -248,45 +420,61 @@ def from_hf_dict(
 
 def _parameters_of(
     cfg: dict[str, Any],
+    vocab: int,
     layers: int,
     hidden: int,
-    inter: Any,
+    inter: int | None,
     heads: int,
     kv_heads: int,
     head_dim: int,
 ) -> int:
     """A config's parameter count where it states none: dense, Mixtral-style MoE (every expert
-    `intermediate_size` wide) or DeepSeek/Qwen-MoE (experts `moe_intermediate_size` wide, some
-    shared, the first layers dense), with MLA's projections where it has them."""
-    vocab = int(cfg["vocab_size"])
-    dense = int(inter or 4 * hidden)
-    experts = int(_get(cfg, "num_local_experts", "n_routed_experts", "num_experts", default=1))
+    `intermediate_size` wide), Llama 4 (MoE every `interleave_moe_layer_step`-th layer with a
+    shared expert, dense layers `intermediate_size_mlp` wide) or DeepSeek/Qwen-MoE (experts
+    `moe_intermediate_size` wide, some shared, the first layers dense), with MLA's projections
+    where it has them."""
+    family = _family(cfg)
+    dense = inter or 4 * hidden
+    experts = _number(cfg, "num_local_experts", "n_routed_experts", "num_experts", default=1)
     moe_width = _get(cfg, "moe_intermediate_size")
+    llama4 = family in _LLAMA4_TYPES and experts > 1
+    plain_mlp = family in _PLAIN_MLP_TYPES
     total = estimate_parameters(
         layers,
         hidden,
-        dense if moe_width is None else 0,
+        dense if moe_width is None and not llama4 else 0,
         heads,
         kv_heads,
         head_dim,
         vocab,
-        tied=bool(cfg.get("tie_word_embeddings", False)),
+        tied=bool(cfg.get("tie_word_embeddings", plain_mlp)),
         experts=experts if moe_width is None else 1,
+        gated=not plain_mlp,
     )
-    if moe_width is not None:
-        shared = int(_get(cfg, "n_shared_experts", default=0))
+    if llama4:
+        moe_layers = cfg.get("moe_layers")
+        step = max(1, _number(cfg, "interleave_moe_layer_step", default=1))
+        moe = (
+            len(moe_layers) if isinstance(moe_layers, list) else len(range(step - 1, layers, step))
+        )
+        mlp_width = _number(cfg, "intermediate_size_mlp", default=_LLAMA4_DENSE_WIDTH)
+        # Each MoE layer: the routed experts, one shared expert as wide, the router.
+        total += moe * (3 * hidden * dense * (experts + 1) + hidden * experts)
+        total += (layers - moe) * 3 * hidden * mlp_width
+    elif moe_width is not None:
+        shared = _number(cfg, "n_shared_experts", default=0)
         if _get(cfg, "shared_expert_intermediate_size"):  # Qwen2-MoE: one wider shared expert
             shared_width = int(cfg["shared_expert_intermediate_size"])
         else:
             shared_width = shared * int(moe_width)
-        dense_layers = min(layers, int(_get(cfg, "first_k_dense_replace", default=0)))
+        dense_layers = min(layers, _number(cfg, "first_k_dense_replace", default=0))
         moe_layer = 3 * hidden * (experts * int(moe_width) + shared_width) + hidden * experts
         total += dense_layers * 3 * hidden * dense + (layers - dense_layers) * moe_layer
     if _get(cfg, "kv_lora_rank"):
         # MLA: low-rank q and kv projections replace the plain q/k/v of the estimate above.
-        rope = int(_get(cfg, "qk_rope_head_dim", default=0))
-        nope = int(_get(cfg, "qk_nope_head_dim", default=head_dim))
-        v_dim = int(_get(cfg, "v_head_dim", default=head_dim))
+        rope = _number(cfg, "qk_rope_head_dim", default=0)
+        nope = _number(cfg, "qk_nope_head_dim", default=head_dim)
+        v_dim = _number(cfg, "v_head_dim", default=head_dim)
         latent, q_rank = int(cfg["kv_lora_rank"]), _get(cfg, "q_lora_rank")
         q = (
             hidden * heads * (nope + rope)
@@ -310,9 +498,11 @@ def estimate_parameters(
     *,
     tied: bool = False,
     experts: int = 1,
+    gated: bool = True,
 ) -> int:
-    """Parameter count of a Llama-style decoder (for configs that do not state it)."""
+    """Parameter count of a Llama-style decoder (for configs that do not state it); `gated`
+    False for a two-matrix MLP (GPT-2, Falcon, StarCoder) instead of SwiGLU's three."""
     attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
-    mlp = 3 * hidden * intermediate * experts
+    mlp = (3 if gated else 2) * hidden * intermediate * experts
     embed = vocab * hidden * (1 if tied else 2)
     return layers * (attn + mlp + 2 * hidden) + embed + hidden

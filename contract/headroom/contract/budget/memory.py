@@ -4,7 +4,8 @@ bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element
 scale overhead of quantized KV. Under tensor parallelism each rank holds `ceil(kv_heads / tp)`
 heads (a head is replicated when tp > kv_heads); under pipeline parallelism each stage holds
 `ceil(layers / pp)` layers. MLA caches `(kv_lora_rank + rope_dim)` per layer, replicated on
-every TP rank. Per-GPU figures are what bind: all GPUs of a pod hold the same tokens.
+every TP rank; DeepSeek-V3.2 caches it as fp8_ds_mla (auto and fp8) or bf16, plus an indexer
+key. Per-GPU figures are what bind: all GPUs of a pod hold the same tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ KV_ELEMENT_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "
 # int8 keeps one fp32 scale per (token, kv head) for K and for V; fp8 keeps one static scale per
 # (layer, kv head), a constant that does not grow with tokens (see attention/base.py for why).
 INT8_SCALE_BYTES = 4
+# DeepSeek-V3.2's fp8 caches keep one float32 scale per this many elements.
+FP8_SCALE_GROUP = 128
+SPARSE_MLA_INT8 = (
+    "DeepSeek-V3.2 (index_topk: sparse attention) caches KV as fp8 (vLLM's fp8_ds_mla, what "
+    "auto runs too) or bf16, not int8"
+)
 
 GIB = 2**30
 
@@ -72,8 +79,27 @@ def layers_per_stage(arch: ModelArch, pp: int = 1) -> int:
     return math.ceil(arch.num_layers / pp)
 
 
+def _sparse_mla_token_bytes(arch: ModelArch, kv_dtype: KVCacheDtype) -> int:
+    """DeepSeek-V3.2's bytes per token per layer in vLLM: the MLA entry as fp8_ds_mla (fp8
+    latent, a float32 scale per 128 of it, the rope key in bf16: 656 B for 512 + 64;
+    kv_cache_interface.py, MLAAttentionSpec) or bf16, plus the indexer's fp8 key with its
+    float32 scale per 128 (132 B for 128; deepseek_v2.py, DeepseekV32IndexerCache)."""
+    assert arch.kv_lora_rank is not None and arch.qk_rope_head_dim is not None
+    assert arch.indexer_head_dim is not None
+    indexer = arch.indexer_head_dim + arch.indexer_head_dim // FP8_SCALE_GROUP * 4
+    if kv_dtype == "fp8":
+        latent = arch.kv_lora_rank + arch.kv_lora_rank // FP8_SCALE_GROUP * 4
+        return latent + arch.qk_rope_head_dim * 2 + indexer
+    if kv_dtype == "int8":
+        raise ValueError(SPARSE_MLA_INT8)
+    width = arch.kv_lora_rank + arch.qk_rope_head_dim
+    return width * KV_ELEMENT_BYTES[kv_dtype] + indexer
+
+
 def _per_layer_token_bytes(arch: ModelArch, kv_dtype: KVCacheDtype, tp: int) -> int:
     elem = KV_ELEMENT_BYTES[kv_dtype]
+    if arch.indexer_head_dim is not None:
+        return _sparse_mla_token_bytes(arch, kv_dtype)
     if arch.kv_lora_rank is not None:
         assert arch.qk_rope_head_dim is not None
         width = arch.kv_lora_rank + arch.qk_rope_head_dim

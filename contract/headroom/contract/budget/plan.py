@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from headroom.contract.budget.arch import ModelArch
 from headroom.contract.budget.memory import (
     GIB,
+    SPARSE_MLA_INT8,
     KVCacheDtype,
     KVCacheSetting,
     activation_reserve_bytes,
@@ -55,6 +56,8 @@ class PlanInput(BaseModel):
     def _check(self) -> PlanInput:
         if self.pod_gpus % self.tp:
             raise ValueError(f"tp {self.tp} does not divide gpus_per_pod {self.pod_gpus}")
+        if self.model.indexer_head_dim is not None and self.kv_dtype == "int8":
+            raise ValueError(SPARSE_MLA_INT8)
         return self
 
     @property
@@ -67,6 +70,8 @@ class PlanInput(BaseModel):
 
     @property
     def resolved_kv_dtype(self) -> KVCacheDtype:
+        if self.model.indexer_head_dim is not None and self.kv_dtype == "auto":
+            return "fp8"  # vLLM runs DeepSeek-V3.2's auto as fp8_ds_mla (models/config.py)
         # A serving runtime computes in bf16 (fp16 for fp16 checkpoints) whatever the weights.
         return kv_cache_dtype(
             self.kv_dtype, "fp16" if self.model.weight_dtype == "fp16" else "bf16"

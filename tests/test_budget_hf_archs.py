@@ -1,0 +1,276 @@
+"""`headroom plan --model-config` against what vLLM 0.11 caches for each architecture: KV heads
+by vLLM's rule, MLA only for vLLM's MLA models, DeepSeek-V3.2's sparse cache, Llama 4's weights,
+and a clear refusal where the arithmetic does not apply (hybrid and state-space models)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from headroom.contract.budget import (
+    PlanInput,
+    from_hf_config,
+    from_hf_dict,
+    kv_bytes_per_token,
+    plan,
+    sequence_kv_bytes,
+)
+from headroom.contract.cli import main
+
+# Published config.json values (the numbers that matter to the arithmetic).
+# fmt: off
+FALCON_7B = {"architectures": ["FalconForCausalLM"], "model_type": "falcon", "hidden_size": 4544,
+             "num_attention_heads": 71, "num_hidden_layers": 32, "multi_query": True,
+             "new_decoder_architecture": False, "vocab_size": 65024, "torch_dtype": "bfloat16"}
+FALCON_40B = {"architectures": ["RWForCausalLM"], "model_type": "RefinedWeb", "hidden_size": 8192,
+              "n_head": 128, "n_head_kv": 8, "n_layer": 60, "new_decoder_architecture": True,
+              "num_kv_heads": 8, "vocab_size": 65024, "torch_dtype": "bfloat16"}
+STARCODER = {"architectures": ["GPTBigCodeForCausalLM"], "model_type": "gpt_bigcode",
+             "n_embd": 6144, "n_head": 48, "n_layer": 40, "n_inner": 24576, "n_positions": 8192,
+             "multi_query": True, "vocab_size": 49152, "torch_dtype": "float32"}
+GLM4_9B = {"architectures": ["ChatGLMModel"], "model_type": "chatglm", "num_layers": 40,
+           "hidden_size": 4096, "num_attention_heads": 32, "kv_channels": 128,
+           "multi_query_attention": True, "multi_query_group_num": 2, "ffn_hidden_size": 13696,
+           "padded_vocab_size": 151552, "seq_length": 131072, "torch_dtype": "bfloat16"}
+MINICPM3_4B = {"architectures": ["MiniCPM3ForCausalLM"], "model_type": "minicpm3",
+               "hidden_size": 2560, "intermediate_size": 6400, "num_attention_heads": 40,
+               "num_key_value_heads": 40, "num_hidden_layers": 62, "kv_lora_rank": 256,
+               "q_lora_rank": 768, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
+               "v_head_dim": 64, "max_position_embeddings": 32768, "vocab_size": 73448}
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+               "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+               "n_routed_experts": 256, "n_shared_experts": 1, "first_k_dense_replace": 3,
+               "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+               "qk_rope_head_dim": 64, "v_head_dim": 128, "num_attention_heads": 128,
+               "num_key_value_heads": 128, "num_hidden_layers": 61,
+               "max_position_embeddings": 163840, "vocab_size": 129280,
+               "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}
+DEEPSEEK_V32 = {**DEEPSEEK_V3, "architectures": ["DeepseekV32ForCausalLM"],
+                "model_type": "deepseek_v32", "index_head_dim": 128, "index_n_heads": 64,
+                "index_topk": 2048}
+LLAMA4_TEXT = {"model_type": "llama4_text", "attention_chunk_size": 8192, "head_dim": 128,
+               "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+               "num_attention_heads": 40, "num_key_value_heads": 8, "num_hidden_layers": 48,
+               "num_experts_per_tok": 1, "max_position_embeddings": 1048576, "vocab_size": 202048}
+GEMMA3_27B_IT = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                 "text_config": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504,
+                                 "model_type": "gemma3_text", "num_attention_heads": 32,
+                                 "num_hidden_layers": 62, "num_key_value_heads": 16,
+                                 "sliding_window": 1024},
+                 "torch_dtype": "bfloat16"}
+_GEMMA3N_TYPES = (["sliding_attention"] * 4 + ["full_attention"]) * 7
+GEMMA3N_E4B = {"architectures": ["Gemma3nForConditionalGeneration"], "model_type": "gemma3n",
+               "text_config": {"model_type": "gemma3n_text", "hidden_size": 2048,
+                               "num_attention_heads": 8, "num_key_value_heads": 2,
+                               "num_hidden_layers": 35, "num_kv_shared_layers": 15,
+                               "head_dim": 256, "vocab_size": 262400, "sliding_window": 512,
+                               "intermediate_size": [16384] * 35,
+                               "max_position_embeddings": 32768, "layer_types": _GEMMA3N_TYPES},
+               "torch_dtype": "bfloat16"}
+QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+              "full_attention_interval": 4, "head_dim": 256, "hidden_size": 2048,
+              "intermediate_size": 5120, "linear_conv_kernel_dim": 4, "linear_num_key_heads": 16,
+              "moe_intermediate_size": 512, "num_attention_heads": 16, "num_experts": 512,
+              "num_hidden_layers": 48, "num_key_value_heads": 2, "vocab_size": 151936}
+JAMBA = {"architectures": ["JambaForCausalLM"], "model_type": "jamba", "hidden_size": 4096,
+         "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "num_hidden_layers": 32, "attn_layer_period": 8, "attn_layer_offset": 4,
+         "num_experts": 16, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+         "vocab_size": 65536}
+# A config of none of the families above, for markers on their own.
+PLAIN = {"model_type": "custom", "hidden_size": 1024, "num_attention_heads": 16,
+         "num_key_value_heads": 4, "num_hidden_layers": 8, "vocab_size": 32000}
+# fmt: on
+
+
+def write(tmp_path: Path, name: str, cfg: dict[str, object]) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:
+    rc = main(["plan", *args, "--json"])
+    out = capsys.readouterr()
+    assert rc in (0, 1), out.err
+    result: dict[str, object] = json.loads(out.out)
+    return result
+
+
+def refusal(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """stderr of a `headroom plan` that must exit 2, on one line."""
+    rc = main(["plan", *args])
+    out = capsys.readouterr()
+    assert rc == 2 and out.out == "", (rc, out.out, out.err)
+    assert "Traceback" not in out.err and out.err.count("\n") == 1, out.err
+    return out.err
+
+
+def test_kv_heads_follow_vllms_rule_multi_query_n_head_kv_and_chatglm() -> None:
+    # vLLM's get_total_num_kv_heads: multi_query is one KV head (Falcon-7B, StarCoder); a
+    # new-architecture Falcon reads n_head_kv; ChatGLM multi_query_group_num. The plan read only
+    # num_key_value_heads and priced one KV head per query head: 71x, 16x, 48x and 16x the KV.
+    cases = [
+        (FALCON_7B, 1, 32 * 2 * 1 * 64 * 2),
+        (FALCON_40B, 8, 60 * 2 * 8 * 64 * 2),
+        (STARCODER, 1, 40 * 2 * 1 * 128 * 2),
+        (GLM4_9B, 2, 40 * 2 * 2 * 128 * 2),
+        # new_decoder_architecture: multi_query is ignored, n_head_kv counts.
+        ({**FALCON_40B, "multi_query": True}, 8, 60 * 2 * 8 * 64 * 2),
+        # ChatGLM without multi_query_attention attends with every head.
+        ({**GLM4_9B, "multi_query_attention": False}, 32, 40 * 2 * 32 * 128 * 2),
+    ]
+    for cfg, kv_heads, per_token in cases:
+        arch = from_hf_dict(cfg)
+        assert arch.num_kv_heads == kv_heads, cfg
+        assert kv_bytes_per_token(arch) == per_token, cfg
+    glm = from_hf_dict(GLM4_9B)
+    assert (glm.num_layers, glm.vocab_size, glm.max_position_embeddings) == (40, 151552, 131072)
+    assert glm.num_parameters == pytest.approx(9.4e9, rel=0.05)  # GLM-4-9B
+    # Two-matrix MLPs and tied embeddings: StarCoder's published 15.5B, not 21.8B.
+    assert from_hf_dict(STARCODER).num_parameters == pytest.approx(15.5e9, rel=0.05)
+
+
+def test_a_falcon_config_plans_its_one_kv_head(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = write(tmp_path, "falcon-7b", FALCON_7B)
+    out = plan_json(capsys, "--model-config", str(cfg), "--concurrency", "64",
+                    "--context", "4096")  # fmt: skip
+    assert out["kv_bytes_per_token"] == 8_192
+
+
+def test_hybrid_and_state_space_models_are_refused_naming_the_marker(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Qwen3-Next attends in 12 of its 48 layers and Jamba in 4 of 32; the rest keep a
+    # per-sequence recurrent state the KV arithmetic does not hold. Priced as 48 and 32 KV
+    # layers they were 4x and 8x over on KV and silent about the state.
+    layer_types = (["linear_attention"] * 3 + ["full_attention"]) * 2
+    cases = [
+        (QWEN3_NEXT, "full_attention_interval"),
+        ({**PLAIN, "num_hidden_layers": 8, "layer_types": layer_types},
+         "layer_types 'linear_attention'"),
+        (JAMBA, "attn_layer_period"),
+        ({**PLAIN, "layers_block_type": ["mamba", "attention"] * 4}, "layers_block_type 'mamba'"),
+        ({**PLAIN, "hybrid_override_pattern": "M-M-M*-"}, "hybrid_override_pattern"),
+        ({**PLAIN, "mamba_d_state": 16}, "mamba_d_state"),
+        ({**PLAIN, "ssm_cfg": {"d_state": 16}}, "ssm_cfg"),
+        ({**PLAIN, "model_type": "mamba"}, "model_type 'mamba'"),
+        ({**{k: v for k, v in PLAIN.items() if k != "model_type"},
+          "architectures": ["Qwen3NextForCausalLM"]}, "model_type 'qwen3next'"),
+        ({**PLAIN, "layer_types": ["conv", "full_attention"] * 4}, "layer_types 'conv'"),
+    ]  # fmt: skip
+    for cfg, marker in cases:
+        with pytest.raises(ValueError, match="not sized yet") as info:
+            from_hf_dict(cfg)
+        assert str(info.value).startswith(f"{marker}: hybrid linear-attention / state-space")
+    path = write(tmp_path, "qwen3-next", QWEN3_NEXT)
+    err = refusal(capsys, "--model-config", str(path), "--concurrency", "64", "--context", "4096")
+    assert f"{path / 'config.json'}: full_attention_interval: hybrid" in err
+    assert "models are not sized yet" in err
+    # Sliding and full attention layers are attention: nothing refused.
+    gpt_oss_like = {**PLAIN, "sliding_window": 128,
+                    "layer_types": ["sliding_attention", "full_attention"] * 4}  # fmt: skip
+    assert from_hf_dict(gpt_oss_like).num_sliding_window_layers == 4
+
+
+def test_kv_lora_rank_is_mla_only_for_vllms_mla_models() -> None:
+    # vLLM runs MiniCPM3 as attention over 40 heads of K = [nope 64 | rope 32] and V padded to
+    # 96: 952,320 B a token, where the plan priced a 256 + 32 latent (35,712 B, 27x under).
+    mini = from_hf_dict(MINICPM3_4B)
+    assert mini.kv_lora_rank is None and mini.attention == "MHA"
+    assert (mini.num_kv_heads, mini.head_dim) == (40, 96)
+    assert kv_bytes_per_token(mini) == 62 * 2 * 40 * 96 * 2 == 952_320
+    # vLLM's MLA model types keep the latent: DeepSeek-V3, and a multimodal wrapper whose
+    # text_config is one (Kimi-VL), and a config that names only its architecture.
+    assert kv_bytes_per_token(from_hf_dict(DEEPSEEK_V3)) == 61 * 576 * 2
+    kimi_vl = {"model_type": "kimi_vl", "text_config": {**DEEPSEEK_V3, "num_hidden_layers": 27}}
+    assert from_hf_dict(kimi_vl).kv_lora_rank == 512
+    no_type = {k: v for k, v in DEEPSEEK_V3.items() if k != "model_type"}
+    assert kv_bytes_per_token(from_hf_dict(no_type)) == 61 * 576 * 2
+
+
+def test_deepseek_v32_is_priced_as_vllms_fp8_ds_mla_plus_its_indexer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # vLLM forces fp8_ds_mla (656 B a token and layer) for auto and fp8 KV and adds the
+    # indexer's 128 fp8 + one float32 scale (132 B); bf16 is 576 x 2 + 132. The plan priced a
+    # bf16 latent for auto (1,152 B) and 576 B for fp8, with no indexer.
+    v32 = from_hf_dict(DEEPSEEK_V32)
+    assert v32.indexer_head_dim == 128
+    assert kv_bytes_per_token(v32, "fp8") == 61 * (656 + 132)
+    assert kv_bytes_per_token(v32, "bf16") == 61 * (1152 + 132)
+    assert sequence_kv_bytes(v32, 1000, "fp8", tp=8) == 1000 * 61 * 788  # replicated per rank
+    cfg = write(tmp_path, "v32", DEEPSEEK_V32)
+    common = ["--model-config", str(cfg), "--gpu", "h200-141gb", "--tp", "8",
+              "--concurrency", "256", "--context", "32768"]  # fmt: skip
+    for setting, per_token, label in [("auto", 48_068, "fp8"), ("fp8", 48_068, "fp8"),
+                                      ("bf16", 78_324, "bf16")]:  # fmt: skip
+        out = plan_json(capsys, *common, "--kv-dtype", setting)
+        assert (out["kv_bytes_per_token"], out["kv_dtype"]) == (per_token, label), setting
+    err = refusal(capsys, *common, "--kv-dtype", "int8")
+    assert "DeepSeek-V3.2" in err and "not int8" in err
+    with pytest.raises(ValidationError, match="not int8"):
+        PlanInput(model=v32, gpu_memory_bytes=10**12, concurrency=1, context=10, kv_dtype="int8")
+    # DeepSeek-V3 (no index_topk) keeps its bf16 latent under auto.
+    v3 = PlanInput(model=from_hf_dict(DEEPSEEK_V3), gpu_memory_bytes=10**12, tp=8,
+                   concurrency=1, context=10)  # fmt: skip
+    assert plan(v3).kv_bytes_per_token == 61 * 1152
+
+
+def test_llama4_weights_count_interleaved_moe_dense_layers_and_the_shared_expert() -> None:
+    # Maverick: MoE in every second layer (128 experts + a shared one), dense layers 16,384
+    # wide: 400B, not the 778B of 128 experts in all 48 layers. Scout: 16 experts everywhere.
+    scout = {"model_type": "llama4", "text_config": {**LLAMA4_TEXT, "num_local_experts": 16,
+             "interleave_moe_layer_step": 1}}  # fmt: skip
+    maverick = {"model_type": "llama4", "text_config": {**LLAMA4_TEXT, "num_local_experts": 128,
+                "interleave_moe_layer_step": 2}}  # fmt: skip
+    assert from_hf_dict(maverick).num_parameters == pytest.approx(400e9, rel=0.05)
+    assert from_hf_dict(scout).num_parameters == pytest.approx(109e9, rel=0.05)
+    listed = {"model_type": "llama4", "text_config": {**LLAMA4_TEXT, "num_local_experts": 128,
+              "moe_layers": list(range(1, 48, 2))}}  # fmt: skip
+    assert from_hf_dict(listed).num_parameters == from_hf_dict(maverick).num_parameters
+
+
+def test_gemma3_without_vocab_size_reads_transformers_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Gemma-3-27B-it's text_config states no vocab_size (transformers, and so vLLM, fill in
+    # 262,208): it was `KeyError: 'vocab_size'`.
+    arch = from_hf_dict(GEMMA3_27B_IT)
+    assert arch.vocab_size == 262_208
+    assert kv_bytes_per_token(arch) == 62 * 2 * 16 * 128 * 2
+    # Any other config without it: one line naming the key and where to add it.
+    no_vocab = write(tmp_path, "no-vocab", {k: v for k, v in PLAIN.items() if k != "vocab_size"})
+    err = refusal(capsys, "--model-config", str(no_vocab), "--concurrency", "1", "--context", "8")
+    assert (
+        f"{no_vocab / 'config.json'}: vocab_size: config.json states none (nor does its "
+        "text_config); add it there"
+    ) in err
+    assert "KeyError" not in err
+
+
+def test_gemma3n_per_layer_widths_need_params_and_shared_kv_layers_cache_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A list of per-layer MLP widths was `TypeError: int() argument must be ...`.
+    path = write(tmp_path, "gemma-3n", GEMMA3N_E4B)
+    args = ["--model-config", str(path), "--concurrency", "64", "--context", "4096"]
+    err = refusal(capsys, *args)
+    assert "intermediate_size is a per-layer list" in err and "--params" in err
+    assert "TypeError" not in err
+    # With the count stated it plans: the last 15 layers reuse earlier layers' KV (vLLM's
+    # kv_sharing), so 20 layers cache, 16 of them sliding.
+    arch = from_hf_config(path, num_parameters=8_000_000_000)
+    assert (arch.num_layers, arch.num_sliding_window_layers, arch.intermediate_size) == (
+        20, 16, 16384)  # fmt: skip
+    assert plan_json(capsys, *args, "--params", "8")["kv_bytes_per_token"] == 20 * 2 * 2 * 256 * 2
+    # Another per-layer list names its key.
+    lists = write(tmp_path, "lists", {**PLAIN, "num_key_value_heads": [4] * 8})
+    err = refusal(capsys, "--model-config", str(lists), "--concurrency", "1", "--context", "8")
+    assert "num_key_value_heads is a per-layer list, not one number" in err
