@@ -213,6 +213,31 @@ def test_the_schema_patterns_agree_with_the_operators_checks() -> None:
         assert bool(ns.search(value)) == _accepts(lambda v: Options(namespaces=[v]), value), value
 
 
+REPOSITORIES = [
+    "ghcr.io/headroom-dev/headroom", "registry.example.com:5000/ml/headroom", "headroom",
+    "10.0.0.1:5000/a/b_c/d-e", "localhost/x.y", "registry.example.com/headroom:1.0",
+    "registry.example.com/Headroom", "registry.example.com//headroom", "registry.example.com/",
+    "/headroom", "reg/headroom@sha256", "reg/head room", "reg/-x", "reg:port/x",
+]  # fmt: skip
+TAGS = ["0.1.0", "v1.2_3", "latest", "_x", ".1", "-1", "a" * 128, "a" * 129, "1:2", "a/b"]
+
+
+def test_the_image_patterns_agree_with_the_operators_headroom_image_check() -> None:
+    # The chart renders --headroom-image=REPOSITORY:TAG: what the schema takes, the operator
+    # must take too, or it would exit 2 at every start of an install that succeeded.
+    from headroom.operator.handlers import Options
+
+    repo = re.compile(_property("image.repository")["pattern"])
+    tag = re.compile(_property("image.tag")["pattern"])
+    for value in REPOSITORIES:
+        ok = _accepts(lambda v: Options(headroom_image=f"{v}:1"), value)
+        assert bool(repo.search(value)) == ok, value
+    for value in TAGS:
+        ok = _accepts(lambda v: Options(headroom_image=f"reg/headroom:{v}"), value)
+        assert bool(tag.search(value)) == ok, value
+    assert tag.search(""), "an empty tag (the chart's appVersion) must pass"
+
+
 # ---------------------------------------------------------------------------- dashboard
 
 

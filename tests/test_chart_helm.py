@@ -193,6 +193,36 @@ def test_the_operator_cli_accepts_the_rendered_flags(helm: Path) -> None:
         assert args.command == "operator"
 
 
+def test_the_pods_run_headroom_images_from_the_operators_registry(helm: Path) -> None:
+    # Both images pushed to the user's registry: the operator pulls from there, and so must
+    # every pod it creates (REPOSITORY-engine:TAG, REPOSITORY:TAG), not ghcr.io's.
+    from headroom.contract.cli import build_parser
+    from headroom.operator.handlers import Options
+
+    digest = "sha256:" + "ab" * 32
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    for sets, operator, images in [
+        ((), f"ghcr.io/headroom-dev/headroom:{app_version}",
+         (f"ghcr.io/headroom-dev/headroom:{app_version}",
+          f"ghcr.io/headroom-dev/headroom-engine:{app_version}")),
+        (("image.repository=registry.example.com:5000/ml/headroom", "image.tag=7.1"),
+         "registry.example.com:5000/ml/headroom:7.1",
+         ("registry.example.com:5000/ml/headroom:7.1",
+          "registry.example.com:5000/ml/headroom-engine:7.1")),
+        # The digest pins the operator's own pod only: none can be derived for the engine's.
+        (("image.repository=registry.example.com/headroom", f"image.digest={digest}"),
+         f"registry.example.com/headroom@{digest}",
+         (f"registry.example.com/headroom:{app_version}",
+          f"registry.example.com/headroom-engine:{app_version}")),
+    ]:  # fmt: skip
+        (c,) = one(render(helm, *sets), "Deployment")["spec"]["template"]["spec"]["containers"]
+        assert c["image"] == operator
+        assert f"--headroom-image={images[0]}" in c["args"], c["args"]
+        args = build_parser("operator").parse_args([*c["command"][1:], *c["args"]])
+        derived = Options(headroom_image=args.headroom_image).images
+        assert (derived.headroom, derived.engine) == images
+
+
 def test_more_replicas_need_peering(helm: Path) -> None:
     out = _run(helm, "template", "x", str(CHART), "--set", "operator.replicas=2", check=False)
     assert out.returncode != 0
@@ -523,6 +553,8 @@ BAD_VALUES = [
     ("operator.metricsHost=localhost", "/operator/metricsHost"),
     ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
     ("image.digest=sha256:abc", "/image/digest"),
+    # A tag in the repository: the operator's --headroom-image would be REPO:1.0:TAG.
+    ("image.repository=registry.example.com/headroom:1.0", "/image/repository"),
     ("operator.logformat=text", "logformat"),  # a typo in a key
     (
         "podAnnotations.sidecar\\.istio\\.io/inject=false",

@@ -115,14 +115,48 @@ def test_namespace_globs_negations_and_a_prometheus_url_are_taken() -> None:
         (["--namespace", "Team-A"], "--namespace: 'Team-A' is not a namespace name"),
         (["--prometheus-url", "prometheus:9090"], "--prometheus-url: must be an http://"),
         (["--prometheus-url", "http://p:99999"], "--prometheus-url: the port must be a number"),
+        # The engine's image is derived as REPO-engine:TAG: a digest or no tag leaves none.
+        (["--headroom-image", "reg.example.com/headroom@sha256:" + "a" * 64],
+         "--headroom-image: 'reg.example.com/headroom@sha256:"),
+        (["--headroom-image", "reg.example.com/headroom:1@sha256:" + "a" * 64],
+         "set engine.image (and engine.sidecarImage) on each InferenceDeployment"),
+        (["--headroom-image", "reg.example.com/headroom"], "--headroom-image: 'reg.example.com/"
+         "headroom' has no tag"),
+        (["--headroom-image", "localhost:5000/headroom"], "--headroom-image: 'localhost:5000/"
+         "headroom' has no tag"),
     ],
-)
+)  # fmt: skip
 def test_a_flag_that_cannot_work_is_exit_2(
     argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = parser().parse_args(["operator", *argv])
     assert cli.run_operator(args) == 2
     assert says in capsys.readouterr().err
+
+
+def test_the_headroom_image_flag_reaches_the_operator(monkeypatch: pytest.MonkeyPatch) -> None:
+    from headroom.operator import handlers
+    from headroom.operator.crd.models import HEADROOM_ENGINE_IMAGE, HEADROOM_IMAGE
+    from headroom.operator.kube import Kube
+
+    seen: list[handlers.Options] = []
+
+    async def operate(options: handlers.Options, **_: object) -> None:
+        seen.append(options)
+
+    monkeypatch.setattr(Kube, "connect", staticmethod(lambda kubeconfig=None: object()))
+    monkeypatch.setattr(handlers, "operate", operate)
+    monkeypatch.setattr(cli, "configure_logging", lambda **_: None)
+    for argv, headroom, engine in (
+        ([], HEADROOM_IMAGE, HEADROOM_ENGINE_IMAGE),
+        (["--headroom-image", "registry.example.com:5000/ml/headroom:7.1"],
+         "registry.example.com:5000/ml/headroom:7.1",
+         "registry.example.com:5000/ml/headroom-engine:7.1"),
+    ):  # fmt: skip
+        args = parser().parse_args(["operator", "--metrics-port", "0", *argv])
+        assert cli.run_operator(args) == 0
+        images = seen.pop().images
+        assert (images.headroom, images.engine) == (headroom, engine)
 
 
 def test_conditions_keep_transition_time_until_status_flips() -> None:

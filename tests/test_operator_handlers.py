@@ -4,6 +4,7 @@ refuses part of it (the loops themselves: test_operator_reconcile.py)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import datetime
 import json
 import logging
@@ -467,3 +468,54 @@ def test_a_quantity_the_server_stored_canonically_is_no_drift() -> None:
     drifted = json.loads(json.dumps(dep).replace('"32768Mi"', '"16Gi"'))
     assert _drifted(body, drifted)
     assert _contains({"cpu": "500m"}, {"cpu": "0.5"}) and not _contains("nginx:1", "nginx:2")
+
+
+MIRROR_IMAGE = "registry.example.com:5000/ml/headroom:7.1"
+MIRROR_ENGINE = "registry.example.com:5000/ml/headroom-engine:7.1"
+
+
+def _images(dep: dict[str, Any]) -> dict[str, str]:
+    return {c["name"]: c["image"] for c in dep["spec"]["template"]["spec"]["containers"]}
+
+
+@pytest.mark.parametrize(("runtime", "engine", "sidecar"), [
+    ("headroom", MIRROR_ENGINE, MIRROR_ENGINE),
+    ("vllm", "vllm/vllm-openai:v0.11.0", MIRROR_IMAGE),
+])  # fmt: skip
+async def test_the_operators_headroom_image_is_applied_and_is_no_drift(
+    posted: list[tuple[str, str, str]], runtime: str, engine: str, sidecar: str
+) -> None:
+    # --headroom-image: what the reconcile applies is what the drift check wants. Were they
+    # to differ, every event of the Deployment would read as drift and re-apply it, forever.
+    from headroom.operator.handlers import _drifted, _reconcile, owned_deployment
+
+    spec = {**SPEC, "engine": {"runtime": runtime},
+            "model": {"preset": "llama-3.1-8b", "path": "/models/l8b"}}  # fmt: skip
+    kube, b = await created(spec)
+    ctx = Context(Options(headroom_image=MIRROR_IMAGE), kube)
+    await _reconcile(ctx, b)
+    (dep,) = [o for k, _, o in kube.applies if k == "Deployment"]
+    assert _images(dep) == {"engine": engine, "sidecar": sidecar}
+    live = kube.get("apps/v1", "Deployment", "ns", "chat")
+    assert not _drifted(b, live, ctx.options.images)
+    # The stock images' drift check would undo the operator's own apply.
+    assert _drifted(b, live)
+
+    # The watch of the Deployment, through the handler: first sight, then a newer generation
+    # (a scale) whose spec still holds what was applied: nothing re-applied.
+    kube.objects[("InferenceDeployment", "ns", "chat")] = b
+    kube.applies.clear()
+    watch: Any = owned_deployment  # kopf's decorator types it as its registry's callback
+    for generation in (1, 2):
+        live["metadata"]["generation"] = generation
+        live["metadata"]["ownerReferences"] = [{"kind": "InferenceDeployment", "name": "chat"}]
+        event = {"type": "MODIFIED", "object": copy.deepcopy(live)}
+        await watch(event=event, memo=kopf.Memo(ctx=ctx))
+    assert kube.applies == [], "a reconciled Deployment with the operator's images read as drift"
+    # Someone sets the ghcr.io image back: that is drift, undone with the operator's images.
+    for c in live["spec"]["template"]["spec"]["containers"]:
+        c["image"] = c["image"].replace("registry.example.com:5000/ml", "ghcr.io/headroom-dev")
+    live["metadata"]["generation"] = 3
+    await watch(event={"type": "MODIFIED", "object": live}, memo=kopf.Memo(ctx=ctx))
+    (dep,) = [o for k, _, o in kube.applies if k == "Deployment"]
+    assert _images(dep) == {"engine": engine, "sidecar": sidecar}

@@ -21,7 +21,9 @@ from headroom.operator.crd.models import (
 )
 from headroom.operator.reconcile.children import Owner, deployment
 from headroom.operator.reconcile.runtimes import (
+    DEFAULT_IMAGES,
     RUNTIMES,
+    HeadroomImages,
     engine_command,
     sglang_command,
     vllm_command,
@@ -166,6 +168,65 @@ def test_explicit_images_win() -> None:
     h = spec({"image": "registry.local/headroom:dev"})
     c = containers(deployment(OWNER, h, size(h), replicas=1))
     assert c["engine"]["image"] == c["sidecar"]["image"] == "registry.local/headroom:dev"
+
+
+MIRROR = HeadroomImages.derive("registry.example.com:5000/ml/headroom:7.1")
+
+
+def test_the_operators_headroom_image_is_derived_into_both() -> None:
+    assert HeadroomImages.derive(HEADROOM_IMAGE) == DEFAULT_IMAGES == HeadroomImages()
+    assert DEFAULT_IMAGES.engine == HEADROOM_ENGINE_IMAGE
+    assert (MIRROR.headroom, MIRROR.engine) == (
+        "registry.example.com:5000/ml/headroom:7.1",
+        "registry.example.com:5000/ml/headroom-engine:7.1",
+    )
+
+
+@pytest.mark.parametrize(
+    ("runtime", "engine", "sidecar"),
+    [
+        ("headroom", MIRROR.engine, MIRROR.engine),
+        ("vllm", "vllm/vllm-openai:v0.11.0", MIRROR.headroom),
+        ("sglang", "lmsysorg/sglang:v0.5.3", MIRROR.headroom),
+    ],
+)
+def test_pods_run_the_operators_headroom_images(runtime: str, engine: str, sidecar: str) -> None:
+    # A user who pushed headroom's images to their own registry and told the operator: no pod
+    # may still pull ghcr.io's.
+    s = spec({"runtime": runtime})
+    c = containers(deployment(OWNER, s, size(s), 1, MIRROR))
+    assert (c["engine"]["image"], c["sidecar"]["image"]) == (engine, sidecar)
+
+
+def test_explicit_images_win_over_the_operators() -> None:
+    s = spec({"runtime": "vllm", "sidecarImage": "registry.local/headroom@sha256:" + "a" * 64})
+    c = containers(deployment(OWNER, s, size(s), 1, MIRROR))
+    assert c["sidecar"]["image"] == "registry.local/headroom@sha256:" + "a" * 64
+    h = spec({"image": "registry.local/headroom-engine@sha256:" + "b" * 64})
+    c = containers(deployment(OWNER, h, size(h), 1, MIRROR))
+    assert c["engine"]["image"] == c["sidecar"]["image"] == h.engine.image
+    h = spec({"sidecarImage": "registry.local/headroom:dev"})
+    c = containers(deployment(OWNER, h, size(h), 1, MIRROR))
+    assert c["engine"]["image"] == MIRROR.engine
+    assert c["sidecar"]["image"] == "registry.local/headroom:dev"
+
+
+@pytest.mark.parametrize(
+    ("image", "says"),
+    [
+        ("registry.example.com/headroom", "has no tag"),
+        ("localhost:5000/headroom", "has no tag"),  # a port is no tag
+        ("registry.example.com/headroom@sha256:" + "a" * 64, "pinned by digest"),
+        ("registry.example.com/headroom:1@sha256:" + "a" * 64, "pinned by digest"),
+        ("registry.example.com/headroom:1.0:0.1.0", "not an image reference"),
+        ("registry.example.com/Headroom:1", "not an image reference"),
+        ("registry.example.com/headroom:", "not an image reference"),
+        ("registry.example.com//headroom:1", "not an image reference"),
+    ],
+)
+def test_an_image_the_engines_cannot_be_derived_from_is_refused(image: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        HeadroomImages.derive(image)
 
 
 @pytest.mark.parametrize(

@@ -52,12 +52,17 @@ app.kubernetes.io/component: operator
 {{- include "headroom.fullname" . | trunc 55 | trimSuffix "-" }}-metrics
 {{- end }}
 
+{{/* REPOSITORY:TAG, the tag defaulting to the chart's appVersion: the operator's image unless
+     image.digest pins it, and always the pods' (the operator's --headroom-image). */}}
+{{- define "headroom.taggedImage" -}}
+{{- printf "%s:%s" .Values.image.repository (toString (default .Chart.AppVersion .Values.image.tag)) }}
+{{- end }}
+
 {{- define "headroom.image" -}}
-{{- $tag := default .Chart.AppVersion .Values.image.tag }}
 {{- if .Values.image.digest }}
 {{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
 {{- else }}
-{{- printf "%s:%s" .Values.image.repository (toString $tag) }}
+{{- include "headroom.taggedImage" . }}
 {{- end }}
 {{- end }}
 

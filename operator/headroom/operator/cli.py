@@ -14,6 +14,7 @@ import sys
 from pydantic import ValidationError
 
 from headroom.contract.ports import SIDECAR_PORT
+from headroom.operator.crd.models import HEADROOM_IMAGE
 
 
 def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -77,6 +78,16 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         default=300.0,
         help="re-apply every InferenceDeployment's children this often (a deleted Service or "
         "PodDisruptionBudget comes back; applying what is there writes nothing)",
+    )
+    op.add_argument(
+        "--headroom-image",
+        default=HEADROOM_IMAGE,
+        metavar="IMAGE",
+        help="headroom's small image, REPO:TAG, that the sidecars of vLLM and SGLang pods run; "
+        "runtime headroom's pods run REPO-engine:TAG (the two images `make image` builds; "
+        "default %(default)s). An InferenceDeployment's engine.image and engine.sidecarImage "
+        "win. No digest: none can be derived for the engine's image; pin by digest with "
+        "engine.image per InferenceDeployment",
     )
     op.add_argument("--peering", help="kopf peering name to run several replicas (HA)")
     op.add_argument(
@@ -148,6 +159,7 @@ def run_operator(args: argparse.Namespace) -> int:
             peering=args.peering,
             priority=args.priority,
             resync_seconds=args.resync_seconds,
+            headroom_image=args.headroom_image,
         )
     except ValidationError as exc:
         first = exc.errors()[0]

@@ -33,12 +33,13 @@ from pydantic import BaseModel, ConfigDict, Field, IPvAnyAddress, ValidationInfo
 
 from headroom.contract.ports import SIDECAR_PORT
 from headroom.contract.urls import http_url
-from headroom.operator.crd.models import GROUP, KIND, PLURAL, VERSION
+from headroom.operator.crd.models import GROUP, HEADROOM_IMAGE, KIND, PLURAL, VERSION
 from headroom.operator.kube import Kube, KubeError, owner_of, with_retries
 from headroom.operator.readiness import READINESS_MANAGER, figures, readiness
 from headroom.operator.reconcile.apply_errors import namespace_terminating, permanent_apply_error
 from headroom.operator.reconcile.children import SELECTOR_LABEL, Owner, render
 from headroom.operator.reconcile.loop import apply_failed, reconcile
+from headroom.operator.reconcile.runtimes import DEFAULT_IMAGES, HeadroomImages
 from headroom.operator.reconcile.sizing import Parsed, parse
 from headroom.operator.scaling.decide import Memory
 from headroom.operator.scaling.exporter import OperatorMetrics
@@ -105,6 +106,11 @@ class Options(BaseModel):
         allow_inf_nan=False,
         description="every InferenceDeployment's children are re-applied this often",
     )
+    headroom_image: str = Field(
+        default=HEADROOM_IMAGE,
+        description="the small headroom image REPO:TAG (the sidecar of vLLM and SGLang pods); "
+        "runtime headroom's pods run REPO-engine:TAG",
+    )
 
     @field_validator("namespaces")
     @classmethod
@@ -130,6 +136,17 @@ class Options(BaseModel):
     def _a_promql_duration(cls, value: str) -> str:
         rate_window_seconds(value)  # ValueError says what is wrong
         return value
+
+    @field_validator("headroom_image")
+    @classmethod
+    def _a_tagged_image(cls, value: str) -> str:
+        HeadroomImages.derive(value)  # ValueError says what is wrong
+        return value
+
+    @property
+    def images(self) -> HeadroomImages:
+        """The images the pods run where an InferenceDeployment names none."""
+        return HeadroomImages.derive(self.headroom_image)
 
     @field_validator("priority")
     @classmethod
@@ -249,7 +266,9 @@ def _post(body: dict[str, Any], owner: Owner, outcome: Outcome) -> None:
 async def _reconcile(ctx: Context, body: dict[str, Any]) -> None:
     """Reconcile and write; an apply the API server refuses for good becomes a condition."""
     try:
-        outcome = await asyncio.to_thread(reconcile, ctx.kube, body, ctx.clock())
+        outcome = await asyncio.to_thread(
+            reconcile, ctx.kube, body, ctx.clock(), ctx.options.images
+        )
     except KubeError as exc:
         meta = body["metadata"]
         if namespace_terminating(exc.status, exc.message):
@@ -476,7 +495,7 @@ async def owned_deployment(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> N
     body = await asyncio.to_thread(ctx.kube.get, f"{GROUP}/{VERSION}", KIND, key[0], owner["name"])
     if body is None or body["metadata"].get("deletionTimestamp"):
         return
-    if event["type"] != "DELETED" and not _drifted(body, obj):
+    if event["type"] != "DELETED" and not _drifted(body, obj, ctx.options.images):
         return
     log.info(
         "%s %s/%s: re-applying the children",
@@ -520,14 +539,17 @@ async def _refresh_readiness(
     ctx.readiness[key] = now_figures
 
 
-def _drifted(body: dict[str, Any], live: dict[str, Any]) -> bool:
-    """Whether the live Deployment no longer holds what the spec renders for it."""
+def _drifted(
+    body: dict[str, Any], live: dict[str, Any], images: HeadroomImages = DEFAULT_IMAGES
+) -> bool:
+    """Whether the live Deployment no longer holds what the spec renders for it (with the
+    images the reconcile applies: any others would be drift at every event)."""
     parsed = parse(body.get("spec"))
     if parsed.spec is None or parsed.sizing is None or not parsed.sizing.feasible:
         return False
     want = next(
         o
-        for o in render(owner_of(body), parsed.spec, parsed.sizing, None)
+        for o in render(owner_of(body), parsed.spec, parsed.sizing, None, images=images)
         if o["kind"] == "Deployment"
     )
     return not _contains(live.get("spec", {}), want.get("spec", {}))

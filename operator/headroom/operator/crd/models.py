@@ -280,7 +280,15 @@ class ModelSpec(CRDModel):
     parameter_count: int | None = Field(
         default=None, ge=1, le=MAX_PARAMETERS, description="total parameters (all experts for MoE)"
     )
-    kv_lora_rank: int | None = Field(default=None, ge=1, le=65536, description="MLA latent width")
+    kv_lora_rank: int | None = Field(
+        default=None,
+        ge=1,
+        le=65536,
+        description=(
+            "MLA latent width: only for the models vLLM runs as MLA (DeepSeek-V2/V3, Kimi-K2, "
+            "LongCat-Flash); MiniCPM3's kv_lora_rank is not MLA: give its full heads instead"
+        ),
+    )
     qk_rope_head_dim: int | None = Field(default=None, ge=1, le=4096)
     sliding_window: int | None = Field(default=None, ge=1, le=100_000_000)
     num_sliding_window_layers: int | None = Field(default=None, ge=0, le=1024)
@@ -444,7 +452,8 @@ class EngineSpec(CRDModel):
         min_length=1,
         max_length=512,
         description=(
-            f"engine image; defaults by runtime: headroom {RUNTIME_IMAGES['headroom']}, vllm "
+            f"engine image; defaults by runtime: headroom {RUNTIME_IMAGES['headroom']} (the "
+            "operator's --headroom-image repository with -engine appended), vllm "
             f"{RUNTIME_IMAGES['vllm']}, sglang {RUNTIME_IMAGES['sglang']}"
         ),
     )
@@ -453,7 +462,8 @@ class EngineSpec(CRDModel):
         default=None,
         max_length=512,
         description=(
-            f"defaults to the engine's image with runtime headroom, else to {HEADROOM_IMAGE}"
+            "defaults to the engine's image with runtime headroom, else to the operator's "
+            f"--headroom-image ({HEADROOM_IMAGE} unless the chart names another registry)"
         ),
     )
     block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV block")

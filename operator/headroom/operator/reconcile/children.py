@@ -15,8 +15,10 @@ from typing import Any
 from headroom.contract.ports import ENGINE_PORT, SIDECAR_PORT
 from headroom.operator.crd.models import GROUP, KIND, VERSION, InferenceDeploymentSpec
 from headroom.operator.reconcile.runtimes import (
+    DEFAULT_IMAGES,
     STARTUP_PERIOD_SECONDS,
     EngineCommand,
+    HeadroomImages,
     engine_command,
     engine_image,
     needs_shm,
@@ -135,7 +137,7 @@ def sidecar_engine_url(run: EngineCommand) -> str:
 
 
 def _engine_container(
-    spec: InferenceDeploymentSpec, sizing: Sizing, run: EngineCommand
+    spec: InferenceDeploymentSpec, sizing: Sizing, run: EngineCommand, images: HeadroomImages
 ) -> dict[str, Any]:
     gpus = str(spec.gpu.count_per_pod)
     mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
@@ -155,7 +157,7 @@ def _engine_container(
         env.append(_secret_env(run.api_key_env, spec))
     return {
         "name": "engine",
-        "image": engine_image(spec),
+        "image": engine_image(spec, images),
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": run.command,
         "args": run.args,
@@ -202,7 +204,11 @@ def _secret_env(var: str, spec: InferenceDeploymentSpec) -> dict[str, Any]:
 
 
 def _sidecar_container(
-    spec: InferenceDeploymentSpec, sizing: Sizing, name: str, run: EngineCommand
+    spec: InferenceDeploymentSpec,
+    sizing: Sizing,
+    name: str,
+    run: EngineCommand,
+    images: HeadroomImages,
 ) -> dict[str, Any]:
     def field(path: str) -> dict[str, Any]:
         return {"fieldRef": {"fieldPath": path}}
@@ -218,7 +224,7 @@ def _sidecar_container(
         env.append(_secret_env(key_env, spec))
     return {
         "name": "sidecar",
-        "image": sidecar_image(spec),
+        "image": sidecar_image(spec, images),
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["headroom"],
         "args": [
@@ -250,9 +256,14 @@ def _sidecar_container(
 
 
 def deployment(
-    owner: Owner, spec: InferenceDeploymentSpec, sizing: Sizing, replicas: int | None
+    owner: Owner,
+    spec: InferenceDeploymentSpec,
+    sizing: Sizing,
+    replicas: int | None,
+    images: HeadroomImages = DEFAULT_IMAGES,
 ) -> dict[str, Any]:
-    """The Deployment; `replicas=None` leaves the field to another owner (advisory mode)."""
+    """The Deployment; `replicas=None` leaves the field to another owner (advisory mode).
+    `images`: headroom's images (the operator's --headroom-image) where the spec names none."""
     run = engine_command(spec, sizing, owner.name)  # the engine's, and where its sidecar polls
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
     if needs_shm(spec, sizing):
@@ -279,8 +290,8 @@ def deployment(
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "containers": [
-            _engine_container(spec, sizing, run),
-            _sidecar_container(spec, sizing, owner.name, run),
+            _engine_container(spec, sizing, run, images),
+            _sidecar_container(spec, sizing, owner.name, run, images),
         ],
         "volumes": volumes,
         "tolerations": [
@@ -414,11 +425,13 @@ def render(
     replicas: int | None,
     *,
     monitoring: frozenset[str] = frozenset(),
+    images: HeadroomImages = DEFAULT_IMAGES,
 ) -> list[dict[str, Any]]:
     """All children in apply order; `monitoring` names the Prometheus operator kinds that
-    exist in the cluster (ServiceMonitor, PrometheusRule), and only those are rendered."""
+    exist in the cluster (ServiceMonitor, PrometheusRule), and only those are rendered;
+    `images` the headroom images the pods run where the spec names none."""
     objs = [
-        deployment(owner, spec, sizing, replicas),
+        deployment(owner, spec, sizing, replicas, images),
         service(owner),
         pod_disruption_budget(owner),
     ]

@@ -21,6 +21,7 @@ from headroom.operator.reconcile.children import (
     render,
     selector_string,
 )
+from headroom.operator.reconcile.runtimes import DEFAULT_IMAGES, HeadroomImages
 from headroom.operator.reconcile.sizing import Sizing, budget, parse, summary
 from headroom.operator.status import (
     Event,
@@ -127,6 +128,7 @@ def apply_children(
     replicas: int | None,
     live: dict[str, Any] | None,
     guarded: bool = True,
+    images: HeadroomImages = DEFAULT_IMAGES,
 ) -> tuple[dict[str, Any], list[Event]]:
     """Server-side apply every child; returns the applied Deployment and any warnings.
     Raises NameConflict, having applied nothing, when a child's name is taken, and StaleRead,
@@ -135,7 +137,7 @@ def apply_children(
     read = live if guarded else None
     events: list[Event] = []
     kinds = monitoring_kinds(kube)
-    children = render(owner, spec, sizing, replicas, monitoring=kinds)
+    children = render(owner, spec, sizing, replicas, monitoring=kinds, images=images)
     check_ownership(kube, owner, children, live)
     if (
         replicas is None
@@ -202,6 +204,7 @@ def _apply_fresh(
     spec: InferenceDeploymentSpec,
     sizing: Sizing,
     live: dict[str, Any] | None,
+    images: HeadroomImages = DEFAULT_IMAGES,
 ) -> tuple[int | None, dict[str, Any], list[Event]]:
     """apply_children with the replicas of the Deployment as it is when the apply lands: read
     again after each StaleRead. A Deployment that moves on at every read (its controller
@@ -211,18 +214,25 @@ def _apply_fresh(
     for _ in range(STALE_READ_ATTEMPTS):
         replicas = replicas_to_apply(spec, sizing, live)
         try:
-            applied, warnings = apply_children(kube, owner, spec, sizing, replicas, live)
+            applied, warnings = apply_children(
+                kube, owner, spec, sizing, replicas, live, images=images
+            )
         except StaleRead:
             live = kube.get("apps/v1", "Deployment", owner.namespace, owner.name)
             continue
         return replicas, applied, warnings
     replicas = replicas_to_apply(spec, sizing, live)
-    applied, warnings = apply_children(kube, owner, spec, sizing, replicas, live, guarded=False)
+    applied, warnings = apply_children(
+        kube, owner, spec, sizing, replicas, live, guarded=False, images=images
+    )
     return replicas, applied, warnings
 
 
-def reconcile(kube: KubeAPI, body: dict[str, Any], now: float) -> Outcome:
-    """Bring the children in line with the spec; the returned status goes to .status."""
+def reconcile(
+    kube: KubeAPI, body: dict[str, Any], now: float, images: HeadroomImages = DEFAULT_IMAGES
+) -> Outcome:
+    """Bring the children in line with the spec; the returned status goes to .status. `images`:
+    headroom's images (the operator's --headroom-image) for pods whose spec names none."""
     out = Outcome()
     st = out.status
     meta = body["metadata"]
@@ -266,7 +276,7 @@ def reconcile(kube: KubeAPI, body: dict[str, Any], now: float) -> Outcome:
         return out
 
     try:
-        replicas, applied, warnings = _apply_fresh(kube, owner, spec, sizing, live)
+        replicas, applied, warnings = _apply_fresh(kube, owner, spec, sizing, live, images)
     except NameConflict as exc:
         message = str(exc)
         if condition_changed(body, "Ready", "False", "NameConflict"):

@@ -31,11 +31,17 @@ would queue behind API connections at the engine's connection cap. vLLM and SGLa
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from headroom.contract.ports import ENGINE_PORT, ENGINE_STATS_PORT
-from headroom.operator.crd.models import HEADROOM_IMAGE, RUNTIME_IMAGES, InferenceDeploymentSpec
+from headroom.operator.crd.models import (
+    HEADROOM_ENGINE_IMAGE,
+    HEADROOM_IMAGE,
+    RUNTIME_IMAGES,
+    InferenceDeploymentSpec,
+)
 from headroom.operator.reconcile.sizing import Sizing, model_arch, served_model_name
 
 STARTUP_PERIOD_SECONDS = 10
@@ -239,18 +245,66 @@ def engine_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> 
     return RUNTIMES[spec.engine.runtime](spec, sizing, name)
 
 
-def engine_image(spec: InferenceDeploymentSpec) -> str:
-    """engine.image, or the runtime's pinned image."""
-    return spec.engine.image or RUNTIME_IMAGES[spec.engine.runtime]
+# A reference's tag follows its last ':' after the last '/' (a ':' before that is a registry's
+# port: localhost:5000/headroom has no tag). The tag as the distribution spec has it; the
+# repository a registry host (and port) or a first path component, then lowercase path
+# components (values.schema.json's image.repository pattern is this one; a test keeps them equal).
+IMAGE_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+IMAGE_REPOSITORY = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*(:[0-9]+)?(/[a-z0-9]+([._-]+[a-z0-9]+)*)*")
 
 
-def sidecar_image(spec: InferenceDeploymentSpec) -> str:
+@dataclass(frozen=True, slots=True)
+class HeadroomImages:
+    """headroom's two images, which the pods run where the spec names none: `headroom` (the
+    sidecar of vLLM and SGLang pods) and `headroom-engine` (runtime headroom's engine and
+    sidecar). The operator's --headroom-image sets both; the defaults are the pinned releases."""
+
+    headroom: str = HEADROOM_IMAGE
+    engine: str = HEADROOM_ENGINE_IMAGE
+
+    @classmethod
+    def derive(cls, image: str) -> HeadroomImages:
+        """Both from the small image REPO:TAG (the engine's is REPO-engine:TAG, as `make image`
+        tags them). ValueError for a reference without a tag or pinned by digest: no digest of
+        the engine's image can be derived from the small one's."""
+        if "@" in image:
+            raise ValueError(
+                f"{image!r} is pinned by digest, and the engine's image (REPO-engine) cannot be "
+                "derived from a digest: name REPO:TAG here, and set engine.image (and "
+                "engine.sidecarImage) on each InferenceDeployment to pin by digest"
+            )
+        repo, colon, tag = image.rpartition(":")
+        if not colon or "/" in tag:
+            raise ValueError(
+                f"{image!r} has no tag: name it REPO:TAG (e.g. registry.example.com/headroom:"
+                "0.1.0); the headroom engine then runs REPO-engine:TAG"
+            )
+        if not IMAGE_TAG.fullmatch(tag) or not IMAGE_REPOSITORY.fullmatch(repo):
+            raise ValueError(f"{image!r} is not an image reference REPO:TAG")
+        return cls(headroom=image, engine=f"{repo}-engine:{tag}")
+
+
+DEFAULT_IMAGES = HeadroomImages()
+
+
+def engine_image(spec: InferenceDeploymentSpec, images: HeadroomImages = DEFAULT_IMAGES) -> str:
+    """engine.image; else headroom-engine (the operator's) for runtime headroom, else the
+    stock runtime's pinned image."""
+    if spec.engine.image:
+        return spec.engine.image
+    runtime = spec.engine.runtime
+    return images.engine if runtime == "headroom" else RUNTIME_IMAGES[runtime]
+
+
+def sidecar_image(spec: InferenceDeploymentSpec, images: HeadroomImages = DEFAULT_IMAGES) -> str:
     """engine.sidecarImage; else the engine's image for runtime headroom (headroom-engine holds
     the sidecar too: no second pull), else the small headroom image (the stock images have no
-    `headroom sidecar`, and it has no torch)."""
+    `headroom sidecar`, and it has no torch): the operator's, from `images`."""
     if spec.engine.sidecar_image:
         return spec.engine.sidecar_image
-    return engine_image(spec) if spec.engine.runtime == "headroom" else HEADROOM_IMAGE
+    if spec.engine.runtime == "headroom":
+        return engine_image(spec, images)
+    return images.headroom
 
 
 def sidecar_source_args(spec: InferenceDeploymentSpec) -> list[str]:
