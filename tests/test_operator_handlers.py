@@ -519,3 +519,85 @@ async def test_the_operators_headroom_image_is_applied_and_is_no_drift(
     await watch(event={"type": "MODIFIED", "object": live}, memo=kopf.Memo(ctx=ctx))
     (dep,) = [o for k, _, o in kube.applies if k == "Deployment"]
     assert _images(dep) == {"engine": engine, "sidecar": sidecar}
+
+
+_IDEP = ("InferenceDeployment", "ns", "chat")
+
+
+class _StatusKube(FakeKube):
+    """FakeKube whose status applies land on the stored InferenceDeployment (conditions merged
+    by type) and honour a resourceVersion precondition, as the API server's do."""
+
+    def apply_status(
+        self,
+        owner: Any,
+        status: dict[str, Any],
+        *,
+        field_manager: str,
+        resource_version: str | None = None,
+    ) -> dict[str, Any]:
+        obj = self.objects[_IDEP]
+        if resource_version not in (None, obj["metadata"]["resourceVersion"]):
+            raise KubeError(409, "Conflict", "the object has been modified")
+        self.statuses.append((field_manager, copy.deepcopy(status)))
+        st = obj.setdefault("status", {})
+        for k, v in status.items():
+            if k == "conditions":
+                by_type = {c["type"]: c for c in st.get("conditions", [])}
+                st["conditions"] = list({**by_type, **{c["type"]: c for c in v}}.values())
+            else:
+                st[k] = v
+        obj["metadata"]["resourceVersion"] = self._bump()
+        return obj
+
+
+def _deployment_event(kube: FakeKube) -> dict[str, Any]:
+    dep = kube.get("apps/v1", "Deployment", "ns", "chat")
+    assert dep is not None
+    owner = {"kind": "InferenceDeployment", "name": "chat"}
+    dep["metadata"].update(name="chat", namespace="ns", generation=1, ownerReferences=[owner])
+    return {"type": "MODIFIED", "object": dep}
+
+
+async def test_a_pod_lost_while_a_tick_scrapes_does_not_leave_ready_true(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watch writes Ready=False when a pod goes unready; a tick that read the Deployment
+    before its scrape (seconds earlier) wrote Ready=True back over it, and the watch, having
+    written those figures already, skipped every later event: Ready stayed True for up to an
+    intervalSeconds. The tick now reads the Deployment again after its write."""
+    from headroom.operator.handlers import _tick, owned_deployment
+
+    monkeypatch.setattr(kopf, "event", lambda *a, **k: None)
+    base, body = await created(SPEC, replicas=2)
+    kube = _StatusKube()
+    kube.__dict__.update(base.__dict__)
+    body["metadata"]["resourceVersion"] = kube._bump()
+    kube.objects[_IDEP] = body
+    memo = kopf.Memo()
+    watch: Any = owned_deployment
+    seen: list[str] = []
+
+    class Racing(FakeSource):
+        async def sample(self, target: Any, infos: Any) -> Any:
+            kube.ready = 1  # a pod fails its readiness probe mid-scrape
+            await watch(event=_deployment_event(kube), memo=memo)
+            seen.append(
+                get_condition(kube.objects[_IDEP]["status"]["conditions"], "Ready")["status"]
+            )
+            return await super().sample(target, infos)
+
+    ctx = Context(Options(), kube, source_factory=lambda kind, c: Racing(0.5))
+    memo["ctx"] = ctx
+    await watch(event=_deployment_event(kube), memo=memo)  # first sight: the reconcile's
+    now = copy.deepcopy(kube.objects[_IDEP])
+    await _tick(ctx, now, parse(now["spec"]), None)
+    await watch(event=_deployment_event(kube), memo=memo)  # a later event, the same figures
+    assert seen == ["False"], "the watch wrote the lost pod at once"
+    ready = get_condition(kube.objects[_IDEP]["status"]["conditions"], "Ready")
+    assert (ready["status"], ready["message"]) == ("False", "1/2 replicas ready")
+    assert [m for m, _ in kube.statuses] == [
+        "headroom-readiness",
+        SCALING_MANAGER,
+        "headroom-readiness",
+    ]

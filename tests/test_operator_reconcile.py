@@ -117,7 +117,12 @@ class FakeKube:
         return str(self.version)
 
     def apply_status(
-        self, owner: Any, status: dict[str, Any], *, field_manager: str
+        self,
+        owner: Any,
+        status: dict[str, Any],
+        *,
+        field_manager: str,
+        resource_version: str | None = None,
     ) -> dict[str, Any]:
         self.statuses.append((field_manager, copy.deepcopy(status)))
         return {"status": status}

@@ -23,6 +23,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable
+from functools import partial
 from ipaddress import IPv4Address
 from typing import Any, cast
 
@@ -454,6 +455,10 @@ async def _tick(
     except Exception:
         log.exception("scaling %s/%s: status not written", meta["namespace"], meta["name"],
                       extra=about)  # fmt: skip
+    else:
+        # The tick wrote Ready from the Deployment it read before its scrape (seconds ago): a
+        # readiness change the watch wrote meanwhile was overwritten. Read it again and repair.
+        await _recheck_readiness(ctx, meta["namespace"], meta["name"])
     if stopped:
         # Deleted while the tick ran: kopf stops the daemon, then runs `forget`, which may
         # already have dropped the series this would bring back.
@@ -513,30 +518,48 @@ async def _refresh_readiness(
     ctx: Context, key: tuple[str, str], owner: str, deployment: dict[str, Any]
 ) -> None:
     """Write Ready and the replica counts the Deployment's status now implies, if they moved
-    (`headroom.operator.readiness`). A write that meets a newer InferenceDeployment (a
-    reconcile or a tick wrote in between) is dropped: both write the same from fresher reads."""
+    (`headroom.operator.readiness`). The write carries the InferenceDeployment's version as
+    read: one that meets a newer object (a reconcile or a tick wrote in between) is read and
+    judged again, once; a tick repairs what it overwrote (`_recheck_readiness`)."""
     now_figures = figures(deployment)
     if ctx.readiness.get(key) == now_figures:
         return
-    body = await asyncio.to_thread(ctx.kube.get, f"{GROUP}/{VERSION}", KIND, key[0], owner)
-    if body is None or body["metadata"].get("deletionTimestamp"):
-        return
-    outcome = readiness(body, deployment, ctx.clock())
-    if outcome is not None:
+    for attempt in range(2):
+        body = await asyncio.to_thread(ctx.kube.get, f"{GROUP}/{VERSION}", KIND, key[0], owner)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        outcome = readiness(body, deployment, ctx.clock())
+        if outcome is None:
+            break
         version = body["metadata"].get("resourceVersion")
         try:
             await asyncio.to_thread(
                 with_retries,
-                lambda: ctx.kube.apply_status(owner_of(body), outcome.status,
-                                              field_manager=READINESS_MANAGER,
-                                              resource_version=version),
+                partial(ctx.kube.apply_status, owner_of(body), outcome.status,
+                        field_manager=READINESS_MANAGER, resource_version=version),
                 conflicts=False,
             )  # fmt: skip
+            break
         except KubeError as exc:
             log.debug("readiness of %s/%s not written: %s", key[0], owner, exc,
                       extra=log_fields(key[0], owner))  # fmt: skip
-            return
+            if exc.status != 409 or attempt:
+                return
     ctx.readiness[key] = now_figures
+
+
+async def _recheck_readiness(ctx: Context, namespace: str, name: str) -> None:
+    """After a tick's status write: Ready and the counts from the Deployment as it is now."""
+    if ctx.exiting:
+        return
+    try:
+        live = await asyncio.to_thread(ctx.kube.get, "apps/v1", "Deployment", namespace, name)
+        if live is not None:
+            ctx.readiness.pop((namespace, name), None)
+            await _refresh_readiness(ctx, (namespace, name), name, live)
+    except KubeError as exc:
+        log.debug("readiness of %s/%s not rechecked: %s", namespace, name, exc,
+                  extra=log_fields(namespace, name))  # fmt: skip
 
 
 def _drifted(
