@@ -49,6 +49,8 @@ import torch
 from bench.verdicts import Verdicts, positive_int
 from headroom.engine.attention import AttentionBackend, TorchBackend, allocate_layer_cache
 from headroom.engine.attention.base import LayerKVCache
+from headroom.engine.kv_check.cli import UsageError
+from headroom.engine.kv_check.cli import parse_contexts as kv_check_contexts
 from headroom.engine.model import ModelConfig, build_forward_batch, build_tiny, tiny_config
 from headroom.engine.model.config import RopeConfig
 from headroom.engine.model.llama import LlamaForCausalLM
@@ -449,23 +451,19 @@ MIN_RETRIEVAL_CONTEXT = 1 + 1 + 7 + 13
 
 
 def parse_contexts(text: str) -> tuple[int, ...]:
-    """An argparse `type` for `--retrieval-contexts`: "512,1k,4k" -> (512, 1024, 4096), each
-    at least `MIN_RETRIEVAL_CONTEXT` tokens (refused here, not after minutes of work)."""
-    out = []
-    for part in text.split(","):
-        p = part.strip().lower()
-        try:
-            n = int(p[:-1]) * 1024 if p.endswith("k") else int(p)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{part.strip()!r} is not a length like 512 or 4k"
-            ) from None
+    """An argparse `type` for `--retrieval-contexts`: "512,1k,4k" -> (512, 1024, 4096), read as
+    `headroom kv-check --contexts` reads them, each at least `MIN_RETRIEVAL_CONTEXT` tokens
+    (refused here, not after minutes of work)."""
+    try:
+        lengths = kv_check_contexts(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--contexts: ")) from None
+    for n in lengths:
         if n < MIN_RETRIEVAL_CONTEXT:
             raise argparse.ArgumentTypeError(
-                f"{part.strip()!r}: a needle prompt needs at least {MIN_RETRIEVAL_CONTEXT} tokens"
+                f"'{n}': a needle prompt needs at least {MIN_RETRIEVAL_CONTEXT} tokens"
             )
-        out.append(n)
-    return tuple(out)
+    return lengths
 
 
 def main(argv: list[str] | None = None) -> int:
