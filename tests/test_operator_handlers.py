@@ -539,7 +539,7 @@ class _StatusKube(FakeKube):
         obj = self.objects[_IDEP]
         if resource_version not in (None, obj["metadata"]["resourceVersion"]):
             raise KubeError(409, "Conflict", "the object has been modified")
-        self.statuses.append((field_manager, copy.deepcopy(status)))
+        super().apply_status(owner, status, field_manager=field_manager)  # records it
         st = obj.setdefault("status", {})
         for k, v in status.items():
             if k == "conditions":

@@ -113,22 +113,22 @@ class Scheduler:
             raise RuntimeError("schedule() called again before update() for the previous step")
         t0 = time.perf_counter()
         out = SchedulerOutput()
-        running, max_seqs, allocate = self.running, self.config.max_num_seqs, self.kv.allocate_slots
+        running, max_seqs = self.running, self.config.max_num_seqs
         budget = self.config.max_num_batched_tokens
         # One budget token is held back for every decode not yet reached, so a prefill chunk
         # early in the order cannot starve the decodes behind it.
-        pending = sum(len(s.all_token_ids) - s.num_computed_tokens == 1 for s in running[:max_seqs])
+        pending = sum(1 for s in running[:max_seqs] if s.num_tokens - s.num_computed_tokens == 1)
         i = 0
         while i < len(running) and i < max_seqs and budget > 0:
             seq = running[i]
             computed = seq.num_computed_tokens
-            n = remaining = len(seq.all_token_ids) - computed
+            n = remaining = seq.num_tokens - computed
             if remaining == 1:
                 pending -= 1
             elif (n := min(remaining, budget - pending)) <= 0:
                 i += 1
                 continue
-            while not (m := allocate(seq, n, out.blocks_to_copy)):
+            while not (m := self.kv.allocate_slots(seq, n, out.blocks_to_copy)):
                 victim = running.pop()
                 decode = victim.num_tokens - victim.num_computed_tokens == 1
                 if decode and victim is not seq and len(running) < max_seqs:
@@ -197,14 +197,14 @@ class Scheduler:
             raise ValueError(f"no sampled token for sequences {missing}")
         if unexpected := sorted(sampled.keys() - sampling.keys()):
             raise ValueError(f"sampled tokens for sequences that were not sampling: {unexpected}")
-        self._inflight, cache_blocks = None, self.kv.cache_blocks
+        self._inflight = None
         finished: list[Sequence] = []
         for e in entries:
             seq = e.seq
             if seq.status is not _RUNNING:  # aborted while the step ran
                 continue
             seq.num_computed_tokens = e.start + e.num_new_tokens
-            cache_blocks(seq)
+            self.kv.cache_blocks(seq)
             if e.sample:
                 token = sampled[seq.seq_id]
                 seq.output_token_ids.append(token)

@@ -12,7 +12,13 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from headroom.operator.scaling.loop import reconcile_failed
-from headroom.operator.status import Outcome, get_condition, ready_condition, set_status_condition
+from headroom.operator.status import (
+    Outcome,
+    get_condition,
+    ready_condition,
+    replica_counts,
+    set_status_condition,
+)
 
 READINESS_MANAGER = "headroom-readiness"
 
@@ -20,10 +26,7 @@ READINESS_MANAGER = "headroom-readiness"
 def figures(deployment: dict[str, Any]) -> tuple[Literal["True", "False"], str, str, int, int]:
     """What this module writes, read off a Deployment: Ready's status, reason and message,
     replicas and ready replicas. The watch skips events that change none of them."""
-    status, reason, message = ready_condition(deployment)
-    replicas = int(deployment.get("spec", {}).get("replicas", 1) or 0)
-    ready = int((deployment.get("status") or {}).get("readyReplicas", 0) or 0)
-    return status, reason, message, replicas, ready
+    return (*ready_condition(deployment), *replica_counts(deployment))
 
 
 def readiness(body: dict[str, Any], deployment: dict[str, Any], now: float) -> Outcome | None:

@@ -107,6 +107,12 @@ class Outcome:
     retry_after: float | None = None
 
 
+def replica_counts(deployment: dict[str, Any]) -> tuple[int, int]:
+    """A Deployment's wanted replicas (its default 1 when unset) and ready replicas."""
+    want = int(deployment.get("spec", {}).get("replicas", 1) or 0)
+    return want, int((deployment.get("status") or {}).get("readyReplicas", 0) or 0)
+
+
 def ready_condition(
     deployment: dict[str, Any] | None,
 ) -> tuple[Literal["True", "False"], str, str]:
@@ -115,9 +121,8 @@ def ready_condition(
     counts the previous spec's pods while a rollout is stuck)."""
     if deployment is None:
         return "False", "NoDeployment", "no Deployment exists for this InferenceDeployment"
-    want = int(deployment.get("spec", {}).get("replicas", 1) or 0)
+    want, ready = replica_counts(deployment)
     st = deployment.get("status", {}) or {}
-    ready = int(st.get("readyReplicas", 0) or 0)
     updated = int(st.get("updatedReplicas", 0) or 0)
     total = int(st.get("replicas", 0) or 0)
     generation = deployment.get("metadata", {}).get("generation")

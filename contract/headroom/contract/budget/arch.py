@@ -110,13 +110,6 @@ class ModelArch(BaseModel):
         return WEIGHT_BYTES[self.weight_dtype]
 
 
-def _get(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
-    for key in keys:
-        if cfg.get(key) is not None:
-            return cfg[key]
-    return default
-
-
 def from_hf_config(
     path: str | Path,
     num_parameters: int | None = None,
@@ -436,7 +429,7 @@ def _parameters_of(
     family = _family(cfg)
     dense = inter or 4 * hidden
     experts = _number(cfg, "num_local_experts", "n_routed_experts", "num_experts", default=1)
-    moe_width = _get(cfg, "moe_intermediate_size")
+    moe_width = cfg.get("moe_intermediate_size")
     llama4 = family in _LLAMA4_TYPES and experts > 1
     plain_mlp = family in _PLAIN_MLP_TYPES
     total = estimate_parameters(
@@ -463,19 +456,19 @@ def _parameters_of(
         total += (layers - moe) * 3 * hidden * mlp_width
     elif moe_width is not None:
         shared = _number(cfg, "n_shared_experts", default=0)
-        if _get(cfg, "shared_expert_intermediate_size"):  # Qwen2-MoE: one wider shared expert
+        if cfg.get("shared_expert_intermediate_size"):  # Qwen2-MoE: one wider shared expert
             shared_width = int(cfg["shared_expert_intermediate_size"])
         else:
             shared_width = shared * int(moe_width)
         dense_layers = min(layers, _number(cfg, "first_k_dense_replace", default=0))
         moe_layer = 3 * hidden * (experts * int(moe_width) + shared_width) + hidden * experts
         total += dense_layers * 3 * hidden * dense + (layers - dense_layers) * moe_layer
-    if _get(cfg, "kv_lora_rank"):
+    if cfg.get("kv_lora_rank"):
         # MLA: low-rank q and kv projections replace the plain q/k/v of the estimate above.
         rope = _number(cfg, "qk_rope_head_dim", default=0)
         nope = _number(cfg, "qk_nope_head_dim", default=head_dim)
         v_dim = _number(cfg, "v_head_dim", default=head_dim)
-        latent, q_rank = int(cfg["kv_lora_rank"]), _get(cfg, "q_lora_rank")
+        latent, q_rank = int(cfg["kv_lora_rank"]), cfg.get("q_lora_rank")
         q = (
             hidden * heads * (nope + rope)
             if not q_rank

@@ -30,6 +30,7 @@ from headroom.operator.status import (
     condition_changed,
     last_feasible_ready,
     ready_condition,
+    replica_counts,
     set_status_condition,
 )
 
@@ -288,7 +289,7 @@ def reconcile(
     out.events.extend(warnings)
     dep_replicas = applied.get("spec", {}).get("replicas")
     st["replicas"] = dep_replicas
-    st["readyReplicas"] = int((applied.get("status") or {}).get("readyReplicas", 0) or 0)
+    st["readyReplicas"] = replica_counts(applied)[1]
     previous = (body.get("status") or {}).get("desiredReplicas")
     st["desiredReplicas"] = (
         replicas if spec.scaling.mode == "auto" and replicas is not None

@@ -55,6 +55,7 @@ from headroom.operator.status import (
     log_fields,
     parse_time,
     ready_condition,
+    replica_counts,
     rfc3339,
     set_status_condition,
 )
@@ -271,7 +272,7 @@ async def tick(
         return TickResult(Outcome(), mem)
     if not sizing.feasible:
         return TickResult(infeasible_outcome(body, live, now), mem)
-    current = int(live.get("spec", {}).get("replicas", 1) or 0)
+    current = replica_counts(live)[0]
     pods = await asyncio.to_thread(
         kube.list, "v1", "Pod", owner.namespace, selector_string(owner.name)
     )
@@ -390,8 +391,7 @@ def infeasible_outcome(body: dict[str, Any], live: dict[str, Any], now: float) -
     out = Outcome()
     st = out.status
     st |= carried(body.get("status") or {}, _SCALING_FIELDS, ("KVSaturated", "PoolMatchesPlan"))
-    st["replicas"] = int(live.get("spec", {}).get("replicas", 1) or 0)
-    st["readyReplicas"] = int((live.get("status") or {}).get("readyReplicas", 0) or 0)
+    st["replicas"], st["readyReplicas"] = replica_counts(live)
     message = (
         "the spec is infeasible (see the Feasible condition): the running Deployment keeps its "
         f"last feasible configuration at {st['replicas']} replicas and is not scaled"
