@@ -3,6 +3,7 @@ wait for `/ready`, keep its output, and stop it with SIGTERM like Kubernetes doe
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -13,6 +14,8 @@ import time
 import urllib.error
 import urllib.request
 from types import TracebackType
+
+import aiohttp
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -127,3 +130,21 @@ class ServerProcess:
     ) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.terminate()
+
+
+async def held_stream(
+    session: aiohttp.ClientSession, completions_url: str
+) -> tuple[aiohttp.ClientResponse, list[bytes], asyncio.Task[None]]:
+    """A long streaming completion in flight on the tiny model (it holds KV blocks until it
+    ends): its response, the lines read so far, and the task reading them."""
+    hold = await session.post(completions_url, json={
+        "model": "tiny", "prompt": "long", "max_tokens": 4000, "stream": True,
+        "ignore_eos": True})  # fmt: skip
+    assert hold.status == 200
+    streamed: list[bytes] = []
+
+    async def read_hold() -> None:
+        async for line in hold.content:
+            streamed.append(line)
+
+    return hold, streamed, asyncio.create_task(read_hold())

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from engine_process import ServerProcess, free_port
+from engine_process import ServerProcess, free_port, held_stream
 
 from headroom.engine.server.cli import main as server_main
 from headroom.engine.server.cli import parse_bytes
@@ -198,17 +198,7 @@ async def test_a_draining_503_ends_its_kept_alive_connection_so_a_retry_reconnec
         http = openai.DefaultAsyncHttpxClient(event_hooks={"response": [on_response]})
         client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", http_client=http)
         async with pooled, aiohttp.ClientSession() as other, client:
-            hold = await other.post(url, json={"model": "tiny", "prompt": "long",
-                                               "max_tokens": 4000, "stream": True,
-                                               "ignore_eos": True})  # fmt: skip
-            assert hold.status == 200
-            streamed: list[bytes] = []
-
-            async def read_hold() -> None:
-                async for line in hold.content:
-                    streamed.append(line)
-
-            reader = asyncio.create_task(read_hold())
+            hold, streamed, reader = await held_stream(other, url)
 
             async def post(prompt: str) -> tuple[int, dict[str, str], str]:
                 body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}

@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from engine_process import ServerProcess, free_port
+from engine_process import ServerProcess, free_port, held_stream
 
 from headroom.sidecar.__main__ import main as sidecar_main
 
@@ -136,17 +136,7 @@ async def test_the_sidecar_reports_a_draining_engine_and_exits_after_it() -> Non
             aiohttp.ClientSession() as client,
         ):
             # A request in flight, as on a pod a scale-in removes; it holds KV blocks.
-            hold = await client.post(engine.url + "/v1/completions", json={
-                "model": "tiny", "prompt": "long", "max_tokens": 4000, "stream": True,
-                "ignore_eos": True})  # fmt: skip
-            assert hold.status == 200
-            streamed: list[bytes] = []
-
-            async def read_hold() -> None:
-                async for line in hold.content:
-                    streamed.append(line)
-
-            reader = asyncio.create_task(read_hold())
+            hold, _, reader = await held_stream(client, engine.url + "/v1/completions")
             deadline = time.monotonic() + DEADLINE_S
             while not ((got := await side.get("/saturation")) and (got[1]["running"] or 0) > 0):
                 assert time.monotonic() < deadline, f"the sidecar never saw the request: {got}"
