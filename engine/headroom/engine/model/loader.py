@@ -21,6 +21,7 @@ from headroom.engine.model.config import ModelConfig, from_hf_dict
 from headroom.engine.model.llama import LlamaForCausalLM
 from headroom.engine.model.tiny import TINY_NAME, build_tiny
 from headroom.engine.model.tokenizer import HFTokenizer, Tokenizer
+from headroom.engine.sampling import SamplingParams
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -28,6 +29,19 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 _INDEX = "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
+# transformers' GenerationConfig defaults (4.x, which vLLM 0.11 reads the file with) of the
+# sampling fields vLLM takes from generation_config.json; a value equal to its default is no
+# setting of the model's (`GenerationConfig.to_diff_dict`).
+_HF_SAMPLING_DEFAULTS: dict[str, float | None] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 50,
+    "min_p": None,
+    "repetition_penalty": 1.0,
+}
+# The ones the sampler does not implement, with their neutral value (no warning for that).
+_UNSUPPORTED_SAMPLING: dict[str, float] = {"min_p": 0.0, "repetition_penalty": 1.0}
 log = logging.getLogger(__name__)
 
 
@@ -128,16 +142,21 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def _read_generation_config(path: Path) -> dict[str, Any]:
+    """The `generation_config.json` mapping of a model directory, {} without one (the file is
+    optional, as in transformers); raises OSError or ValueError naming a file it cannot read."""
+    gen_file = path / GENERATION_CONFIG
+    return read_json_object(gen_file) if gen_file.is_file() else {}
+
+
 def _special_ids(path: Path, cfg: ModelConfig) -> tuple[int | None, tuple[int, ...]]:
     bos, eos = cfg.bos_token_id, list(cfg.eos_token_ids)
-    gen_file = path / "generation_config.json"
     gen: dict[str, Any] = {}
-    if gen_file.is_file():
-        try:
-            gen = read_json_object(gen_file)
-        except (OSError, ValueError) as e:
-            # Optional, as in transformers: the model loads with config.json's ids.
-            log.warning("%s; ignoring it (the file is optional)", e)
+    try:
+        gen = _read_generation_config(path)
+    except (OSError, ValueError) as e:
+        # Optional, as in transformers: the model loads with config.json's ids.
+        log.warning("%s; ignoring it (the file is optional)", e)
     if gen:
         if bos is None and gen.get("bos_token_id") is not None:
             bos = int(gen["bos_token_id"])
@@ -146,6 +165,59 @@ def _special_ids(path: Path, cfg: ModelConfig) -> tuple[int | None, tuple[int, .
             if tid is not None and int(tid) not in eos:
                 eos.append(int(tid))
     return bos, tuple(eos)
+
+
+def _sampling_value(name: str, value: object) -> float | int | None:
+    """`value` as the engine's `SamplingParams` takes `name`, None when it is not one."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number: float | int = value
+    if name == "top_k" and isinstance(value, float):
+        if not value.is_integer():  # also inf and nan
+            return None
+        number = int(value)
+    try:
+        SamplingParams.model_validate({name: number})
+    except ValidationError:
+        return None
+    return number
+
+
+def generation_sampling_defaults(path: str | Path) -> dict[str, float | int]:
+    """The model's own sampling defaults, as vLLM's `--generation-config auto` takes them from
+    `generation_config.json` (`ModelConfig.get_diff_sampling_param`): `temperature`, `top_p`
+    and `top_k` where they differ from transformers' GenerationConfig defaults (1.0, 1.0, 50;
+    vLLM reads `to_diff_dict`, so a file's `top_k` 50 sets nothing), whatever `do_sample` says
+    (vLLM does not look at it). A value the engine cannot sample with is left out with a
+    warning, and so are `min_p` and `repetition_penalty`, which its sampler does not
+    implement. {} for a directory without the file, or with one that cannot be read (the load
+    warns about that one)."""
+    path = Path(path).expanduser()
+    gen_file = path / GENERATION_CONFIG
+    try:
+        gen = _read_generation_config(path)
+    except (OSError, ValueError) as e:
+        log.debug("no sampling defaults: %s", e)
+        return {}
+    defaults: dict[str, float | int] = {}
+    for name, hf_default in _HF_SAMPLING_DEFAULTS.items():
+        value = gen.get(name)
+        if value is None or value == hf_default:
+            continue
+        if name in _UNSUPPORTED_SAMPLING:
+            if value != _UNSUPPORTED_SAMPLING[name]:
+                log.warning(
+                    "%s: %s %r is not supported by this engine; requests sample without it",
+                    gen_file, name, value,
+                )  # fmt: skip
+            continue
+        usable = _sampling_value(name, value)
+        if usable is None:
+            log.warning("%s: ignoring %s %r (not a value the engine samples with)",
+                        gen_file, name, value)  # fmt: skip
+            continue
+        defaults[name] = usable
+    return defaults
 
 
 def load_tokenizer(path: Path, cfg: ModelConfig) -> HFTokenizer:

@@ -17,6 +17,8 @@ from pydantic import ValidationError
 
 from headroom.engine.config import EngineConfig
 from headroom.engine.health import DEFAULT_STEP_TIMEOUT_S
+from headroom.engine.model.loader import generation_sampling_defaults
+from headroom.engine.model.tiny import TINY_NAME
 from headroom.engine.server import log_format
 from headroom.engine.server.auth import API_KEY_ENV
 from headroom.engine.server.listener import SEND_TIMEOUT_S
@@ -24,8 +26,11 @@ from headroom.engine.server.runner import STATS_MAX_CONNECTIONS, ListenConfig, s
 from headroom.engine.server.state import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
+    SamplingDefaults,
     ServerSettings,
 )
+
+log = logging.getLogger("headroom.server")
 
 _UNITS = {
     "": 1,
@@ -67,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     m.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     m.add_argument("--seed", type=int, default=0, help="seed for requests without one")
+    m.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                   help="auto: a request that leaves temperature, top_p or top_k out (or "
+                   "null) samples with the model's generation_config.json value, as vLLM's "
+                   "default does; vllm: with the neutral defaults (1.0, 1.0, off)")  # fmt: skip
     h = p.add_argument_group("http")
     h.add_argument("--host", default="127.0.0.1")
     h.add_argument("--port", type=int, default=8000, help="0 picks a free port")
@@ -149,6 +158,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerSetting
         body_timeout_s=args.body_timeout,
         shutdown_grace_s=args.shutdown_grace,
         step_timeout_s=args.step_timeout,
+        sampling_defaults=_sampling_defaults(args.model, args.generation_config),
     )
     listen = ListenConfig(
         host=args.host,
@@ -161,6 +171,14 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerSetting
         max_connections=args.max_connections,
     )
     return engine, settings, listen
+
+
+def _sampling_defaults(model: str, generation_config: str) -> SamplingDefaults:
+    """The model's sampling defaults under `--generation-config` (none for vllm and for the
+    built-in tiny model, which has no generation config)."""
+    if generation_config == "vllm" or model == TINY_NAME:
+        return SamplingDefaults()
+    return SamplingDefaults.model_validate(generation_sampling_defaults(model))
 
 
 def _flag_errors(err: ValidationError) -> str:
@@ -195,6 +213,10 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as e:
         print(f"headroom serve: {_flag_errors(e)}", file=sys.stderr)
         return 2
+    if given := settings.sampling_defaults.given():
+        # As vLLM says it at start-up: a model's defaults change what requests sample.
+        log.info("default sampling parameters from the model's generation_config.json "
+                 "(--generation-config vllm ignores them)", extra=given)  # fmt: skip
     # `~` expanded as the loader expands it (a quoted '~/m' reaches us unexpanded).
     if engine.model != "tiny" and not os.path.isdir(os.path.expanduser(engine.model)):
         # Said before the port is bound: the same path kv-check refuses with exit 2.

@@ -22,7 +22,7 @@ from headroom.engine.server.errors import (
     retry_elsewhere,
 )
 from headroom.engine.server.protocol import ChatCompletionRequest, CompletionRequest, Usage
-from headroom.engine.server.state import ServerState
+from headroom.engine.server.state import SamplingDefaults, ServerState
 from headroom.engine.validation import resolve_max_tokens
 
 
@@ -49,8 +49,9 @@ class Generation:
     ) -> None:
         assert st.engine is not None and len(params) == len(prompts)
         self._engine = st.engine
+        defaults = st.settings.sampling_defaults
         self.jobs = [
-            _Job(i, f"{base_id}-{i}", ids, p)
+            _Job(i, f"{base_id}-{i}", ids, with_model_defaults(p, defaults))
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
         ]
         # Bounded: a pump waits here while the client reads slowly, and the engine folds what
@@ -155,18 +156,24 @@ def check_prompts(
     return budgets
 
 
+# The request fields a model's generation_config.json gives defaults for.
+MODEL_DEFAULTED = ("temperature", "top_p", "top_k")
+
+
 def sampling_params(
     req: CompletionRequest | ChatCompletionRequest, budgets: list[int]
 ) -> list[SamplingParams]:
     """The request's sampling fields as the engine's `SamplingParams`, one per prompt with that
-    prompt's output budget (400 naming a bad field)."""
+    prompt's output budget (400 naming a bad field). `temperature`, `top_p` and `top_k` are
+    passed only when the request gave them (null is leaving them out): the others stay unset
+    (not in the params' `model_fields_set`) for `with_model_defaults` to fill with the model's
+    defaults, which `Generation` does with the server's."""
+    given = {name: getattr(req, name) for name in MODEL_DEFAULTED if name in req.model_fields_set}
     try:
         params = SamplingParams(
             n=req.n,
             max_tokens=budgets[0],
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
+            **given,
             seed=req.seed,
             stop=req.stop_list,
             stop_token_ids=list(req.stop_token_ids or []),
@@ -176,6 +183,15 @@ def sampling_params(
         raise from_validation_error(e) from e
     # The other budgets passed the same rules in `check_prompts` (each at least 1).
     return [params] + [params.model_copy(update={"max_tokens": b}) for b in budgets[1:]]
+
+
+def with_model_defaults(params: SamplingParams, defaults: SamplingDefaults) -> SamplingParams:
+    """`params` with the model's sampling defaults (`--generation-config auto`) in the fields
+    the request left unset, as vLLM applies its generation-config defaults; a value the
+    request gave always stays. The defaults are within `SamplingParams`' bounds (the loader
+    keeps only such values), so the copy needs no new validation."""
+    missing = {k: v for k, v in defaults.given().items() if k not in params.model_fields_set}
+    return params.model_copy(update=missing) if missing else params
 
 
 @dataclass

@@ -5,13 +5,19 @@ silently ignored setting. Fields OpenAI defines but the engine does not implemen
 logprobs, logit_bias, echo, suffix, best_of > n) are accepted only at their neutral value; any
 other value is a 400 that says so. vLLM's extensions `top_k`, `ignore_eos` and `stop_token_ids`
 are accepted so the same clients (and `headroom load`) work against either server.
+
+OpenAI marks `n`, `temperature`, `top_p`, `stream` (and completions' `echo`) nullable, and vLLM
+takes null for those and `top_k` as "use the default": so does this server, null being the same
+as leaving the field out. The handlers see the concrete default; whether the request gave
+`temperature`, `top_p` or `top_k` at all is `model_fields_set` (a left-out one takes the
+model's generation_config.json default, see `generation.sampling_params`).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -21,6 +27,7 @@ from pydantic import (
     ValidationInfo,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 from headroom.engine.sampling import MAX_STOP_TOKEN_IDS
@@ -48,6 +55,12 @@ def _neutral(name: str, value: Any, neutral: Any) -> None:
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
+    # Null here means the default: the key is dropped before validation, so the field is
+    # unset, exactly as if left out (and keeps every bound for a value that is not null).
+    _NULL_IS_DEFAULT: ClassVar[frozenset[str]] = frozenset(
+        {"n", "temperature", "top_p", "top_k", "stream"}
+    )
+
     model: str | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -65,6 +78,13 @@ class _SamplingFields(_Request):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in cls._NULL_IS_DEFAULT}
 
     @field_validator("stop")
     @classmethod
@@ -117,6 +137,8 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(_SamplingFields):
     """`POST /v1/completions`."""
+
+    _NULL_IS_DEFAULT: ClassVar[frozenset[str]] = _SamplingFields._NULL_IS_DEFAULT | {"echo"}
 
     prompt: Prompt
     max_tokens: int | None = Field(default=16, ge=1)

@@ -22,6 +22,23 @@ DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
+class SamplingDefaults(BaseModel):
+    """What a request that leaves `temperature`, `top_p` or `top_k` out (or sends null) samples
+    with: the model's generation_config.json values (`--generation-config auto`, as vLLM's);
+    None, the engine's neutral default (1.0, 1.0, off). A request's own value always wins."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # The engine's `SamplingParams` bounds: the loader passes on only values within them.
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+
+    def given(self) -> dict[str, float | int]:
+        """The fields the model sets, by name."""
+        return self.model_dump(exclude_none=True)
+
+
 class ServerSettings(BaseModel):
     """The HTTP side of `headroom serve` (the engine has its own `EngineConfig`)."""
 
@@ -34,6 +51,7 @@ class ServerSettings(BaseModel):
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     # Past this one model step counts as hung (see headroom.engine.health): probes fail.
     step_timeout_s: float = Field(default=DEFAULT_STEP_TIMEOUT_S, gt=0, allow_inf_nan=False)
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
 
 @dataclass
