@@ -431,35 +431,75 @@ def test_an_hpa_scales_an_advisory_inference_deployment_through_its_scale_subres
     operator.check()
 
 
-def test_an_infeasible_spec_keeps_reporting_the_running_deployment(
+def test_an_infeasible_spec_is_not_ready_and_leaves_the_running_deployment(
     cluster: Cluster, operator: InProcessOperator, cluster_namespace: str
 ) -> None:
+    """A GitOps commit that cannot fit: nothing is applied, the old Deployment keeps running,
+    and `Ready` is False (Infeasible) for the new generation, so `kubectl apply && kubectl
+    wait --for=condition=Ready` does not pass for a spec that never ran. The fix brings it
+    back."""
     ns = cluster_namespace
     apply_cr(cluster, ns, "stale", SPEC)
     eventually("Ready", lambda: condition(get(cluster, "infd", "stale", ns), "Ready").get("status")
                == "True")  # fmt: skip
+    before = get(cluster, "deployment", "stale", ns)
+    assert before is not None
     cluster.kubectl("patch", "infd", "stale", "-n", ns, "--type", "merge",
                     "-p", json.dumps({"spec": {"traffic": {"contextTokens": 200000}}}))  # fmt: skip
-    reconciled(cluster, ns, "stale", want="False")
+
+    def infeasible(ready_message: str) -> Callable[[], dict[str, Any] | None]:
+        def probe() -> dict[str, Any] | None:
+            obj = get(cluster, "infd", "stale", ns)
+            ready = condition(obj, "Ready")
+            return obj if (
+                obj is not None
+                and obj["status"].get("observedGeneration") == 2
+                and (ready.get("status"), ready.get("reason")) == ("False", "Infeasible")
+                and ready.get("observedGeneration") == 2
+                and ready.get("message", "").endswith(ready_message)
+            ) else None  # fmt: skip
+
+        return probe
+
+    obj = eventually("Ready=False/Infeasible for generation 2", infeasible("1/1 replicas ready"))
+    assert obj["metadata"]["generation"] == 2
+    assert "keeps its last feasible configuration" in condition(obj, "Ready")["message"]
+    assert condition(obj, "Feasible")["reason"] == "Infeasible"
+    # What a GitOps pipeline runs after its apply: it must not pass (the scaling ticks, every
+    # second here, and the Deployment's watch all keep it False).
+    waited = cluster.kubectl("wait", "--for=condition=Ready", "infd/stale", "-n", ns,
+                             "--timeout=3s", check=False)  # fmt: skip
+    assert waited.returncode != 0, f"kubectl wait passed: {waited.stdout}{waited.stderr}"
+    after = get(cluster, "deployment", "stale", ns)
+    assert after is not None
+    assert after["metadata"]["generation"] == before["metadata"]["generation"]
+    assert after["spec"]["template"] == before["spec"]["template"], "the Deployment was changed"
     nodes = [n["metadata"]["name"] for n in json.loads(
         cluster.kubectl("get", "nodes", "-o", "json").stdout)["items"]]  # fmt: skip
     try:
         for node in nodes:  # the pod's replacement cannot schedule
             cluster.kubectl("cordon", node)
         cluster.kubectl("delete", "pod", "-n", ns, "-l", f"{SELECTOR_LABEL}=stale", "--wait=true")
-
-        def current() -> dict[str, Any] | None:
-            obj = get(cluster, "infd", "stale", ns)
-            return obj if condition(obj, "Ready").get("status") == "False" else None
-
-        obj = eventually("Ready to follow the running Deployment", current)
+        # The message follows the running Deployment.
+        obj = eventually("Ready's message to follow the running Deployment",
+                         infeasible("0/1 replicas ready"))  # fmt: skip
     finally:
         for node in nodes:
             cluster.kubectl("uncordon", node)
     assert obj["status"]["readyReplicas"] == 0
-    assert "keeps its last feasible configuration" in condition(obj, "Ready")["message"]
     assert condition(obj, "ScalingLimited")["reason"] == "Infeasible"
-    assert condition(obj, "Feasible")["reason"] == "Infeasible"
+    # The fix: a feasible generation is applied and reads Ready off its Deployment again.
+    cluster.kubectl("patch", "infd", "stale", "-n", ns, "--type", "merge",
+                    "-p", json.dumps({"spec": {"traffic": {"contextTokens": 4096}}}))  # fmt: skip
+
+    def ready_again() -> dict[str, Any] | None:
+        obj = get(cluster, "infd", "stale", ns)
+        ready = condition(obj, "Ready")
+        fixed = (ready.get("status"), ready.get("observedGeneration")) == ("True", 3)
+        return obj if fixed else None
+
+    obj = eventually("Ready=True for the fixed generation 3", ready_again, timeout=90)
+    assert condition(obj, "Feasible")["status"] == "True"
     operator.check()
 
 

@@ -745,7 +745,7 @@ async def test_a_refused_apply_stays_the_ready_condition_until_a_spec_applies() 
     assert cond(again.outcome.status, "Ready")["reason"] == "AllReplicasReady"
 
 
-async def test_an_infeasible_spec_keeps_ready_and_replicas_current_without_scaling() -> None:
+async def test_an_infeasible_spec_keeps_replicas_current_and_ready_false_without_scaling() -> None:
     kube, b = await created(SPEC)
     first = await tick(kube, FakeSource(0.5, arrivals=1.0), b, parse(b["spec"]), NOW)
     status = {**b["status"], **first.outcome.status}
@@ -756,8 +756,13 @@ async def test_an_infeasible_spec_keeps_ready_and_replicas_current_without_scali
     assert kube.scales == [] and res.decision is None
     assert (st["replicas"], st["readyReplicas"]) == (4, 1)
     ready = cond(st, "Ready")
-    assert (ready["status"], ready["reason"]) == ("False", "ReplicasNotReady")
-    assert "keeps its last feasible configuration" in ready["message"]
+    # Nothing of this generation runs: Ready is False for it, the running Deployment's
+    # readiness in the message.
+    assert (ready["status"], ready["reason"]) == ("False", "Infeasible")
+    assert ready["observedGeneration"] == 2
+    assert ready["message"].endswith(
+        "the running Deployment keeps its last feasible configuration: 1/4 replicas ready"
+    )
     limited = cond(st, "ScalingLimited")
     assert (limited["status"], limited["reason"]) == ("True", "Infeasible")
     assert [e.reason for e in res.outcome.events] == ["ScalingStopped"]

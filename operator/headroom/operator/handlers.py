@@ -44,7 +44,7 @@ from headroom.operator.reconcile.runtimes import DEFAULT_IMAGES, HeadroomImages
 from headroom.operator.reconcile.sizing import Parsed, parse
 from headroom.operator.scaling.decide import Memory
 from headroom.operator.scaling.exporter import OperatorMetrics
-from headroom.operator.scaling.loop import tick
+from headroom.operator.scaling.loop import rebase_ready, tick
 from headroom.operator.scaling.metrics_sources import (
     DEFAULT_RATE_WINDOW,
     MetricsSource,
@@ -240,6 +240,51 @@ async def _write(ctx: Context, body: dict[str, Any], outcome: Outcome, manager: 
                 with_retries,
                 lambda: ctx.kube.apply_status(owner, outcome.status, field_manager=manager),
             )
+    finally:
+        _post(body, owner, outcome)
+
+
+# Status applies of a tick made on a resourceVersion before one goes without the precondition.
+TICK_GUARDED_WRITES = 2
+
+
+async def _write_tick(ctx: Context, body: dict[str, Any], outcome: Outcome) -> None:
+    """Apply a tick's status, on the resourceVersion of `body`, the object the tick computed
+    it from, and post its Events. The tick takes seconds (its scrape), and a reconcile may
+    write meanwhile, e.g. Ready=False/ApplyFailed for a new generation: a forced apply would
+    write the tick's Ready, read off the previous spec's Deployment, over it, and then no
+    one would see the failure until the next resync. On a 409 the object is read again, the
+    tick's Ready rebased on it (`rebase_ready`: a reconcile failure, an infeasible or a newer
+    generation keeps the Ready it holds) and applied on the new version; after the second
+    conflict it goes without the precondition, still rebased on the latest read: the status
+    records a decision (a scale already made must reach status.lastDecisions)."""
+    owner = owner_of(body)
+    status = outcome.status
+    version = (body.get("metadata") or {}).get("resourceVersion")
+    try:
+        if not status:
+            return
+        for attempt in range(TICK_GUARDED_WRITES + 1):
+            guard = version if attempt < TICK_GUARDED_WRITES else None
+            try:
+                await asyncio.to_thread(
+                    with_retries,
+                    partial(ctx.kube.apply_status, owner, status, field_manager=SCALING_MANAGER,
+                            resource_version=guard),
+                    conflicts=guard is None,
+                )  # fmt: skip
+                return
+            except KubeError as exc:
+                if guard is None or exc.status != 409:
+                    raise
+            fresh = await asyncio.to_thread(
+                with_retries,
+                partial(ctx.kube.get, f"{GROUP}/{VERSION}", KIND, owner.namespace, owner.name),
+            )
+            if fresh is None:
+                return  # deleted meanwhile: nothing to record on
+            version = (fresh.get("metadata") or {}).get("resourceVersion")
+            status = rebase_ready(outcome.status, body, fresh)
     finally:
         _post(body, owner, outcome)
 
@@ -448,7 +493,7 @@ async def _tick(
     # that fails must not hand the next tick the old memory, which would forget the scale and
     # its stabilization window and scale again.
     try:
-        await _write(ctx, body, result.outcome, SCALING_MANAGER)
+        await _write_tick(ctx, body, result.outcome)
     except KubeError as exc:
         log.warning("scaling %s/%s: status not written: %s", meta["namespace"], meta["name"],
                     exc, extra=about)  # fmt: skip

@@ -143,17 +143,19 @@ def ready_condition(
     return "False", "ReplicasNotReady", f"{ready}/{want} replicas ready"
 
 
-def last_feasible_ready(
+def infeasible_ready(
     deployment: dict[str, Any],
-) -> tuple[Literal["True", "False"], str, str]:
-    """Ready while the spec cannot be sized: the running Deployment's, which keeps the last
-    feasible spec's configuration."""
-    status, reason, message = ready_condition(deployment)
-    return (
-        status,
-        reason,
-        message + "; the running Deployment keeps its last feasible configuration",
-    )
+) -> tuple[Literal["False"], str, str]:
+    """Ready while the spec cannot be sized: False, reason Infeasible, whatever the running
+    Deployment says. Nothing of this generation was applied; the Deployment still runs the
+    last feasible spec, so its readiness is not this spec's (`kubectl wait
+    --for=condition=Ready` and GitOps health checks must not pass for a spec never rolled
+    out). The message keeps the running Deployment's readiness."""
+    _, _, message = ready_condition(deployment)
+    return "False", "Infeasible", (
+        "the spec cannot be sized (see Feasible); the running Deployment keeps its last "
+        f"feasible configuration: {message}"
+    )  # fmt: skip
 
 
 def carried(

@@ -28,7 +28,7 @@ from headroom.operator.status import (
     Outcome,
     carried,
     condition_changed,
-    last_feasible_ready,
+    infeasible_ready,
     ready_condition,
     replica_counts,
     set_status_condition,
@@ -273,7 +273,9 @@ def reconcile(
                 body, st, "Ready", "False", "Infeasible", "no Deployment: " + message, now
             )
         else:
-            set_status_condition(body, st, "Ready", *last_feasible_ready(live), now)
+            # Nothing of this generation is applied: the running Deployment is the last
+            # feasible spec's, and Ready stays False until a spec that can be sized replaces it.
+            set_status_condition(body, st, "Ready", *infeasible_ready(live), now)
         return out
 
     try:

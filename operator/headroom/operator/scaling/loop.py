@@ -17,6 +17,7 @@ from typing import Any
 
 from headroom.contract.admission import DEFAULT_WATERMARK
 from headroom.operator.crd.models import (
+    CONDITION_TYPES,
     MAX_DECISIONS,
     DecisionInputs,
     DecisionRecord,
@@ -51,7 +52,7 @@ from headroom.operator.status import (
     carried,
     condition_changed,
     get_condition,
-    last_feasible_ready,
+    infeasible_ready,
     log_fields,
     parse_time,
     ready_condition,
@@ -363,9 +364,12 @@ async def tick(
     return TickResult(out, d.memory, d, current=applied_replicas, mode=spec.scaling.mode)
 
 
-# Ready reasons the reconcile loop sets when the spec's children could not be applied: the
-# Deployment still running is the previous spec's, so its readiness is not this spec's.
-RECONCILE_FAILURES = frozenset({"ApplyFailed", "NameConflict", "InvalidSpec", "InvalidName"})
+# Ready reasons the reconcile loop sets when the spec's children could not be applied (or, for
+# an infeasible spec, were not): the Deployment still running is the previous spec's, so its
+# readiness is not this spec's.
+RECONCILE_FAILURES = frozenset(
+    {"ApplyFailed", "NameConflict", "InvalidSpec", "InvalidName", "Infeasible"}
+)
 # What this loop writes each tick besides its conditions: a status apply that left one out
 # would delete it, so a tick that decides nothing carries them forward.
 _SCALING_FIELDS = ("lastDecisions", "desiredReplicas", "kv", "podStartSeconds",
@@ -374,7 +378,8 @@ _SCALING_FIELDS = ("lastDecisions", "desiredReplicas", "kv", "podStartSeconds",
 
 def reconcile_failed(body: dict[str, Any]) -> bool:
     """Whether the reconcile loop reported, for this generation, that its children were not
-    applied (then Ready is its to say, not read off the previous spec's Deployment)."""
+    applied, or that the spec cannot be sized (then Ready is its to say, not read off the
+    previous spec's Deployment)."""
     ready = get_condition((body.get("status") or {}).get("conditions"), "Ready")
     return (
         ready is not None
@@ -384,10 +389,33 @@ def reconcile_failed(body: dict[str, Any]) -> bool:
     )
 
 
+def rebase_ready(
+    status: dict[str, Any], computed_from: dict[str, Any], fresh: dict[str, Any]
+) -> dict[str, Any]:
+    """A tick's `status`, computed from `computed_from`, to apply over `fresh`: the object as
+    read again after the apply met a newer one (409 on the read's resourceVersion). When
+    `fresh` says Ready is not the running Deployment's to say (the reconcile reported its
+    children not applied, or the spec infeasible, for its current generation), or holds a
+    newer generation than the tick saw (whose Deployment the tick did not read), the tick
+    carries `fresh`'s Ready as it stands: the same values, so server-side apply keeps the
+    field co-owned instead of the tick's stale Ready replacing it. Otherwise `status`."""
+    generation = fresh.get("metadata", {}).get("generation")
+    moved = generation != computed_from.get("metadata", {}).get("generation")
+    held = get_condition((fresh.get("status") or {}).get("conditions"), "Ready")
+    if held is None or not (moved or reconcile_failed(fresh)):
+        return status
+    mine = [c for c in status.get("conditions", []) if c.get("type") != "Ready"]
+    order = {t: i for i, t in enumerate(CONDITION_TYPES)}
+    conditions = sorted([*mine, dict(held)], key=lambda c: order.get(str(c.get("type")), 99))
+    return {**status, "conditions": conditions}
+
+
 def infeasible_outcome(body: dict[str, Any], live: dict[str, Any], now: float) -> Outcome:
     """A tick for a spec that cannot be sized: the last feasible Deployment keeps running,
-    unscaled; its readiness and replicas stay current, and ScalingLimited says why nothing
-    scales. The rest of this loop's status is carried forward as it was."""
+    unscaled; its replicas stay current, Ready stays False (reason Infeasible, the running
+    Deployment's readiness in its message: nothing of this spec was applied), and
+    ScalingLimited says why nothing scales. The rest of this loop's status is carried forward
+    as it was."""
     out = Outcome()
     st = out.status
     st |= carried(body.get("status") or {}, _SCALING_FIELDS, ("KVSaturated", "PoolMatchesPlan"))
@@ -399,7 +427,7 @@ def infeasible_outcome(body: dict[str, Any], live: dict[str, Any], now: float) -
     if condition_changed(body, "ScalingLimited", "True", "Infeasible"):
         out.events.append(Event("Warning", "ScalingStopped", message))
     set_status_condition(body, st, "ScalingLimited", "True", "Infeasible", message, now)
-    set_status_condition(body, st, "Ready", *last_feasible_ready(live), now)
+    set_status_condition(body, st, "Ready", *infeasible_ready(live), now)
     return out
 
 
