@@ -491,7 +491,9 @@ async def test_prometheus_source_asks_over_its_rate_window_and_says_so_in_the_de
         src = PrometheusSource(http, f"http://127.0.0.1:{srv.port}", rate_window="4m")
         got = await src.sample(TARGET, [PodInfo("chat-0", "10.0.0.1", True, 0.0)])
     (q,) = asked
-    assert q.count("[4m])") == 4 and "[1m]" not in q
+    # The four rate() calls and the two resets() of the arrivals guard; the guard's young-series
+    # test looks back by the same window.
+    assert q.count("[4m])") == 6 and q.count("offset 4m") == 3 and "[1m]" not in q
     demand = got["chat-0"].demand
     assert demand is not None and demand.window_seconds == 240.0  # decide() looks ahead by half
 

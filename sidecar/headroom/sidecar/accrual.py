@@ -8,6 +8,17 @@ poll adds the level's rise and ignores a fall: a request lost that way costs its
 (or the arrivals it hides within the same poll interval), never a reset. After an engine
 restart (a new instance id, or fewer departures than before) the counter starts again from the
 new server's level. headroom's engine counts its arrivals itself; its readings pass through.
+
+A sidecar that restarts while the server runs starts again from the level too: below what it
+exported before by the requests lost that way, which neither server exports where a new sidecar
+could read them. vLLM counts a client's abort in no series (vllm-project/vllm#55634 on 0.10.1,
+#31503 on 0.13): its front end drops the request before the stats that feed
+`vllm:request_success_total`, whose `finished_reason="abort"` series (read with the others)
+stays at 0 for them. SGLang counts its aborts in `sglang:num_aborted_requests_total`, but its
+arrivals are estimated in `state._sglang_demand`, not here. Prometheus reads such a fall as a
+counter reset: the operator's Prometheus source leaves out a window's arrival rate where the
+arrivals fell and the departures did not, and a decision that sees the counters fall gives the
+pod no rate (`headroom.operator.scaling.decide`).
 """
 
 from __future__ import annotations

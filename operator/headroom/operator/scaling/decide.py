@@ -78,6 +78,11 @@ PER_REQUEST_WINDOW_SECONDS = 600.0
 DEMAND_GAP_HOLD_SECONDS = 120.0
 # The most KV one request can hold over its life: 10^12 blocks (more than any pool) for a day.
 MAX_BLOCK_SECONDS_PER_REQUEST = 1e12 * 86400.0
+# Two readings of a pod's counters less than this apart are one reading seen twice: Prometheus
+# answers with a target's last scrape until the next (a 60 s scrape is seen by four 15 s
+# decisions), and the source times it again at each query. A rate over the milliseconds
+# between two such answers is 0, not a measurement.
+MIN_TICK_SPAN_SECONDS = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +197,7 @@ class Memory:
     seen_ready: frozenset[str] = frozenset()
     seen_starting: frozenset[str] = frozenset()
     counters: tuple[tuple[str, CounterSample], ...] = ()  # each pod's last demand counters
+    rates: tuple[tuple[str, DemandRates], ...] = ()  # the rates each pod's last decision used
     scale_in: ScaleInWindow | None = None
     last_up: float | None = None
     last_down: float | None = None
@@ -475,7 +481,7 @@ def _measure(inp: Inputs, pods: _Pods, mem: Memory) -> _Demand:
     waiting = sum(s.waiting for s in samples)
     present = used + waiting * per_request
 
-    parts, counters = _tick_rates(pods, mem, now)
+    parts, counters, pod_rates = _tick_rates(pods, mem, now)
     # Demand counters from every fresh pod, or none: a mix would undercount the silent ones.
     rates = pooled([r for r in parts if r is not None]) if None not in parts else None
     lifetimes = tuple(x for x in mem.lifetimes if x[0] > now - PER_REQUEST_WINDOW_SECONDS)
@@ -541,6 +547,7 @@ def _measure(inp: Inputs, pods: _Pods, mem: Memory) -> _Demand:
             held=held,
             lifetimes=lifetimes,
             counters=counters,
+            rates=pod_rates,
         ),
     )
 
@@ -554,26 +561,45 @@ def _since(mem: Memory, now: float) -> float:
 
 def _tick_rates(
     pods: _Pods, mem: Memory, now: float
-) -> tuple[list[DemandRates | None], tuple[tuple[str, CounterSample], ...]]:
+) -> tuple[
+    list[DemandRates | None],
+    tuple[tuple[str, CounterSample], ...],
+    tuple[tuple[str, DemandRates], ...],
+]:
     """Each reporting pod's demand rates since the last decision, from its cumulative counters
-    (independent from one decision to the next, unlike the sidecar's sliding window); a pod
-    seen for the first time, or whose engine restarted, falls back to the sidecar's window."""
-    last = dict(mem.counters)
+    (independent from one decision to the next, unlike the sidecar's sliding window), with the
+    counters and rates the next decision starts from. A pod seen for the first time, or whose
+    engine restarted (a new epoch), falls back to its source's window rate. A reading no newer
+    than the last one (`MIN_TICK_SPAN_SECONDS`: the same Prometheus scrape seen again) keeps
+    the last one as the baseline and repeats the pod's last rate. Counters that fell within an
+    epoch give the pod no rate for this decision and are the new baseline: its sidecar
+    restarted while the engine ran, and the counters the sidecar derives (vLLM's and SGLang's
+    arrivals, the block-seconds it integrates) started again lower. The window rate is no
+    better then (Prometheus reads such a fall as a reset to zero and adds the whole counter),
+    and the demand series holds its last point over the gap instead."""
+    last, last_rates = dict(mem.counters), dict(mem.rates)
     out: list[DemandRates | None] = []
     kept: list[tuple[str, CounterSample]] = []
+    used: list[tuple[str, DemandRates]] = []
     for name, s in zip(pods.names, (*pods.samples, *pods.draining), strict=True):
         cur, prev = s.counters, last.get(name)
         rate = s.demand
+        if cur is not None and prev is not None and prev.epoch == cur.epoch:
+            span = cur.t - prev.t
+            d = (cur.arrived - prev.arrived, cur.departed - prev.departed)
+            bs = cur.block_seconds - prev.block_seconds
+            if span < MIN_TICK_SPAN_SECONDS:
+                rate, cur = last_rates.get(name), prev
+            elif min(*d, bs) >= 0:
+                rate = DemandRates(d[0] / span, d[1] / span, bs / span, span)
+            else:
+                rate = None
         if cur is not None:
             kept.append((name, cur))
-            if prev is not None and prev.epoch == cur.epoch and cur.t > prev.t:
-                d = (cur.arrived - prev.arrived, cur.departed - prev.departed)
-                bs = cur.block_seconds - prev.block_seconds
-                if min(*d, bs) >= 0:
-                    span = cur.t - prev.t
-                    rate = DemandRates(d[0] / span, d[1] / span, bs / span, span)
+        if rate is not None:
+            used.append((name, rate))
         out.append(rate)
-    return out, tuple(kept)
+    return out, tuple(kept), tuple(used)
 
 
 def _with_figures(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Decision:

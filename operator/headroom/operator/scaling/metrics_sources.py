@@ -276,6 +276,42 @@ class SidecarSource:
 
 # ---------------------------------------------------------------------------- prometheus
 
+
+def _young(counter: str) -> str:
+    """The series of `counter` that had no value at the rate window's start."""
+    return f"({counter}{{%s}} unless {counter}{{%s}} offset {{w}})"
+
+
+# The window arrival rate, left out (and with it the pod's window demand: `_demand`) where
+# rate() gets it wrong:
+# - A counter series younger than the window: rate() divides the increase over the samples it
+#   has by the whole window, so the first decisions of a new pod, or those after an engine was
+#   down for longer than a scrape (the sidecar drops the counters of an engine it cannot read,
+#   and their series go stale), read too low by the series' age over the window (0.16 req/s
+#   for 2, 4 s into a 1 m window). Prometheus 2.42 has no function for a series' first sample
+#   in a window, and a count of samples says nothing without the scrape interval. But a series
+#   that had a value at the window's start (`offset`: a sample at most the lookback, 5 min,
+#   before it and not marked stale since) has its first sample in the window within a scrape
+#   interval of the start, and rate() extrapolates to the start from there. So a series here
+#   now with no value then (`unless` matches the same labels) is younger than the window.
+#   (One whose scrapes failed from just before the window's start, the stale marker falling
+#   just after it, still reads as old: its rate falls short by that gap over the window, for
+#   at most a scrape interval's worth of queries.)
+# - Arrivals that fell where departures did not: no engine restart (which takes both back to
+#   zero, a reset rate() counts right) but a sidecar that restarted while vLLM or SGLang ran.
+#   The arrivals it derives for those (`headroom.sidecar.accrual`) start again a little lower,
+#   and rate() reads that fall as a reset to zero and adds the whole counter: 1,700 req/s for
+#   2 (`resets()` counts the falls rate() corrects for).
+_TRUSTED_ARRIVALS = " unless on (pod) ".join(
+    (
+        f"rate({m.REQUESTS_ARRIVED}{{%s}}[{{w}}])",
+        _young(m.REQUESTS_ARRIVED),
+        _young(m.REQUESTS_DEPARTED),
+        _young(m.KV_BLOCK_SECONDS),
+        f"(resets({m.REQUESTS_ARRIVED}{{%s}}[{{w}}]) > resets({m.REQUESTS_DEPARTED}{{%s}}[{{w}}]))",
+    )
+)
+
 # One instant query per InferenceDeployment: each series is tagged with `q` so that `or`
 # (which matches label sets, ignoring the metric name) keeps them all apart. `{w}` is the rate
 # window (`--prometheus-rate-window`): rate() needs two samples inside it, so a window shorter
@@ -292,7 +328,7 @@ _SERIES = (
     ("waiting", m.REQUESTS + '{%s,state="waiting"}'),
     ("running", m.REQUESTS + '{%s,state="running"}'),
     ("preempt", f"rate({m.PREEMPTIONS}{{%s}}[{{w}}])"),
-    ("arrivals", f"rate({m.REQUESTS_ARRIVED}{{%s}}[{{w}}])"),
+    ("arrivals", _TRUSTED_ARRIVALS),
     ("departures", f"rate({m.REQUESTS_DEPARTED}{{%s}}[{{w}}])"),
     ("block_seconds", f"rate({m.KV_BLOCK_SECONDS}{{%s}}[{{w}}])"),
     ("arrived_total", m.REQUESTS_ARRIVED + "{%s}"),
@@ -329,7 +365,7 @@ def promql(target: ScrapeTarget, rate_window: str = DEFAULT_RATE_WINDOW) -> str:
     `rate_window`."""
     sel = f'namespace="{_quote(target.namespace)}",inferencedeployment="{_quote(target.name)}"'
     parts = [
-        f'label_replace({(expr % sel).replace("{w}", rate_window)}, "q", "{q}", "", "")'
+        f'label_replace({expr.replace("%s", sel).replace("{w}", rate_window)}, "q", "{q}", "", "")'
         for q, expr in _SERIES
     ]
     return " or ".join(parts)
@@ -358,12 +394,21 @@ def parse_prometheus(
     window_seconds: float = 60.0,
     received_at: float | None = None,
     steady_at: float | None = None,
+    seen: dict[str, tuple[float, CounterSample]] | None = None,
 ) -> dict[str, PodSample]:
     """An `/api/v1/query` response for `promql()` as samples keyed by pod (`window_seconds`:
     the rate window the query used); raises MetricsError when it is not a vector answer at all
     (a series that is malformed is skipped). With `received_at` (and `steady_at`, see
     `sample_from_report`) a sample is timed on the operator's clocks, its age the query's
-    evaluation time less its scrape time; else on Prometheus' clock."""
+    evaluation time less its scrape time; else on Prometheus' clock.
+
+    `seen` (each pod's last scrape time, on Prometheus' clock, and the counters read from it)
+    is read, then replaced by this answer's: a pod answered from the same scrape as before gets
+    the same counters, time included. Prometheus answers with a target's last scrape until the
+    next one (a 60 s scrape is read by four 15 s decisions); timed afresh at each query, by an
+    age that moves with the query's latency, one scrape would be two readings a few
+    milliseconds apart, and the rate between them 0. `decide` repeats a pod's last rate for a
+    reading it has seen."""
     if not isinstance(doc, dict):
         raise MetricsError(f"Prometheus answered {type(doc).__name__}, not a query result")
     if doc.get("status") != "success":
@@ -387,6 +432,7 @@ def parse_prometheus(
         fig[q] = value
         fig.setdefault("_ts", ts)
     out: dict[str, PodSample] = {}
+    scrapes: dict[str, tuple[float, CounterSample]] = {}
     for pod, fig in per_pod.items():
         occ = fig.get("occupancy")
         if occ is None:
@@ -405,6 +451,16 @@ def parse_prometheus(
             age = max(0.0, fig["_ts"] - scraped)
             at = received_at - age
             steady = (received_at if steady_at is None else steady_at) - age
+        counters = _counters(fig, steady)
+        if counters is not None and "time" in fig:
+            before = (seen or {}).get(pod)
+            if (
+                before is not None
+                and before[0] == scraped
+                and replace(before[1], t=steady) == counters
+            ):
+                counters = before[1]
+            scrapes[pod] = (scraped, counters)
         sample = usable(PodSample(
             occupancy=occ,
             sampled_at=at,
@@ -420,10 +476,13 @@ def parse_prometheus(
             capacity_blocks=count("capacity"),
             engine_up=fig.get("up", 0.0) >= 1.0,
             demand=_demand(fig, window_seconds),
-            counters=_counters(fig, steady),
+            counters=counters,
         ))  # fmt: skip
         if sample is not None:
             out[pod] = sample
+    if seen is not None:
+        seen.clear()
+        seen.update(scrapes)
     return out
 
 
@@ -468,6 +527,8 @@ class PrometheusSource:
         self.rate_window = rate_window
         self.window_seconds = rate_window_seconds(rate_window)
         self.allowed = allowed
+        # Per Prometheus and deployment: each pod's last scrape (see `parse_prometheus`).
+        self._seen: dict[tuple[str, str, str], dict[str, tuple[float, CounterSample]]] = {}
 
     def base_url(self, target: ScrapeTarget) -> str:
         """The Prometheus to ask for `target`: its spec's, if this operator allows that one,
@@ -491,7 +552,9 @@ class PrometheusSource:
         return self.default_url
 
     async def sample(self, target: ScrapeTarget, pods: list[PodInfo]) -> dict[str, PodSample]:
-        """Samples for the pods Prometheus has series for, restricted to `pods`."""
+        """Samples for the pods Prometheus has series for, restricted to `pods`, less those
+        that have exited (Succeeded, Failed: evicted): they hold no KV, and Prometheus returns
+        their last scrape until it marks it stale, up to a scrape interval later."""
         base = self.base_url(target)
         url = base.rstrip("/") + "/api/v1/query"
         try:
@@ -519,8 +582,9 @@ class PrometheusSource:
             raise MetricsError(f"Prometheus at {base} answered HTTP {status}")
         if doc is None:
             raise MetricsError(f"Prometheus at {base} answered something other than JSON")
-        samples = parse_prometheus(doc, self.window_seconds, received_at, steady_at)
-        names = {p.name for p in pods}
+        seen = self._seen.setdefault((base, target.namespace, target.name), {})
+        samples = parse_prometheus(doc, self.window_seconds, received_at, steady_at, seen)
+        names = {p.name for p in pods if not p.exited}
         return {k: v for k, v in samples.items() if k in names}
 
 
