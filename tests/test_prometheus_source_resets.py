@@ -31,6 +31,7 @@ from test_sidecar_vllm import VllmExporter
 
 from headroom.contract import metric_names as m
 from headroom.contract.demand import CounterSample, DemandRates
+from headroom.operator.handlers import Context, Options
 from headroom.operator.scaling.decide import (
     Decision,
     Inputs,
@@ -241,7 +242,9 @@ def _vector(pod: str, values: dict[str, float], at: float) -> list[dict[str, Any
 
 async def test_one_scrape_read_again_gives_the_same_counters_and_the_same_rate() -> None:
     scrape = {"t": time.time() - 12, "arrived": 1000.0}
-    lag = iter([0.0, 0.3, 0.0, 0.2, 0.0, 0.0])  # query latency: eval time after the answer
+    # The query's evaluation time against its answer: two slow queries (1.5 s, 1.2 s), past
+    # what decide() takes for one reading (MIN_TICK_SPAN_SECONDS).
+    lag = iter([0.0, -1.5, 0.0, -1.2, 0.0, 0.0])
 
     async def query(_req: web.Request) -> web.Response:
         now = time.time() + next(lag)
@@ -258,12 +261,15 @@ async def test_one_scrape_read_again_gives_the_same_counters_and_the_same_rate()
     app.router.add_post("/api/v1/query", query)
     pods = [PodInfo("chat-0", "10.0.0.1", True, 0.0)]
     async with TestServer(app, host="127.0.0.1") as srv, aiohttp.ClientSession() as http:
-        src = PrometheusSource(http, str(srv.make_url("")))
+        ctx = Context(Options(prometheus_url=str(srv.make_url(""))), kube=None)  # type: ignore[arg-type]
+        ctx.http = http
         mem, got, rates = Memory(), [], []
         for step in range(4):
             if step == 2:  # the next scrape, 10 s after the first: 20 more requests
                 scrape.update(t=scrape["t"] + 10, arrived=scrape["arrived"] + 20)
-            s = (await src.sample(TARGET, pods))["chat-0"]
+            # A source per decision, as the operator's tick builds it: the memory of scrapes
+            # is the operator's, not the source's.
+            s = (await ctx.source("prometheus").sample(TARGET, pods))["chat-0"]
             d = _decide(time.time(), s, mem)
             mem = d.memory
             got.append(s.counters)
@@ -275,6 +281,11 @@ async def test_one_scrape_read_again_gives_the_same_counters_and_the_same_rate()
     assert c.t > a.t and c.arrived == a.arrived + 20
     # the window rate first, then 20 requests over the 10 s between scrapes; never 0
     assert rates == pytest.approx([2.0, 2.0, 2.0, 2.0], rel=0.05), rates
+    # A deployment's loop that ends takes its scrapes with it; others keep theirs.
+    ctx.scrapes[("http://other", "llm", "other")] = {}
+    assert any(k[1:] == ("llm", "chat") for k in ctx.scrapes)
+    ctx.forget_scrapes("llm", "chat")
+    assert list(ctx.scrapes) == [("http://other", "llm", "other")]
 
 
 async def test_an_exited_pod_is_not_sampled() -> None:

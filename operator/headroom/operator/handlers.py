@@ -49,6 +49,7 @@ from headroom.operator.scaling.metrics_sources import (
     DEFAULT_RATE_WINDOW,
     MetricsSource,
     PrometheusSource,
+    Scrapes,
     SidecarSource,
     client_session,
     rate_window_seconds,
@@ -203,11 +204,19 @@ class Context:
         # What each owned Deployment last said of readiness (see `readiness.figures`), once
         # written or found already in the InferenceDeployment's status.
         self.readiness: dict[tuple[str, str], tuple[object, ...]] = {}
+        # The Prometheus source's memory of each pod's last scrape, which must outlive the
+        # source a tick builds: a scrape read again by the next tick keeps its counters.
+        self.scrapes: Scrapes = {}
 
     @property
     def exiting(self) -> bool:
         """Whether the operator has begun to exit."""
         return self.leaving.is_set()
+
+    def forget_scrapes(self, namespace: str, name: str) -> None:
+        """Drop what the Prometheus source remembers of one InferenceDeployment's pods."""
+        for key in [k for k in self.scrapes if k[1:] == (namespace, name)]:
+            del self.scrapes[key]
 
     def source(self, kind: str) -> MetricsSource:
         """The metrics source a spec's `scaling.metricsSource` names."""
@@ -220,6 +229,7 @@ class Context:
                 self.options.prometheus_url,
                 rate_window=self.options.prometheus_rate_window,
                 allowed=tuple(self.options.allowed_prometheus_urls),
+                scrapes=self.scrapes,
             )
         return SidecarSource(self.http, port=self.options.sidecar_port)
 
@@ -434,6 +444,7 @@ async def scale(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, *
         # operator exiting), its last decision must not stay on /metrics as a frozen series
         # beside the active replica's live one.
         ctx.metrics.forget(meta.get("namespace") or "", meta["name"])
+        ctx.forget_scrapes(meta.get("namespace") or "", meta["name"])
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=DAEMON_GRACE, cancellation_timeout=10,

@@ -276,6 +276,10 @@ class SidecarSource:
 
 # ---------------------------------------------------------------------------- prometheus
 
+# Each pod's last scrape (its time on Prometheus' clock, the counters read from it), per
+# (Prometheus base URL, namespace, InferenceDeployment).
+Scrapes = dict[tuple[str, str, str], dict[str, tuple[float, CounterSample]]]
+
 
 def _young(counter: str) -> str:
     """The series of `counter` that had no value at the rate window's start."""
@@ -520,6 +524,7 @@ class PrometheusSource:
         timeout: float = 5.0,
         rate_window: str = DEFAULT_RATE_WINDOW,
         allowed: tuple[str, ...] = (),
+        scrapes: Scrapes | None = None,
     ) -> None:
         self.session = session
         self.default_url = default_url
@@ -527,8 +532,9 @@ class PrometheusSource:
         self.rate_window = rate_window
         self.window_seconds = rate_window_seconds(rate_window)
         self.allowed = allowed
-        # Per Prometheus and deployment: each pod's last scrape (see `parse_prometheus`).
-        self._seen: dict[tuple[str, str, str], dict[str, tuple[float, CounterSample]]] = {}
+        # Each pod's last scrape (see `parse_prometheus`), per Prometheus and deployment. The
+        # operator builds a source per tick, so it passes its own, kept across ticks.
+        self._seen: Scrapes = {} if scrapes is None else scrapes
 
     def base_url(self, target: ScrapeTarget) -> str:
         """The Prometheus to ask for `target`: its spec's, if this operator allows that one,
