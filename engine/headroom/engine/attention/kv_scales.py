@@ -18,6 +18,10 @@ from headroom.engine.attention.base import LayerKVCache
 
 SCALES_FILE = "kv_cache_scales.json"
 FORMAT = "headroom.kv-scales/v1"
+# The caches hold the scales as fp32: a scale must stay a normal fp32 number once cast (0 or a
+# subnormal reads back NaN or loses its precision, past the fp32 max it is inf).
+SCALE_MIN = float(torch.finfo(torch.float32).tiny)
+SCALE_MAX = float(torch.finfo(torch.float32).max)
 
 
 class KVScalesError(ValueError):
@@ -45,13 +49,27 @@ class KVScales(BaseModel):
             raise ValueError("k_scale and v_scale need one row per layer, the same number")
         for name, rows in (("k_scale", self.k_scale), ("v_scale", self.v_scale)):
             for i, row in enumerate(rows):
-                if not row or any(not (s > 0 and s < float("inf")) for s in row):
-                    raise ValueError(f"{name}[{i}] must be positive finite numbers, got {row}")
+                if not row or not _normal_fp32(row):
+                    raise ValueError(
+                        f"{name}[{i}] must be positive finite numbers that stay so as the "
+                        f"cache's fp32 (normal: {SCALE_MIN:.8g} to {SCALE_MAX:.8g}), got {row}"
+                    )
         return self
 
     @property
     def num_layers(self) -> int:
         return len(self.k_scale)
+
+
+def _normal_fp32(row: list[float]) -> bool:
+    """Whether every value, cast to fp32 as `apply_scales` does, is a finite normal number."""
+    f32 = torch.tensor(row, dtype=torch.float64).to(torch.float32)
+    return bool(((f32 >= SCALE_MIN) & (f32 <= SCALE_MAX)).all())
+
+
+def clamp_scale(scale: float) -> float:
+    """`scale` brought into the range a scales file may hold (normal fp32)."""
+    return min(max(scale, SCALE_MIN), SCALE_MAX)
 
 
 def read_scales(path: Path) -> KVScales:
@@ -89,13 +107,19 @@ def apply_scales(caches: list[LayerKVCache], scales: KVScales) -> None:
             dst.copy_(torch.tensor(row, dtype=torch.float32))
 
 
+def model_scales_path(model: str) -> Path | None:
+    """`<model dir>/kv_cache_scales.json` when that file exists, else None."""
+    path = Path(model).expanduser() / SCALES_FILE
+    return path if path.is_file() else None
+
+
 def load_model_scales(model: str, caches: list[LayerKVCache]) -> Path | None:
     """Apply `<model dir>/kv_cache_scales.json` to fp8 caches when the file exists; the path
     applied, or None (no file, or a cache that is not fp8)."""
     if not caches or caches[0].kv_dtype != "fp8":
         return None
-    path = Path(model).expanduser() / SCALES_FILE
-    if not path.is_file():
+    path = model_scales_path(model)
+    if path is None:
         return None
     apply_scales(caches, read_scales(path))
     return path

@@ -5,13 +5,27 @@
 // attention/base.py: fp8 stores x / scale[head] saturated to +-448 (round to nearest even);
 // int8 stores round(x / scale) with scale = absmax / 127 per (token, head), scale 0 and zero
 // codes for an all-zero row. Division is IEEE (`x / s`, no fast math) so the codes equal the
-// torch reference's bit for bit.
+// torch reference's bit for bit. The absmax keeps NaN as torch's amax does (fmaxf would drop
+// it): a row holding NaN stores scale NaN and reads back NaN on both backends.
 #include "common.cuh"
 
 namespace headroom {
 
 constexpr int kCacheWarps = 4;
 constexpr int kCacheThreads = kCacheWarps * kWarpSize;
+
+// max(a, b), NaN when either is NaN (fmaxf returns the other operand).
+__device__ __forceinline__ float max_keep_nan(float a, float b) {
+  return a != a ? a : (b != b ? b : fmaxf(a, b));
+}
+
+__device__ __forceinline__ float warp_max_keep_nan(float v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    v = max_keep_nan(v, __shfl_xor_sync(kFullMask, v, offset));
+  }
+  return v;
+}
 
 template <typename IT, int KV>
 __device__ __forceinline__ void write_row(const IT* __restrict__ src,
@@ -33,9 +47,9 @@ __device__ __forceinline__ void write_row(const IT* __restrict__ src,
   } else {
     float amax = 0.0f;
     for (int d = lane; d < head_dim; d += kWarpSize) {
-      amax = fmaxf(amax, fabsf(to_float(src[d])));
+      amax = max_keep_nan(amax, fabsf(to_float(src[d])));
     }
-    amax = warp_max(amax);
+    amax = warp_max_keep_nan(amax);
     const float s = amax / 127.0f;
     if (lane == 0) {
       scales[slot * num_kv_heads + head] = s;

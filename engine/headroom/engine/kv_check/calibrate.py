@@ -18,7 +18,7 @@ import torch
 
 from headroom.engine import quant
 from headroom.engine.attention import AttentionBackend
-from headroom.engine.attention.kv_scales import KVScales
+from headroom.engine.attention.kv_scales import KVScales, clamp_scale
 from headroom.engine.kv_check.session import KVSetting, Session
 from headroom.engine.model.llama import LlamaForCausalLM
 
@@ -63,10 +63,12 @@ class AbsMaxRecorder:
 def scales_from_absmax(
     k_max: Sequence[Sequence[float]], v_max: Sequence[Sequence[float]], source: str
 ) -> KVScales:
-    """absmax * MARGIN / 448 per layer and head (1.0 for a head that only ever saw zeros)."""
+    """absmax * MARGIN / 448 per layer and head (1.0 for a head that only ever saw zeros),
+    kept within normal fp32 (a near-dead head's tiny absmax would otherwise store a scale of 0,
+    which reads its keys back as NaN)."""
 
     def row(values: Sequence[float]) -> list[float]:
-        return [v * MARGIN / quant.FP8_MAX if v > 0 else 1.0 for v in values]
+        return [clamp_scale(v * MARGIN / quant.FP8_MAX) if v > 0 else 1.0 for v in values]
 
     return KVScales(k_scale=[row(r) for r in k_max], v_scale=[row(r) for r in v_max], source=source)
 

@@ -3,6 +3,7 @@ against the first setting (the auto cache), and the verdict per context."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,9 @@ NEEDLE_DROP = 0.05
 TOP1_MIN = 0.90
 # Below this the model itself does not retrieve, and the needle score says little.
 RELIABLE_NEEDLE = 0.5
+# Slack in the threshold comparisons: scores are ratios of counts, so one exactly at a threshold
+# (18 of 20 top-1, one needle of 20 lost) passes whatever the float rounding of the ratios.
+_EPS = 1e-9
 
 Progress = Callable[[int, int, str], None]
 
@@ -73,25 +77,41 @@ class _Trial:
     needles: list[bool]
 
 
+def _needle_parts(
+    tokenizer: Tokenizer, hay: Haystacks, context: int, cfg: CheckConfig
+) -> list[tuple[needle.Needle, list[int], list[int], int]]:
+    """(needle, fact ids, question ids, haystack tokens around them) for every prompt x depth
+    at `context`, in that order; `CheckError` when the context cannot hold a needle."""
+    parts = []
+    for nd in needle.draw_needles(cfg.num_prompts * len(cfg.depths), cfg.seed + context):
+        fact = tokenizer.encode(" " + nd.fact + " ", add_special_tokens=False)
+        ask = tokenizer.encode(" " + nd.question, add_special_tokens=False)
+        room = context - len(fact) - len(ask) - (hay.bos is not None)
+        if room < 1:
+            raise CheckError(
+                f"context {context} is too short for the needle ({len(fact) + len(ask)} "
+                "tokens of fact and question)"
+            )
+        parts.append((nd, fact, ask, room))
+    return parts
+
+
+def check_needles_fit(tokenizer: Tokenizer, hay: Haystacks, cfg: CheckConfig) -> None:
+    """`CheckError` when a context of `cfg` is too short for its needles: what `needle_prompts`
+    would raise mid-check, found before any model run."""
+    for context in cfg.contexts:
+        _needle_parts(tokenizer, hay, context, cfg)
+
+
 def needle_prompts(
     tokenizer: Tokenizer, hay: Haystacks, context: int, cfg: CheckConfig
 ) -> list[tuple[list[int], needle.Needle, int]]:
     """(prompt ids, needle, tokens to generate) for every prompt x depth at `context`."""
+    parts = iter(_needle_parts(tokenizer, hay, context, cfg))
     trials = []
-    drawn = needle.draw_needles(cfg.num_prompts * len(cfg.depths), cfg.seed + context)
-    k = 0
     for i in range(cfg.num_prompts):
         for depth in cfg.depths:
-            nd = drawn[k]
-            k += 1
-            fact = tokenizer.encode(" " + nd.fact + " ", add_special_tokens=False)
-            ask = tokenizer.encode(" " + nd.question, add_special_tokens=False)
-            room = context - len(fact) - len(ask) - (hay.bos is not None)
-            if room < 1:
-                raise CheckError(
-                    f"context {context} is too short for the needle ({len(fact) + len(ask)} "
-                    "tokens of fact and question)"
-                )
+            nd, fact, ask, room = next(parts)
             ids = hay.with_bos(
                 needle.insert_at_depth(hay.window(i, room, cfg.num_prompts), fact, ask, depth)
             )
@@ -190,9 +210,17 @@ def short_context(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
+def _needle_ok(row: SettingResult, ref: SettingResult) -> bool:
+    return row.needle_score >= ref.needle_score - NEEDLE_DROP - _EPS
+
+
+def _top1_ok(row: SettingResult) -> bool:
+    return row.top1_agreement >= TOP1_MIN - _EPS
+
+
 def is_safe(row: SettingResult, ref: SettingResult) -> bool:
     """The verdict rule: needle within NEEDLE_DROP of the reference and top-1 >= TOP1_MIN."""
-    return row.needle_score >= ref.needle_score - NEEDLE_DROP and row.top1_agreement >= TOP1_MIN
+    return _needle_ok(row, ref) and _top1_ok(row)
 
 
 def all_safe(results: Sequence[ContextResult], setting: str, reference: str = "auto") -> bool:
@@ -200,14 +228,22 @@ def all_safe(results: Sequence[ContextResult], setting: str, reference: str = "a
     return all(is_safe(r.of(setting), r.of(reference)) for r in results)
 
 
+def _percent(x: float) -> str:
+    """A whole percent as such (50%), else one decimal rounded down (89.96% is 89.9%): a value
+    under a threshold never prints as the threshold."""
+    if abs(x * 100 - round(x * 100)) < 1e-6:
+        return f"{round(x * 100)}%"
+    return f"{math.floor(x * 1000 + 1e-9) / 10:.1f}%"
+
+
 def _why(row: SettingResult, ref: SettingResult) -> str:
     parts = []
-    if row.needle_score < ref.needle_score - NEEDLE_DROP:
+    if not _needle_ok(row, ref):
         parts.append(
             f"the needle score drops from {ref.needle_score:.2f} to {row.needle_score:.2f}"
         )
-    if row.top1_agreement < TOP1_MIN:
-        parts.append(f"top-1 agreement is {row.top1_agreement:.0%} (< {TOP1_MIN:.0%})")
+    if not _top1_ok(row):
+        parts.append(f"top-1 agreement is {_percent(row.top1_agreement)} (< {TOP1_MIN:.0%})")
     return " and ".join(parts)
 
 

@@ -19,8 +19,16 @@ from typing import TextIO
 import torch
 
 from headroom.contract.outputs import chart_error, output_error, write_output
-from headroom.engine.attention import BackendUnavailable, select_backend
-from headroom.engine.attention.kv_scales import SCALES_FILE, KVScales, write_scales
+from headroom.engine.attention import BackendUnavailable, allocate_layer_cache, select_backend
+from headroom.engine.attention.kv_scales import (
+    SCALES_FILE,
+    KVScales,
+    KVScalesError,
+    apply_scales,
+    model_scales_path,
+    read_scales,
+    write_scales,
+)
 from headroom.engine.kv_check import check, report
 from headroom.engine.kv_check.calibrate import calibrate
 from headroom.engine.kv_check.prompts import Haystacks, PromptsError, read_documents
@@ -114,7 +122,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--calibrate",
         action="store_true",
-        help="derive per-head fp8 scales from the prompts; report scale 1.0 and calibrated",
+        help="derive per-head fp8 scales from the prompts; report scale 1.0 and calibrated "
+        f"(without it, fp8 is checked with MODEL/{SCALES_FILE} when there is one, as the "
+        "engine runs it)",
     )
     p.add_argument(
         "--scales-out",
@@ -210,11 +220,18 @@ def _run(args: argparse.Namespace) -> int:
     ):
         if bad is not None:  # before the check's minutes, not after
             raise UsageError(bad)
+    # Without --calibrate, fp8 is checked as `headroom serve` runs it: with the model
+    # directory's scales file when there is one (read now: a broken file fails before loading).
+    served = _served_scales(args) if scales_path is None and args.kv_cache_dtype == "fp8" else None
+    if scales_path is not None:
+        _say_what_calibrate_replaces(args, scales_path)
     docs = read_documents(args.prompts)  # cheap: fail on a bad file before loading a model
     device = _device(args.device)
     progress.say(f"loading {args.model} on {device} ...")
     loaded = _load(args, device)
     cfg = _validate(args, loaded)
+    if served is not None:
+        _check_scales_fit(served, loaded)
     try:
         backend = select_backend(
             args.attention_backend, device, loaded.config.head_dim, BLOCK, loaded.dtype
@@ -223,24 +240,32 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     tok = loaded.tokenizer
     hay = Haystacks([tok.encode(d, add_special_tokens=False) for d in docs], tok.bos_token_id)
+    check.check_needles_fit(tok, hay, cfg)  # a context too short: exit 2 before any model run
     if hay.num_tokens < max(cfg.contexts):
         progress.say(
             f"note: the documents hold {hay.num_tokens} tokens; longer contexts repeat them"
         )
     settings = [KVSetting("auto", "auto")]
+    scales: KVScales | None = None
     if scales_path is not None:
         scales = _calibrate(args, loaded, backend, device, hay, cfg, progress)
-        _write_scales(scales_path, scales)
-        progress.say(f"calibrated fp8 scales written to {scales_path}")
         settings += [
             KVSetting("fp8 (scale 1.0)", "fp8"),
             KVSetting("fp8 calibrated", "fp8", scales),
         ]
+    elif served is not None:
+        path, file_scales = served
+        progress.say(f"checking fp8 with the scales in {path}, as headroom serve applies them")
+        settings.append(KVSetting(f"fp8 ({path.name})", "fp8", file_scales))
     else:
         settings.append(KVSetting(args.kv_cache_dtype, args.kv_cache_dtype))
     results = check.run_check(
         loaded.model, tok, backend, device, settings, hay, cfg, progress=progress
     )
+    if scales_path is not None and scales is not None:
+        # Only now: a run stopped by bad input or an interrupt leaves the old file in place.
+        _write_scales(scales_path, scales)
+        progress.say(f"calibrated fp8 scales written to {scales_path}")
     rep = report.build_report(
         results,
         model=loaded.name,
@@ -287,9 +312,59 @@ def _calibrate(
     )
 
 
+def _served_scales(args: argparse.Namespace) -> tuple[Path, KVScales] | None:
+    """The scales file `headroom serve --kv-cache-dtype fp8` applies (the engine's lookup and
+    parser), with its path; None when the model directory has none."""
+    path = model_scales_path(args.model)
+    if path is None:
+        return None
+    try:
+        return path, read_scales(path)
+    except KVScalesError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _check_scales_fit(served: tuple[Path, KVScales], loaded: LoadedModel) -> None:
+    """The engine's `apply_scales` on one-slot fp8 caches: a file for another model (layers,
+    KV heads) exits 2 with its message before the check, as the engine refuses to start."""
+    path, scales = served
+    cfg = loaded.config
+    probe = [
+        allocate_layer_cache(1, 1, cfg.num_kv_heads, cfg.head_dim, torch.float32, "fp8")
+        for _ in range(cfg.num_layers)
+    ]
+    try:
+        apply_scales(probe, scales)
+    except KVScalesError as exc:
+        raise UsageError(f"{path}: {exc}") from None
+
+
+def _say_what_calibrate_replaces(args: argparse.Namespace, scales_path: Path) -> None:
+    """On stderr (even with --quiet): the file --calibrate will replace, and a model directory's
+    scales file that the engine keeps applying when --scales-out writes elsewhere."""
+    if scales_path.exists():
+        print(
+            f"headroom kv-check: note: --calibrate replaces the existing {scales_path} once "
+            "the check has run",
+            file=sys.stderr,
+        )
+    served = model_scales_path(args.model)
+    if served is not None and served.resolve() != scales_path.resolve():
+        print(
+            f"headroom kv-check: note: {served} stays, and headroom serve applies it, not the "
+            f"scales written to {scales_path}",
+            file=sys.stderr,
+        )
+
+
 def _scales_path(args: argparse.Namespace) -> Path:
     """Where --calibrate writes: --scales-out, else the model directory (resolved up front)."""
     if args.scales_out is not None:
+        if str(args.scales_out) == "-":
+            raise UsageError(
+                "--scales-out -: the scales go to a file, not stdout; the engine reads them "
+                f"only from MODEL/{SCALES_FILE}"
+            )
         return Path(args.scales_out)
     model_dir = Path(args.model).expanduser()
     if not model_dir.is_dir():

@@ -53,7 +53,9 @@ def build_report(
 
 def table(report: KVCheckReport) -> str:
     """The per-context table and the verdicts, as printed."""
-    head = f"{'context':>8} {'KV':>16} {'top-1':>7} {'KL':>9} {'greedy match':>16} {'needle':>7}"
+    # The KV column fits the longest setting name ("fp8 (kv_cache_scales.json)"), 16 at least.
+    w = max([16] + [len(s.setting) for r in report.contexts for s in r.settings])
+    head = f"{'context':>8} {'KV':>{w}} {'top-1':>7} {'KL':>9} {'greedy match':>16} {'needle':>7}"
     lines = [
         f"kv-check: {report.model}, {report.model_dtype} weights on {report.device}, "
         f"{report.num_prompts} prompts x {len(report.depths)} needle depths per context",
@@ -67,7 +69,7 @@ def table(report: KVCheckReport) -> str:
                 top1, kl = f"{s.top1_agreement:.1%}", f"{s.kl_divergence:.2e}"
                 match = f"{s.greedy_match_tokens:.1f} ({s.greedy_full_match:.0%} all)"
             lines.append(
-                f"{short_context(r.context):>8} {s.setting:>16} {top1:>7} {kl:>9} {match:>16} "
+                f"{short_context(r.context):>8} {s.setting:>{w}} {top1:>7} {kl:>9} {match:>16} "
                 f"{s.needle_score:7.2f}"
             )
     lines.append("")
