@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 from hypothesis import settings
 
 # No per-example deadline (Hypothesis' default is 200 ms): one garbage-collection pass of this
@@ -10,3 +13,16 @@ from hypothesis import settings
 # inherits the one Hypothesis loaded (its `ci` profile on CI); `--hypothesis-profile` still wins.
 settings.register_profile("headroom", deadline=None)
 settings.load_profile("headroom")
+
+
+@pytest.fixture
+def posted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
+    """Events the operator's handlers post through kopf.event (which needs a running operator),
+    recorded instead (kopf is imported only by the tests that ask for this)."""
+    out: list[tuple[str, str, str]] = []
+
+    def event(body: Any, *, type: str, reason: str, message: str) -> None:
+        out.append((type, reason, message))
+
+    monkeypatch.setattr("kopf.event", event)
+    return out

@@ -95,18 +95,6 @@ async def test_an_explicit_priority_wins_and_standalone_needs_none() -> None:
 # ----------------------------------------------------------------------------- scaling tick
 
 
-@pytest.fixture
-def posted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
-    """Events kopf.event would post (it needs a running operator)."""
-    out: list[tuple[str, str, str]] = []
-
-    def event(body: Any, *, type: str, reason: str, message: str) -> None:
-        out.append((type, reason, message))
-
-    monkeypatch.setattr(kopf, "event", event)
-    return out
-
-
 class Daemon:
     """A kopf daemon handler running as kopf runs it, until `stop()` says why it ends."""
 

@@ -553,11 +553,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def eventually(what: str, probe: Any, within: float = 60.0) -> Any:
+async def eventually(
+    what: str, probe: Any, within: float = 60.0, errors: tuple[type[Exception], ...] = ()
+) -> Any:
     deadline = time.monotonic() + within
     last = None
     while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, aiohttp.ClientError, MetricsError):
+        with contextlib.suppress(OSError, aiohttp.ClientError, MetricsError, *errors):
             last = await probe()
             if last:
                 return last

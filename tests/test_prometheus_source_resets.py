@@ -13,7 +13,6 @@ import itertools
 import json
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from synthetic_engine import SyntheticEngine
+from test_operator_metrics_sources import eventually as poll
+from test_operator_metrics_sources import free_port
 from test_sidecar_vllm import VllmExporter
 
 from headroom.contract import metric_names as m
@@ -43,7 +44,6 @@ from headroom.operator.scaling.decide import (
 )
 from headroom.operator.scaling.loop import views
 from headroom.operator.scaling.metrics_sources import (
-    MetricsError,
     PodInfo,
     PrometheusSource,
     ScrapeTarget,
@@ -327,22 +327,9 @@ async def test_an_exited_pod_is_not_sampled() -> None:
 # ----------------------------------------------------------------------------- end to end
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def eventually(what: str, probe: Any, within: float = 60.0) -> Any:
-    deadline = time.monotonic() + within
-    last = None
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, aiohttp.ClientError, MetricsError, KeyError, ValueError):
-            last = await probe()
-            if last:
-                return last
-        await asyncio.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+    """Until `probe` answers: a Prometheus answer without the series yet is not one either."""
+    return await poll(what, probe, within, errors=(KeyError, ValueError))
 
 
 def _sidecar(engine_url: str, port: int, log: Path, *extra: str) -> subprocess.Popen[bytes]:

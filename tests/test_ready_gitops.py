@@ -41,18 +41,6 @@ def ready_of(obj: dict[str, Any]) -> dict[str, Any]:
     return ready
 
 
-@pytest.fixture
-def posted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
-    """Events kopf.event would post (it needs a running operator)."""
-    out: list[tuple[str, str, str]] = []
-
-    def event(body: Any, *, type: str, reason: str, message: str) -> None:
-        out.append((type, reason, message))
-
-    monkeypatch.setattr(kopf, "event", event)
-    return out
-
-
 async def stored(replicas: int = 4) -> tuple[_StatusKube, dict[str, Any]]:
     """A reconciled InferenceDeployment (generation 1) whose Deployment runs `replicas` ready
     pods, held by a fake API server whose status applies honour a resourceVersion (the body
