@@ -305,14 +305,26 @@ def test_scales_out_dash_is_refused_before_any_work(
 # -- 5. scales are normal fp32 numbers -------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [1e-46, 1e-40, 1e39, float("nan"), 0.0, -1.0])
-def test_a_scale_that_is_not_a_normal_fp32_is_refused(bad: float, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"k_scale\[0\] must be positive finite .* 1.1754944e-38"):
+@pytest.mark.parametrize("bad", [1e-46, 1e39, float("nan"), 0.0, -1.0])
+def test_a_scale_that_is_not_positive_finite_as_fp32_is_refused(bad: float, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"k_scale\[0\] must be positive finite .* not 0 once"):
         KVScales(k_scale=[[1.0, bad]], v_scale=[[1.0, 1.0]])
     path = tmp_path / SCALES_FILE
     path.write_text(json.dumps({"k_scale": [[1.0]], "v_scale": [[bad]]}))
     with pytest.raises(KVScalesError, match=r"v_scale\[0\] must be positive finite"):
         read_scales(path)
+
+
+def test_a_subnormal_scale_an_older_calibration_wrote_still_serves(tmp_path: Path) -> None:
+    # Calibration before the clamp wrote absmax * margin / 448 for a near-dead head: 1e-39 is
+    # a subnormal fp32, usable, and `headroom serve` took it: it must still start.
+    path = tmp_path / SCALES_FILE
+    path.write_text(json.dumps({"k_scale": [[1e-39, 0.5]], "v_scale": [[1.0, 1.0]]}))
+    cache = allocate_layer_cache(1, 16, 2, 4, torch.float32, "fp8")
+    apply_scales([cache], read_scales(path))
+    kv = torch.tensor([[[1e-37, 0.0, 0.0, 0.0], [1.0, -2.0, 3.0, 0.5]]])
+    TorchBackend().write_kv(kv, kv, cache, torch.tensor([0]))
+    assert all(torch.isfinite(t).all() for t in cache.dequantized())
 
 
 def test_the_fp32_range_ends_are_accepted_and_read_back_finite() -> None:

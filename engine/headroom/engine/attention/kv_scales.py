@@ -18,8 +18,10 @@ from headroom.engine.attention.base import LayerKVCache
 
 SCALES_FILE = "kv_cache_scales.json"
 FORMAT = "headroom.kv-scales/v1"
-# The caches hold the scales as fp32: a scale must stay a normal fp32 number once cast (0 or a
-# subnormal reads back NaN or loses its precision, past the fp32 max it is inf).
+# The caches hold the scales as fp32: a file's scale must stay positive and finite once cast
+# (below the smallest subnormal it becomes 0 and reads back NaN; past the fp32 max, inf). A
+# subnormal stays usable and is accepted, since files calibrated before the clamp hold such
+# values for near-dead heads; calibration writes normal numbers (SCALE_MIN up).
 SCALE_MIN = float(torch.finfo(torch.float32).tiny)
 SCALE_MAX = float(torch.finfo(torch.float32).max)
 
@@ -49,10 +51,10 @@ class KVScales(BaseModel):
             raise ValueError("k_scale and v_scale need one row per layer, the same number")
         for name, rows in (("k_scale", self.k_scale), ("v_scale", self.v_scale)):
             for i, row in enumerate(rows):
-                if not row or not _normal_fp32(row):
+                if not row or not _usable_fp32(row):
                     raise ValueError(
                         f"{name}[{i}] must be positive finite numbers that stay so as the "
-                        f"cache's fp32 (normal: {SCALE_MIN:.8g} to {SCALE_MAX:.8g}), got {row}"
+                        f"cache's fp32 (at most {SCALE_MAX:.8g}, not 0 once cast), got {row}"
                     )
         return self
 
@@ -61,10 +63,10 @@ class KVScales(BaseModel):
         return len(self.k_scale)
 
 
-def _normal_fp32(row: list[float]) -> bool:
-    """Whether every value, cast to fp32 as `apply_scales` does, is a finite normal number."""
+def _usable_fp32(row: list[float]) -> bool:
+    """Whether every value, cast to fp32 as `apply_scales` does, is positive and finite."""
     f32 = torch.tensor(row, dtype=torch.float64).to(torch.float32)
-    return bool(((f32 >= SCALE_MIN) & (f32 <= SCALE_MAX)).all())
+    return bool(((f32 > 0) & (f32 <= SCALE_MAX)).all())
 
 
 def clamp_scale(scale: float) -> float:
