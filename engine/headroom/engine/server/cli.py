@@ -17,8 +17,6 @@ from pydantic import ValidationError
 
 from headroom.engine.config import EngineConfig
 from headroom.engine.health import DEFAULT_STEP_TIMEOUT_S
-from headroom.engine.model.loader import generation_sampling_defaults
-from headroom.engine.model.tiny import TINY_NAME
 from headroom.engine.server import log_format
 from headroom.engine.server.auth import API_KEY_ENV
 from headroom.engine.server.listener import SEND_TIMEOUT_S
@@ -176,6 +174,11 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerSetting
 def _sampling_defaults(model: str, generation_config: str) -> SamplingDefaults:
     """The model's sampling defaults under `--generation-config` (none for vllm and for the
     built-in tiny model, which has no generation config)."""
+    # Imported here: the model package pulls numpy before torch, and an install without the
+    # engine extra must be told that `serve` needs torch (the runner's import says so).
+    from headroom.engine.model.loader import generation_sampling_defaults
+    from headroom.engine.model.tiny import TINY_NAME
+
     if generation_config == "vllm" or model == TINY_NAME:
         return SamplingDefaults()
     return SamplingDefaults.model_validate(generation_sampling_defaults(model))
