@@ -341,6 +341,12 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> None:
         return
     ctx.metrics.reconciles.labels("ok").inc()
     await _write(ctx, body, outcome, RECONCILE_MANAGER)
+    # The reconcile wrote Ready from the Deployment as it applied it. Pods that became ready
+    # while it ran (seconds, on a fast cluster) were seen by the Deployment watch before this
+    # status existed, judged not yet the watch's to say, and their figures recorded: no later
+    # event would come to write Ready=True until the next tick. Read it again now.
+    meta = body["metadata"]
+    await _recheck_readiness(ctx, meta["namespace"], meta["name"])
     if outcome.retry_after is not None:
         ready = get_condition(outcome.status.get("conditions"), "Ready") or {}
         raise kopf.TemporaryError(str(ready.get("message", "")), delay=outcome.retry_after)
