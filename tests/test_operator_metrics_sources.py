@@ -553,6 +553,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Terminate `proc`, and kill it if it has not gone in 20 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 async def eventually(
     what: str, probe: Any, within: float = 60.0, errors: tuple[type[Exception], ...] = ()
 ) -> Any:
@@ -598,12 +608,7 @@ async def stack(tmp_path: Path, engine_url: str) -> AsyncIterator[tuple[int, str
         yield sc_port, f"http://127.0.0.1:{prom_port}"
     finally:
         for proc in (prom, sidecar):
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
         sc_log.close()
         prom_log.close()
 

@@ -27,7 +27,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from synthetic_engine import SyntheticEngine
 from test_operator_metrics_sources import eventually as poll
-from test_operator_metrics_sources import free_port
+from test_operator_metrics_sources import free_port, stop
 from test_sidecar_vllm import VllmExporter
 
 from headroom.contract import metric_names as m
@@ -342,15 +342,6 @@ def _sidecar(engine_url: str, port: int, log: Path, *extra: str) -> subprocess.P
     )  # fmt: skip
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 @contextlib.contextmanager
 def _prometheus(tmp_path: Path, target_port: int, scrape: str) -> Iterator[str]:
     assert PROMETHEUS is not None, "prometheus is not installed: make tools installs Debian's"
@@ -369,7 +360,7 @@ def _prometheus(tmp_path: Path, target_port: int, scrape: str) -> Iterator[str]:
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 async def _query(http: aiohttp.ClientSession, prom: str, query: str, at: float) -> Any:
@@ -441,7 +432,7 @@ async def test_a_vllm_sidecar_restart_is_no_rate_not_a_counter_reset(tmp_path: P
                 ex.running.labels("m", "0").set(10)  # the 50 aborts
                 await asyncio.sleep(max(0.0, first + seconds + 3 - time.time()))
                 steady = time.time()
-                _stop(sidecar)
+                stop(sidecar)
                 sidecar = _sidecar(url, port, log, "--source", "vllm")
 
                 async def fell() -> Any:
@@ -493,7 +484,7 @@ async def test_a_vllm_sidecar_restart_is_no_rate_not_a_counter_reset(tmp_path: P
                 assert rates[-1] is not None and rates[-1] > 0, rates
         finally:
             driver.cancel()
-            _stop(sidecar)
+            stop(sidecar)
 
 
 @pytest.mark.slow
@@ -548,7 +539,7 @@ async def test_decisions_faster_than_the_scrape_keep_each_scrapes_rate(tmp_path:
                     await asyncio.sleep(0.7)
         finally:
             driver.cancel()
-            _stop(sidecar)
+            stop(sidecar)
     for a, b in itertools.pairwise(readings):
         # the engine's counters move every 0.5 s: equal counters are one scrape read again
         if b.arrived == a.arrived:
