@@ -8,6 +8,7 @@ import copy
 import datetime
 import json
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -589,3 +590,90 @@ async def test_a_pod_lost_while_a_tick_scrapes_does_not_leave_ready_true(
         SCALING_MANAGER,
         "headroom-readiness",
     ]
+
+
+class _HeldKube(FakeKube):
+    """Deployment applies of one model path wait until released: a reconcile caught mid-apply."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held_path = ""  # set once the object exists
+        self.holding = threading.Event()
+        self.release = threading.Event()
+
+    def apply(self, obj: dict[str, Any], **kw: Any) -> dict[str, Any]:
+        if obj["kind"] == "Deployment" and self.held_path and self.held_path in json.dumps(obj):
+            self.holding.set()
+            assert self.release.wait(30), "the held apply was never released"
+        return super().apply(obj, **kw)
+
+
+def _deployed_path(kube: FakeKube) -> str:
+    dep = kube.objects[("Deployment", "ns", "chat")]
+    return "/models/new" if "/models/new" in json.dumps(dep["spec"]) else "/models/old"
+
+
+def _spec_at(path: str) -> dict[str, Any]:
+    return {**SPEC, "model": {"preset": "llama-3.1-8b", "path": path}}
+
+
+async def test_a_resync_of_the_previous_spec_never_lands_after_the_new_one(
+    posted: list[tuple[str, str, str]],
+) -> None:
+    # The resync reconciles the spec as it read it; a GitOps sync of a new generation can land
+    # while its applies are in flight. The old spec's Deployment must not be applied over the
+    # new one (a rollout back, then the drift check's rollout forward), nor its status last.
+    kube = _HeldKube()
+    old = await _created_at(kube, "/models/old")
+    kube.held_path = "/models/old"
+    new = copy.deepcopy(old)
+    new["metadata"]["generation"] = 2
+    new["spec"] = _spec_at("/models/new")
+    ctx = Context(Options(), kube)
+    resync = asyncio.create_task(handlers._reconcile(ctx, old))
+    assert await asyncio.to_thread(kube.holding.wait, 30)
+    update = asyncio.create_task(handlers._reconcile(ctx, new))
+    await asyncio.sleep(0.2)
+    kube.release.set()
+    await asyncio.gather(resync, update)
+    assert _deployed_path(kube) == "/models/new"
+    assert kube.statuses[-1][1]["observedGeneration"] == 2
+
+
+async def test_a_resync_read_before_the_new_spec_was_applied_applies_nothing(
+    posted: list[tuple[str, str, str]],
+) -> None:
+    kube = _HeldKube()
+    old = await _created_at(kube, "/models/old")
+    new = copy.deepcopy(old)
+    new["metadata"]["generation"] = 2
+    new["spec"] = _spec_at("/models/new")
+    ctx = Context(Options(), kube)
+    await handlers._reconcile(ctx, new)
+    kube.applies.clear()
+    statuses = len(kube.statuses)
+    await handlers._reconcile(ctx, old)  # a resync (or drift repair) that read generation 1
+    assert kube.applies == [] and len(kube.statuses) == statuses
+    assert _deployed_path(kube) == "/models/new"
+    # The same generation again (the next resync) and a re-created object do apply.
+    await handlers._reconcile(ctx, new)
+    assert kube.kinds_applied().count("Deployment") == 1
+    # Deleted and created again under the same name: the garbage collector took the children.
+    kube.objects = {k: v for k, v in kube.objects.items() if k[0] == "InferenceDeployment"}
+    again = copy.deepcopy(old)
+    again["metadata"]["uid"] = "u-2"
+    await handlers._reconcile(ctx, again)
+    assert _deployed_path(kube) == "/models/old"
+    forget: Any = handlers.forget  # kopf's decorator types it as its registry's callback
+    forget(name="chat", namespace="ns", memo=kopf.Memo(ctx=ctx))
+    assert ctx.reconciled == {} and ctx.reconciling == {}
+
+
+async def _created_at(kube: FakeKube, path: str) -> dict[str, Any]:
+    from test_operator_reconcile import body
+
+    b = body(_spec_at(path))
+    kube.objects[("InferenceDeployment", "ns", "chat")] = b
+    await handlers._reconcile(Context(Options(), kube), b)
+    kube.applies.clear()
+    return b

@@ -207,11 +207,21 @@ class Context:
         # The Prometheus source's memory of each pod's last scrape, which must outlive the
         # source a tick builds: a scrape read again by the next tick keeps its counters.
         self.scrapes: Scrapes = {}
+        # One reconcile at a time per InferenceDeployment, and the newest (uid, generation)
+        # each has begun: the resync and the drift repair reconcile a spec read earlier, and a
+        # GitOps sync can land meanwhile; the older spec must never be applied after it.
+        self.reconciling: dict[tuple[str, str], asyncio.Lock] = {}
+        self.reconciled: dict[tuple[str, str], tuple[str, int]] = {}
 
     @property
     def exiting(self) -> bool:
         """Whether the operator has begun to exit."""
         return self.leaving.is_set()
+
+    def forget_object(self, namespace: str, name: str) -> None:
+        """Drop what reconciling one deleted InferenceDeployment left here."""
+        self.reconciling.pop((namespace, name), None)
+        self.reconciled.pop((namespace, name), None)
 
     def forget_scrapes(self, namespace: str, name: str) -> None:
         """Drop what the Prometheus source remembers of one InferenceDeployment's pods."""
@@ -320,7 +330,23 @@ def _post(body: dict[str, Any], owner: Owner, outcome: Outcome) -> None:
 
 
 async def _reconcile(ctx: Context, body: dict[str, Any]) -> None:
-    """Reconcile and write; an apply the API server refuses for good becomes a condition."""
+    """Reconcile and write; an apply the API server refuses for good becomes a condition.
+    Reconciles of one object run one at a time, and one of a generation older than one
+    already begun applies nothing: its children and status would undo the newer spec's."""
+    meta = body["metadata"]
+    key = (meta.get("namespace") or "", meta["name"])
+    stamp = (str(meta.get("uid") or ""), int(meta.get("generation") or 0))
+    async with ctx.reconciling.setdefault(key, asyncio.Lock()):
+        last = ctx.reconciled.get(key)
+        if last is not None and last[0] == stamp[0] and stamp[1] < last[1]:
+            log.debug("%s/%s: generation %d is older than %d, already reconciled",
+                      key[0], key[1], stamp[1], last[1], extra=log_fields(*key))  # fmt: skip
+            return
+        ctx.reconciled[key] = stamp
+        await _reconcile_now(ctx, body)
+
+
+async def _reconcile_now(ctx: Context, body: dict[str, Any]) -> None:
     try:
         outcome = await asyncio.to_thread(
             reconcile, ctx.kube, body, ctx.clock(), ctx.options.images
@@ -666,6 +692,7 @@ def _contains(live: Any, want: Any) -> bool:
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, registry=REGISTRY)
 def forget(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
     _ctx(memo).metrics.forget(namespace or "", name)
+    _ctx(memo).forget_object(namespace or "", name)
 
 
 def connection_info(kube: Kube) -> kopf.ConnectionInfo:
