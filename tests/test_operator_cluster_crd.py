@@ -22,6 +22,7 @@ from headroom.operator.crd.models import (
     InferenceDeploymentSpec,
     ModelSpec,
     ScalingSpec,
+    SecretKeySelector,
     name_error,
 )
 from headroom.operator.crd.rules import Rule
@@ -33,6 +34,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 # The specs the models' own tests start from (tests/test_operator_crd.py).
 VALID = BASE
+# A DNS subdomain of 244 characters, the longest an extended resource's domain can be.
+DOMAIN_244 = ".".join(["a" * 61] + ["b" * 60] * 3)
+assert len(DOMAIN_244) == 244
 
 
 def rule(model: Any, fragment: str) -> Rule:
@@ -78,6 +82,17 @@ CEL_CASES = [
     ("gpu-resource-trailing-newline",
      {**VALID, "gpu": {"type": "h100", "resourceName": "nvidia.com/gpu\n"}},
      rule(GPUSpec, "extended resource")),
+    # `requests.` + the name must be a qualified name: its domain at most 244 characters.
+    ("gpu-resource-domain-over-244",
+     {**VALID, "gpu": {"type": "h100", "resourceName": DOMAIN_244 + "a/gpu"}},
+     rule(GPUSpec, "extended resource")),
+    ("api-key-dot-dot", {**VALID, "engine": {"apiKeySecret": {"name": "k", "key": ".."}}},
+     rule(SecretKeySelector, "'..'")),
+    ("api-key-dot", {**VALID, "engine": {"apiKeySecret": {"name": "k", "key": "."}}},
+     rule(SecretKeySelector, "'..'")),
+    ("api-key-starts-dot-dot",
+     {**VALID, "engine": {"apiKeySecret": {"name": "k", "key": "..data"}}},
+     rule(SecretKeySelector, "'..'")),
     ("min-max", {**VALID, "scaling": {"minReplicas": 5, "maxReplicas": 2}},
      rule(ScalingSpec, "minReplicas")),
     ("target-below-scale-out", {**VALID, "scaling": {"targetOccupancy": 0.96}},
@@ -150,6 +165,21 @@ SCHEMA_CASES = [
     ("cpu-not-a-quantity", {**VALID, "engine": {"cpu": "four"}},
      "spec.engine.cpu in body should match"),
     ("memory-negative", {**VALID, "engine": {"memory": -5}}, "greater than or equal to 0"),
+    # An exponent of many digits kept kube-apiserver busy for minutes on every Pod.
+    ("memory-three-digit-exponent", {**VALID, "engine": {"memory": "1e100"}},
+     "spec.engine.memory in body should match"),
+    ("cpu-long-negative-exponent", {**VALID, "engine": {"cpu": "1e-99999999"}},
+     "spec.engine.cpu in body should match"),
+    # A Pod's image may not have whitespace at its ends, a Deployment template's may.
+    ("image-trailing-space",
+     {**VALID, "engine": {"image": "ghcr.io/headroom-dev/headroom-engine:0.1.0 "}},
+     "spec.engine.image in body should match"),
+    ("image-nbsp", {**VALID, "engine": {"image": "\u00a0registry.example.com/e:1"}},
+     "spec.engine.image in body should match"),
+    ("sidecar-image-blank", {**VALID, "engine": {"sidecarImage": " "}},
+     "spec.engine.sidecarImage in body should match"),
+    ("sidecar-image-newline", {**VALID, "engine": {"sidecarImage": "example.com/s:1\n"}},
+     "spec.engine.sidecarImage in body should match"),
     # Kubernetes' quantity takes whole exponents only: the Deployment would be refused.
     ("memory-fractional-exponent", {**VALID, "engine": {"memory": "1e1.5"}},
      "spec.engine.memory in body should match"),
@@ -202,6 +232,9 @@ ACCEPTED_CASES = [
          **{f"k{i}": "v" for i in range(63)}, PREFIX_253 + "/g": "x"}}}),
     ("bounds", {**VALID, "model": {**ARCH, "parameterCount": 10**15, "slidingWindow": 100_000_000},
                 "gpu": {"memoryGiB": 1}, "scaling": {"forecastQuantile": 0.5}}),
+    ("edges", {**VALID, "engine": {"memory": "1e18", "cpu": "5e-1", "sidecarImage": "",
+                                   "apiKeySecret": {"name": "k", "key": ".a..b"}},
+               "gpu": {"type": "h100", "resourceName": DOMAIN_244 + "/gpu"}}),
     ("stock-runtime-tp-replicates-kv-heads",
      {**VALID, "model": {**ARCH, "path": "/m"}, "gpu": {"type": "h100", "countPerPod": 4},
       "engine": {"runtime": "vllm"}}),
@@ -209,7 +242,9 @@ ACCEPTED_CASES = [
 
 
 def manifest(name: str, spec: dict[str, Any]) -> str:
-    return yaml.safe_dump(
+    # JSON, as a client sends it: PyYAML leaves "1e100" unquoted (a string in YAML 1.1), and
+    # kubectl's YAML reads it as a number.
+    return json.dumps(
         {"apiVersion": "headroom.dev/v1alpha1", "kind": "InferenceDeployment",
          "metadata": {"name": name}, "spec": spec}
     )  # fmt: skip
@@ -273,7 +308,14 @@ def test_each_cel_rule_refuses_with_its_message(
 
 def test_every_rule_has_a_case() -> None:
     covered = {id(r) for _, _, r in CEL_CASES}
-    for model in (ModelSpec, GPUSpec, EngineSpec, ScalingSpec, InferenceDeploymentSpec):
+    for model in (
+        ModelSpec,
+        GPUSpec,
+        EngineSpec,
+        ScalingSpec,
+        InferenceDeploymentSpec,
+        SecretKeySelector,
+    ):
         for r in model.__rules__:
             assert id(r) in covered, f"{model.__name__}: no case for {r.message!r}"
 

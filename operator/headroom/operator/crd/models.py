@@ -52,10 +52,20 @@ _DNS_SUBDOMAIN = rf"^{_SUBDOMAIN}$"
 NOT_A_FLAG = r"^[^-\t\n\f\r ]"
 # A Kubernetes resource quantity without a sign (the grammar of apimachinery's
 # resource.Quantity): 4, 500m, 1.5, 32Gi, 512M, 4e9.
+# The exponent has at most two digits: apimachinery expands the exponent digit by digit, and
+# one of eight digits (1e99999999) kept kube-apiserver busy for minutes on every Pod that
+# carried it, a request the operator's timeout then retried.
 QUANTITY_PATTERN = (
     r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
-    r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]+))?$"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]{1,2}))?$"
 )
+# An image reference holds no whitespace. Kubernetes refuses a Pod's image with any at its
+# ends, but not a Deployment's template: the ReplicaSet would fail every pod it creates. The
+# spaces are spelled out (Go's unicode.IsSpace) for the reason NOT_A_FLAG gives.
+_SPACES = (
+    r"\t\n\v\f\r \x{85}\x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}"
+)
+IMAGE_PATTERN = rf"^[^{_SPACES}]*$"
 _ARCH_FIELDS = (
     "numLayers",
     "numAttentionHeads",
@@ -126,6 +136,9 @@ Quantity = Annotated[
 # An extended resource name: a DNS-subdomain prefix, '/', a name (what the device plugin
 # advertises); names without a prefix, and kubernetes.io's, are Kubernetes' own resources.
 _EXTENDED_RESOURCE = rf"^{_SUBDOMAIN}/{_NAME_PART}$"
+# Kubernetes also requires `requests.` + the name to be a qualified name (quota's form of it),
+# whose prefix is at most 253 characters: the domain here at most 244.
+_MAX_RESOURCE_DOMAIN = 244
 # A label value (apimachinery's IsValidLabelValue): nvidia-smi's "NVIDIA H100 80GB HBM3" is not
 # one; GPU Feature Discovery writes NVIDIA-H100-80GB-HBM3.
 LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
@@ -323,6 +336,17 @@ VLLM_BLOCK_SIZES = (16, 32, 64, 128)
 class SecretKeySelector(CRDModel):
     """A key of a Secret in the InferenceDeployment's namespace."""
 
+    __rules__ = (
+        # apimachinery's IsConfigMapKey, beyond its characters: a key of `.`, `..` or one
+        # starting with `..` is refused in the Deployment's secretKeyRef, so nothing deploys.
+        Rule(
+            cel="self.key != '.' && !self.key.startsWith('..')",
+            message="apiKeySecret.key must not be '.' or start with '..'",
+            check=lambda k: k.key != "." and not k.key.startswith(".."),
+            field_path=".key",
+        ),
+    )
+
     name: str = Field(min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN)
     key: str = Field(default="api-key", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
 
@@ -451,6 +475,7 @@ class EngineSpec(CRDModel):
         default=None,
         min_length=1,
         max_length=512,
+        pattern=IMAGE_PATTERN,
         description=(
             f"engine image; defaults by runtime: headroom {RUNTIME_IMAGES['headroom']} (the "
             "operator's --headroom-image repository with -engine appended), vllm "
@@ -461,6 +486,7 @@ class EngineSpec(CRDModel):
     sidecar_image: str | None = Field(
         default=None,
         max_length=512,
+        pattern=IMAGE_PATTERN,
         description=(
             "defaults to the engine's image with runtime headroom, else to the operator's "
             f"--headroom-image ({HEADROOM_IMAGE} unless the chart names another registry)"
@@ -535,17 +561,19 @@ class GPUSpec(CRDModel):
         Rule(
             cel=(
                 f"self.resourceName.matches('{_EXTENDED_RESOURCE}') && "
+                f"!self.resourceName.matches('^[^/]{{{_MAX_RESOURCE_DOMAIN + 1}}}') && "
                 "!self.resourceName.contains('kubernetes.io/') && "
                 "!self.resourceName.startsWith('requests.')"
             ),
             message=(
                 "gpu.resourceName must be an extended resource, domain/name such as "
                 "nvidia.com/gpu or amd.com/gpu: core resources (cpu, memory, ephemeral-storage, "
-                "hugepages-*, names under kubernetes.io) are not GPUs, and a name may not start "
-                "with requests. (quota's prefix)"
+                "hugepages-*, names under kubernetes.io) are not GPUs, a name may not start "
+                "with requests. (quota's prefix), and its domain is at most 244 characters"
             ),
             check=lambda g: (
                 re.fullmatch(_EXTENDED_RESOURCE, g.resource_name) is not None
+                and len(g.resource_name.split("/")[0]) <= _MAX_RESOURCE_DOMAIN
                 and "kubernetes.io/" not in g.resource_name
                 and not g.resource_name.startswith("requests.")
             ),
