@@ -26,7 +26,7 @@ from headroom.operator.scaling.decide import (
     decide,
     pod_start_seconds,
 )
-from headroom.operator.scaling.loop import policy_for
+from headroom.operator.scaling.loop import MAX_NEEDED_REPLICAS, decision_record, policy_for
 
 NOW = 10_000.0
 POLICY = Policy(
@@ -684,3 +684,29 @@ def test_a_scale_in_window_with_a_gap_in_its_decisions_starts_again() -> None:
     d = run(6, pods, memory=replace(history(600), scale_in=stale))
     assert d.reason == "Stabilizing" and d.memory.scale_in is not None
     assert d.memory.scale_in.since == NOW
+
+
+def test_needed_replicas_beyond_int64_are_recorded_at_the_cap() -> None:
+    # Window rates a pod may report (each within usable()'s bounds), but departures of 1e-134
+    # req/s: block-seconds per departure hit their cap, and the demand needed ~5e19 pods,
+    # which status (int64) refused, whole, at every tick.
+    s = PodSample(occupancy=0.0, sampled_at=NOW, used_blocks=0, capacity_blocks=1,
+                  demand=DemandRates(299.0, 1e-134, 493131.0, 60.0))  # fmt: skip
+    d = decide(Inputs(NOW, 1, (PodView("p0", True, NOW, sample=s),), POLICY))
+    assert d.figures.needed_replicas > 2**63
+    rec = decision_record(d, 1, NOW, True)
+    assert rec["inputs"]["neededReplicas"] == MAX_NEEDED_REPLICAS
+    assert d.replicas == 1 + POLICY.max_scale_up_pods
+
+
+def test_a_target_occupancy_under_one_percent_is_refused() -> None:
+    # 1e-310 passed the CRD (> 0) and overflowed the decision's division at every tick.
+    base = {"model": {"preset": "llama-3.1-8b"}, "gpu": {"type": "h100-80gb"},
+            "traffic": {"peakConcurrency": 8, "contextTokens": 1024}}  # fmt: skip
+    tiny = {"targetOccupancy": 1e-310, "scaleInHysteresis": 0}
+    with pytest.raises(ValueError, match=r"must be at least 0\.01"):
+        InferenceDeploymentSpec.model_validate({**base, "scaling": tiny})
+    spec = InferenceDeploymentSpec.model_validate(
+        {**base, "scaling": {"targetOccupancy": 0.01, "scaleInHysteresis": 0}}
+    )
+    assert policy_for(spec, size(spec)).target_occupancy == 0.01

@@ -89,6 +89,17 @@ def test_a_sample_tells_no_forecast_yet_from_not_growing() -> None:
         assert s is not None and s.eta_seconds is None and not s.forecast_ready, eta
 
 
+def test_figures_no_engine_reports_are_dropped_not_carried_to_status() -> None:
+    # An ETA past the sidecar's longest (its slope floor) is "not growing", as +Inf is: 1e32 s
+    # overflowed status.kv.eta and the status write failed at every tick. A preemption rate
+    # beyond any pod's counts none: two pods' 1e308 summed to inf in the KVSaturated message.
+    s = usable(sample_from_report(report(eta_seconds=1e32, preemption_rate_per_second=1e308)))
+    assert s is not None and s.eta_seconds is None and s.forecast_ready
+    assert s.preemption_rate == 0.0
+    longest = usable(sample_from_report(report(eta_seconds=9.9e8, preemption_rate_per_second=3.0)))
+    assert longest is not None and longest.eta_seconds == 9.9e8 and longest.preemption_rate == 3.0
+
+
 def test_promql_is_one_query_with_every_series_tagged() -> None:
     q = promql(ScrapeTarget(namespace='we"ird', name="chat"))
     assert q.count(" or ") == 16

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from headroom.contract import metric_names as m
 from headroom.contract.clock import steady_time
 from headroom.contract.demand import CounterSample, DemandRates
+from headroom.contract.forecast import MIN_GROWTH_PER_SECOND
 from headroom.contract.jsonfile import parse_json
 from headroom.contract.ports import SIDECAR_PORT
 from headroom.contract.report import SaturationReport
@@ -74,6 +75,9 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
+# The sidecar's longest ETA (its slope floor): a longer one is an exporter's, and reads as
+# "not growing", as +Inf does (1e32 s overflowed status.kv.eta and refused the status write).
+_MAX_ETA_SECONDS = 1.0 / MIN_GROWTH_PER_SECOND
 # Cumulative counters: a pool of 10^6 blocks full for 30 years integrates to 10^15 block-s.
 _MAX_TOTAL = 1e18
 # A rate window longer than a day is no sidecar's (its --window is at most 86,400 s).
@@ -117,9 +121,11 @@ def usable(sample: PodSample | None) -> PodSample | None:
     return replace(
         sample,
         occupancy=min(occ, 1.0),
-        eta_seconds=eta if eta is not None and eta >= 0 else None,
+        eta_seconds=eta if eta is not None and 0 <= eta <= _MAX_ETA_SECONDS else None,
         forecast_ready=sample.forecast_ready and not no_forecast,
-        preemption_rate=rate if rate is not None and rate >= 0 else 0.0,
+        # More preemptions a second than requests any pod holds is no engine's: none counted
+        # (two pods' 1e308 summed to inf in the KVSaturated message).
+        preemption_rate=rate if rate is not None and 0 <= rate <= _MAX_COUNT else 0.0,
         hit_ratio=hit if hit is not None and 0.0 <= hit <= 1.0 else None,
         growth_blocks_per_second=_finite(sample.growth_blocks_per_second),
         demand=_rates_ok(sample.demand),
