@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
@@ -9,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from synthetic_engine import SyntheticEngine
 
 from headroom.contract import metric_names
+from headroom.contract.demand import DemandRates
 from headroom.contract.stats import TTFT_BUCKETS_S
 from headroom.sidecar.collector import SidecarCollector, make_registry
 from headroom.sidecar.config import IdentityLabels, SidecarConfig
@@ -194,3 +197,15 @@ def test_every_exported_family_is_a_contract_name() -> None:
         if k.isupper() and isinstance(v, str)
     }
     assert exported <= contract, exported - contract
+
+
+def test_a_demand_that_overflows_is_left_off_not_exported_as_inf(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Little's law multiplies two rates: each within bounds, the product can overflow, and the
+    # contract keeps the gauge finite (/saturation already sends null for it).
+    eng, state, cfg, clock = _setup()
+    _drive(eng, state, clock)
+    assert "headroom_kv_demand_blocks" in _families(state, cfg, clock)
+    monkeypatch.setattr(DemandRates, "demand_blocks", property(lambda _: math.inf))
+    assert "headroom_kv_demand_blocks" not in _families(state, cfg, clock)

@@ -691,6 +691,14 @@ def test_prefix_counters_read_no_cached_series_as_no_hits_yet() -> None:
 
 def test_usage_above_one_is_clamped() -> None:
     assert parse_sglang_metrics("sglang:token_usage 1.02\n").occupancy == 1.0
+    assert parse_sglang_metrics("sglang:token_usage 1.05\n").occupancy == 1.0
+
+
+@pytest.mark.parametrize("usage", ["1.2", "37.5"])
+def test_usage_far_above_one_is_garbage_not_a_full_pool(usage: str) -> None:
+    # A percent read as a share was a confident full pool, and the operator bought pods.
+    with pytest.raises(GarbageError, match="not a fraction"):
+        parse_sglang_metrics(f"sglang:token_usage {usage}\n")
 
 
 @pytest.mark.parametrize(

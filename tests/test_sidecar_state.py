@@ -263,7 +263,7 @@ class Sglang053:
     Time is in decode steps; `requests` are (arrival step, steps to run).
     """
 
-    POOL = 14336
+    POOL = 32768  # above what the requests below hold at once: a real pool admits no more
 
     def __init__(self, requests: list[tuple[int, int]]) -> None:
         self.pending = sorted(requests)

@@ -475,6 +475,15 @@ vllm:gpu_prefix_cache_queries_total{model_name="m"} 10.0
     assert r.prefix_queries_tokens_total == 10.0 and r.prefix_hits_tokens_total is None
 
 
+def test_a_usage_gauge_far_above_one_is_garbage_not_a_full_pool() -> None:
+    # `_perc` in the name, a share in the value: an exporter's 37.5 read as a full pool.
+    text = 'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 37.5\n'
+    with pytest.raises(GarbageError, match="not a fraction"):
+        parse_vllm_metrics(text)
+    ok = 'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 1.01\n'
+    assert parse_vllm_metrics(ok).occupancy == 1.0
+
+
 @pytest.mark.parametrize("version", VLLM_VERSIONS)
 def test_version_fixture_is_what_the_exporter_renders(version: str) -> None:
     text = (FIXTURES / f"vllm_metrics_{version}.txt").read_text()

@@ -191,7 +191,13 @@ def render(fig: Figures, cfg: SidecarConfig) -> Iterator[Metric]:
     ):  # fmt: skip
         if total is not None:
             yield counter(name, doc, total)
-    if fig.demand is not None and fig.demand.demand_blocks is not None:
+    # A gauge the contract keeps non-negative and finite: a product of two large rates can
+    # overflow where each alone is fine.
+    if (
+        fig.demand is not None
+        and fig.demand.demand_blocks is not None
+        and math.isfinite(fig.demand.demand_blocks)
+    ):
         yield gauge(
             names_.KV_DEMAND,
             # The configured window, not the span measured: HELP must not change per scrape.

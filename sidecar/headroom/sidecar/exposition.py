@@ -76,9 +76,15 @@ def combine_pools(pools: list[Pool]) -> tuple[float, int | None, int | None]:
     return min(sum(p.usage for p in pools) / len(pools), 1.0), None, None
 
 
+# Engines round their usage (SGLang to two decimals): a little over 1 is a full pool. Far over
+# it is no share of a pool (a percent, 37.5, read as a full pool and bought pods), as the
+# operator judges occupancy too.
+MAX_FRACTION = 1.05
+
+
 def fraction(value: float, what: str) -> float:
-    """A 0..1 usage (above 1 clamped); NaN or negative is garbage."""
-    if not math.isfinite(value) or value < 0:
+    """A 0..1 usage (up to MAX_FRACTION clamped to 1); NaN, negative or more is garbage."""
+    if not math.isfinite(value) or not 0 <= value <= MAX_FRACTION:
         raise GarbageError(f"{what} is not a fraction: {value}")
     return min(value, 1.0)
 

@@ -143,9 +143,11 @@ def _check_counts(value: object, where: str) -> None:
 
 
 def _finite(value: float, name: str) -> float:
-    # pydantic takes JSON's Infinity for a float field with ge=0
-    if not math.isfinite(value):
-        raise GarbageError(f"/stats {name} is not a finite number: {value}")
+    # pydantic takes JSON's Infinity for a float field with ge=0; and a total past MAX_COUNT
+    # (a pool of 10^6 blocks full for 285 years) is no engine's: 1e308 block-seconds made the
+    # Little's-law demand +Inf on /metrics.
+    if not math.isfinite(value) or abs(value) > MAX_COUNT:
+        raise GarbageError(f"/stats {name} is not a finite number up to 2**53: {value}")
     return float(value)
 
 
