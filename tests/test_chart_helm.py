@@ -186,7 +186,8 @@ def test_the_operator_cli_accepts_the_rendered_flags(helm: Path) -> None:
     for sets in [
         (),
         ("operator.peering=p", "operator.replicas=2", "operator.verbose=true"),
-        ("operator.metricsHost=127.0.0.1", "operator.healthHost=::1"),
+        # (healthHost: never loopback, which the kubelet cannot probe; see below.)
+        ("operator.metricsHost=::1", "operator.healthHost=::"),
     ]:
         (c,) = one(render(helm, *sets), "Deployment")["spec"]["template"]["spec"]["containers"]
         args = build_parser("operator").parse_args([*c["command"][1:], *c["args"]])
@@ -551,6 +552,16 @@ BAD_VALUES = [
     ("operator.metricsPort=70000", "/operator/metricsPort"),
     ("operator.watchNamespaces[0]=team-a\\,team-b", "/operator/watchNamespaces/0"),
     ("operator.metricsHost=localhost", "/operator/metricsHost"),
+    # An address and a port, or colons alone: the operator reads an IP address, nothing else.
+    ("operator.metricsHost=0.0.0.0:8080", "/operator/metricsHost"),
+    ("operator.metricsHost=:", "/operator/metricsHost"),
+    ("operator.healthHost=1:2", "/operator/healthHost"),
+    ("operator.healthHost=0.0.0.0:8081", "/operator/healthHost"),
+    # Not RFC 1123 subdomains: the API server would refuse the objects named after them.
+    ("operator.peering=a..b", "/operator/peering"),
+    ("operator.peering=a.-b", "/operator/peering"),
+    ("serviceAccount.name=a..b", "/serviceAccount/name"),
+    ("serviceAccount.name=a.-b", "/serviceAccount/name"),
     ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
     ("image.digest=sha256:abc", "/image/digest"),
     # A tag in the repository: the operator's --headroom-image would be REPO:1.0:TAG.
@@ -684,3 +695,241 @@ def test_notes_name_only_what_the_packaged_chart_holds(helm: Path, tmp_path: Pat
     for path in named:
         assert f"headroom/{path}" in members, f"NOTES name {path}, not in the package"
     assert "helm pull" in notes and "--untar" in notes
+
+
+# ---------------------------------------------------------------------------- checks beyond types
+
+
+def _refusal(helm: Path, *args: str, lint: bool = True) -> str:
+    """What `helm template` (as `helm install` renders) and, for a value the schema refuses,
+    `helm lint --strict` say refusing `args`; each must refuse. (Lint renders with `fail` turned
+    into a log line: only the schema fails it.)"""
+    said = ""
+    cmds = [["template", "x", str(CHART)]] + ([["lint", "--strict", str(CHART)]] if lint else [])
+    for cmd in cmds:
+        out = _run(helm, *cmd, *args, check=False)
+        assert out.returncode != 0, f"helm {cmd[0]} accepted {args}:\n{out.stdout[:2000]}"
+        said += out.stdout + out.stderr
+    return said
+
+
+class _QuotedStrings(yaml.SafeDumper):
+    """Every string double-quoted: PyYAML leaves some plain (1e3) that helm's YAML reads as a
+    number, and the value would then be refused for its type, not for what it says."""
+
+
+_QuotedStrings.add_representer(
+    str, lambda dumper, s: dumper.represent_scalar("tag:yaml.org,2002:str", s, style='"')
+)
+
+
+def _values_file(tmp_path: Path, values: dict[str, Any]) -> str:
+    """`values` as a values file, each string reaching helm as that string."""
+    path = tmp_path / f"values-{len(list(tmp_path.iterdir()))}.yaml"
+    path.write_text(yaml.dump(values, Dumper=_QuotedStrings))
+    return str(path)
+
+
+def _nested(dotted: str, value: Any) -> dict[str, Any]:
+    head, _, rest = dotted.partition(".")
+    return {head: _nested(rest, value) if rest else value}
+
+
+@pytest.mark.parametrize(
+    ("text", "said", "schema"),
+    [
+        # YAML reads these as numbers; helm would print 1.10 as 1.1, 1234567 as 1.234567e+06.
+        # No integer (which --set image.tag=2 gives, digit for digit) is one to the schema.
+        ("tag: 1.10", "at '/image/tag'", True),
+        ("tag: 1234567", "image.tag is a number in a values file", False),
+        ("tag: 20240101120000", "image.tag is a number in a values file", False),
+        ("tag: 2", "image.tag is a number in a values file", False),
+    ],
+)
+def test_an_unquoted_numeric_tag_in_a_values_file_is_refused(
+    helm: Path, tmp_path: Path, text: str, said: str, schema: bool
+) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text(f"image:\n  {text}\n")
+    assert said in _refusal(helm, "-f", str(values), lint=schema)
+
+
+@pytest.mark.parametrize("tag", ["1.10", "1234567", "20240101120000", "2", "v1.10"])
+def test_a_quoted_numeric_tag_in_a_values_file_is_the_tag(
+    helm: Path, tmp_path: Path, tag: str
+) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text(f'image:\n  tag: "{tag}"\n')
+    out = _run(helm, "template", "x", str(CHART), "-f", str(values)).stdout
+    dep = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == f"ghcr.io/headroom-dev/headroom:{tag}"
+    assert f"--headroom-image=ghcr.io/headroom-dev/headroom:{tag}" in c["args"]
+
+
+# Written unquoted into the manifest, each would be read as another type ("true", "1.0", "{a}"),
+# add keys to the pod spec (a newline), or name an object the API server refuses.
+BAD_NAMES = [
+    *[("priorityClassName", v) for v in
+      ["true", "yes", "1.0", "1e3", "0x1f", "{a}", "x\n      hostNetwork: true", "a..b", "High"]],
+    *[("fullnameOverride", v) for v in
+      ["true", "1.0", "{a}", "hr\n  namespace: kube-system", "a.b", "1hr", "hr-"]],
+    *[("nameOverride", v) for v in
+      ["true", "null", "1.0", "123", "{a}", "hr\n    evil: injected", "a.b", "x" * 64]],
+    *[("operator.peering", v) for v in ["true", "1.0", "a..b", "a.-b"]],
+    *[("serviceAccount.name", v) for v in ["no", "1.0", "a..b", "a.-b"]],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("key", "value"), BAD_NAMES, ids=[f"{k}={v!r}" for k, v in BAD_NAMES])
+def test_the_schema_refuses_names_that_change_type_or_inject_yaml(
+    helm: Path, tmp_path: Path, key: str, value: str
+) -> None:
+    said = _refusal(helm, "-f", _values_file(tmp_path, _nested(key, value)))
+    path = "/" + key.replace(".", "/")
+    assert "don't meet the specifications of the schema" in said and f"at '{path}'" in said, said
+
+
+def test_names_render_as_the_strings_they_are(helm: Path, tmp_path: Path) -> None:
+    values = {
+        "nameOverride": "2hr",
+        "fullnameOverride": "hr-ops",
+        "priorityClassName": "high.priority-1",
+        "serviceAccount": {"name": "robot.v2"},
+        "operator": {"peering": "a.b-c", "replicas": 2},
+    }
+    out = _run(helm, "template", "x", str(CHART), "-f", _values_file(tmp_path, values)).stdout
+    objs = [d for d in yaml.safe_load_all(out) if d]
+    dep = one(objs, "Deployment")
+    pod = dep["spec"]["template"]
+    assert pod["spec"]["priorityClassName"] == "high.priority-1"
+    assert pod["spec"]["serviceAccountName"] == "robot.v2"
+    assert pod["metadata"]["labels"]["app.kubernetes.io/name"] == "2hr"
+    assert dep["metadata"]["name"] == "hr-ops"
+    assert one(objs, "ClusterKopfPeering")["metadata"]["name"] == "a.b-c"
+    # Nothing but the keys the chart writes reached the pod spec.
+    assert not {"hostNetwork", "hostPID", "hostIPC"} & set(pod["spec"])
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    addr = ipaddress.ip_address(host)
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return addr.is_loopback or bool(mapped and mapped.is_loopback)
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["127.0.0.1", "127.1.2.3", "::1", "0:0:0:0:0:0:0:1", "::0:1", "::ffff:127.0.0.1",
+     "::FFFF:7f00:1"],
+)  # fmt: skip
+def test_a_loopback_health_host_is_refused(helm: Path, host: str) -> None:
+    # The kubelet probes /healthz on the pod IP: bound to loopback, the probe never succeeds
+    # and the kubelet restarts the operator forever.
+    assert _is_loopback(host)
+    said = _refusal(helm, "--set", f"operator.healthHost={host}", lint=False)
+    assert "operator.healthHost" in said and "loopback" in said, said
+
+
+def test_the_bind_addresses_the_chart_takes_are_the_operators(helm: Path) -> None:
+    from headroom.operator.handlers import Options
+
+    for host in ["0.0.0.0", "::", "10.0.0.1", "::ffff:10.0.0.1", "fd00::1", "2001:db8::42"]:
+        assert not _is_loopback(host)
+        dep = one(render(helm, f"operator.healthHost={host}", f"operator.metricsHost={host}"),
+                  "Deployment")  # fmt: skip
+        (c,) = dep["spec"]["template"]["spec"]["containers"]
+        assert f"--liveness-host={host}" in c["args"] and f"--metrics-host={host}" in c["args"]
+        Options(metrics_host=host, liveness_host=host)  # the operator takes them too
+    # /metrics may stay on loopback (scraped by nothing, or a sidecar in the pod).
+    for host in ["127.0.0.1", "::1"]:
+        dep = one(render(helm, f"operator.metricsHost={host}"), "Deployment")
+        assert f"--metrics-host={host}" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+# Each as the operator's own range check (rate_window_seconds: 1s..1h) decides it.
+RATE_WINDOWS_TAKEN = ["1m", "1h", "90s", "2m30s", "1s", "1000ms", "3600s", "59m60s", "0h60m",
+                      "0d1h", "0000001s", "1h0m0s0ms"]  # fmt: skip
+RATE_WINDOWS_REFUSED = ["2h", "500ms", "0s", "999ms", "3601s", "1h1ms", "1d", "1w", "1y",
+                        "99999999999999999999999ms"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("window", "taken"),
+    [(w, True) for w in RATE_WINDOWS_TAKEN] + [(w, False) for w in RATE_WINDOWS_REFUSED],
+)
+def test_the_chart_takes_the_rate_windows_the_operator_does(
+    helm: Path, window: str, taken: bool
+) -> None:
+    from headroom.operator.scaling.metrics_sources import rate_window_seconds
+
+    try:
+        rate_window_seconds(window)
+        operator_takes = True
+    except ValueError:
+        operator_takes = False
+    assert operator_takes == taken, window
+    if taken:
+        (c,) = one(render(helm, f"operator.prometheusRateWindow={window}"), "Deployment")[
+            "spec"]["template"]["spec"]["containers"]  # fmt: skip
+        assert f"--prometheus-rate-window={window}" in c["args"]
+    else:
+        said = _refusal(helm, "--set", f"operator.prometheusRateWindow={window}", lint=False)
+        assert f"operator.prometheusRateWindow: {window} is outside 1s..1h" in said, said
+
+
+def test_the_health_and_metrics_ports_must_differ(helm: Path) -> None:
+    # The operator binds each on its own port: the second bind fails and the operator exits.
+    for sets in [("operator.healthPort=8080",), ("operator.metricsPort=9000",
+                 "operator.healthPort=9000")]:  # fmt: skip
+        said = _refusal(helm, *[a for s in sets for a in ("--set", s)], lint=False)
+        assert "operator.healthPort and operator.metricsPort are both" in said, said
+    # /metrics off: the health port may be any.
+    (c,) = one(render(helm, "operator.metricsPort=0", "operator.healthPort=8080"), "Deployment")[
+        "spec"]["template"]["spec"]["containers"]  # fmt: skip
+    assert [p["containerPort"] for p in c["ports"]] == [8080]
+
+
+@pytest.mark.parametrize(
+    "key", ["app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component"]
+)
+def test_pod_labels_cannot_repeat_the_selector_labels(helm: Path, key: str) -> None:
+    # A second key in the pod's labels: the API server refuses the Deployment.
+    said = _refusal(helm, "--set", "podLabels." + key.replace(".", "\\.") + "=other", lint=False)
+    assert f"podLabels: {key} is one of the operator pod's selector labels" in said, said
+
+
+def test_a_null_gateway_selector_selects_every_pod(helm: Path, tmp_path: Path) -> None:
+    values = {"networkPolicy": {"enabled": True, "namespaces": ["team-a"],
+                                "gateway": {"podSelector": None}}}  # fmt: skip
+    out = _run(helm, "template", "x", str(CHART), "-f", _values_file(tmp_path, values)).stdout
+    (policy,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "NetworkPolicy"]
+    by_port = {r["ports"][0]["port"]: r["from"] for r in policy["spec"]["ingress"]}
+    assert by_port["http"] == [{"podSelector": {}}]
+
+
+def test_edge_values_apply_with_server_dry_run(
+    cluster: Cluster, cluster_namespace: str, tmp_path: Path
+) -> None:
+    # What the schema and the checks above let through, the API server takes.
+    values = {
+        "nameOverride": "2hr",
+        "fullnameOverride": "hr-ops",
+        "priorityClassName": "system-cluster-critical",
+        "serviceAccount": {"name": "robot.v2"},
+        "image": {"tag": "1.10"},
+        "podLabels": {"team": "ml"},
+        "operator": {"metricsHost": "::1", "healthHost": "::", "metricsPort": 9000,
+                     "healthPort": 9001, "prometheusRateWindow": "1h",
+                     "watchNamespaces": [cluster_namespace]},
+        "networkPolicy": {"enabled": True, "gateway": {"podSelector": None}},
+    }  # fmt: skip
+    manifest = cluster.helm(
+        "template", "headroom", str(CHART), "--namespace", cluster_namespace,
+        "--kube-version", cluster.version, "-f", _values_file(tmp_path, values),
+    ).stdout  # fmt: skip
+    objs = [d for d in yaml.safe_load_all(manifest) if d]
+    out = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=manifest, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("(server dry run)") == len(objs), out.stdout

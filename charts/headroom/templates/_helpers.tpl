@@ -33,8 +33,8 @@ app.kubernetes.io/part-of: headroom
 
 {{/* The operator pod's selector; immutable once installed, so it holds no version. */}}
 {{- define "headroom.selectorLabels" -}}
-app.kubernetes.io/name: {{ include "headroom.name" . }}
-app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/name: {{ include "headroom.name" . | quote }}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
 app.kubernetes.io/component: operator
 {{- end }}
 
@@ -55,6 +55,11 @@ app.kubernetes.io/component: operator
 {{/* REPOSITORY:TAG, the tag defaulting to the chart's appVersion: the operator's image unless
      image.digest pins it, and always the pods' (the operator's --headroom-image). */}}
 {{- define "headroom.taggedImage" -}}
+{{- if kindIs "float64" .Values.image.tag }}
+{{- /* --set image.tag=2 gives an int64, kept digit for digit; a number from a values file
+       reaches the chart as a float64, which has lost them (1.10 is 1.1, 1234567 1.234567e+06). */}}
+{{- fail "image.tag is a number in a values file, which YAML reads as a float and helm prints with other digits (1.10 as 1.1, 1234567 as 1.234567e+06): quote it (tag: \"1.10\")" }}
+{{- end }}
 {{- printf "%s:%s" .Values.image.repository (toString (default .Chart.AppVersion .Values.image.tag)) }}
 {{- end }}
 
@@ -130,4 +135,41 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+{{- end }}
+
+{{/* Checks no schema can express, each failing `helm install` with the value's name instead of
+     installing an operator that exits, or whose liveness probe fails, at every start. */}}
+{{- define "headroom.validate" -}}
+{{- $op := .Values.operator }}
+{{- /* The operator's range for --prometheus-rate-window (rate_window_seconds: 1s..1h); the
+       schema has checked the grammar, PromQL's units in order, each at most once. */}}
+{{- $window := toString $op.prometheusRateWindow }}
+{{- $units := dict "y" 31536000000.0 "w" 604800000.0 "d" 86400000.0 "h" 3600000.0 "m" 60000.0 "s" 1000.0 "ms" 1.0 }}
+{{- $ms := 0.0 }}
+{{- range regexFindAll "[0-9]+(ms|[ywdhms])" $window -1 }}
+{{- $n := regexFind "^[0-9]+" . }}
+{{- $digits := regexReplaceAll "^0+([0-9])" $n "${1}" }}
+{{- if gt (len $digits) 15 }}
+{{- $ms = 1e18 }}
+{{- else }}
+{{- $ms = addf $ms (mulf (float64 $digits) (get $units (trimPrefix $n .))) }}
+{{- end }}
+{{- end }}
+{{- if or (lt $ms 1000.0) (gt $ms 3600000.0) }}
+{{- fail (printf "operator.prometheusRateWindow: %s is outside 1s..1h, the range `headroom operator --prometheus-rate-window` takes" $window) }}
+{{- end }}
+{{- /* The kubelet probes /healthz on the pod IP: bound to loopback, it never answers. */}}
+{{- $health := lower (toString $op.healthHost) }}
+{{- if or (regexMatch "^127[.]" $health) (regexMatch "^[0:]+:0*1$" $health) (regexMatch "^[0:]+:ffff:(127[.]|7f[0-9a-f]{2}:)" $health) }}
+{{- fail (printf "operator.healthHost: %s is a loopback address, but the kubelet probes /healthz on the pod IP: the liveness probe would fail and restart the operator forever. Use 0.0.0.0, :: or the pod IP" $op.healthHost) }}
+{{- end }}
+{{- $selector := include "headroom.selectorLabels" . | fromYaml }}
+{{- range $key, $_ := .Values.podLabels }}
+{{- if hasKey $selector $key }}
+{{- fail (printf "podLabels: %s is one of the operator pod's selector labels, which the chart sets itself; a second one makes the Deployment invalid" $key) }}
+{{- end }}
+{{- end }}
+{{- if and $op.metricsPort (eq (int $op.metricsPort) (int $op.healthPort)) }}
+{{- fail (printf "operator.healthPort and operator.metricsPort are both %d: the operator binds /healthz and /metrics each on its own port and would exit at start. Give them different ports, or metricsPort: 0 to turn /metrics off" (int $op.healthPort)) }}
+{{- end }}
 {{- end }}
