@@ -655,8 +655,10 @@ def test_an_old_pod_a_restarted_operator_first_sees_not_ready_is_no_start_and_no
 def test_departures_counted_near_zero_do_not_make_the_demand_infinite() -> None:
     # Rates a pod may report (each within usable()'s bounds), but a block-second per departure
     # of 1e12 / 1e-300 is infinite: math.ceil raised in the decision at every tick.
-    odd = DemandRates(arrivals=1e12, departures=1e-300, block_seconds=1e12, window_seconds=60.0)
-    hot = pod("a", 0.5, arrivals=1.0)
+    # of 2,000 / 1e-300 is infinite: math.ceil raised in the decision at every tick. (Rates no
+    # pod could do, such as 1e12 block-seconds a second from a pool of 1,000, give no rate.)
+    odd = DemandRates(arrivals=1000.0, departures=1e-300, block_seconds=2000.0, window_seconds=60.0)
+    hot = pod("a", 0.5, arrivals=1.0, running=6000)
     assert hot.sample is not None
     broken = replace(hot, sample=replace(hot.sample, demand=odd))
     d = run(2, [broken, pod("b", 0.5, arrivals=1.0)])
@@ -688,10 +690,10 @@ def test_a_scale_in_window_with_a_gap_in_its_decisions_starts_again() -> None:
 
 def test_needed_replicas_beyond_int64_are_recorded_at_the_cap() -> None:
     # Window rates a pod may report (each within usable()'s bounds), but departures of 1e-134
-    # req/s: block-seconds per departure hit their cap, and the demand needed ~5e19 pods,
+    # req/s: block-seconds per departure hit their cap, and the demand needed ~1e27 pods,
     # which status (int64) refused, whole, at every tick.
     s = PodSample(occupancy=0.0, sampled_at=NOW, used_blocks=0, capacity_blocks=1,
-                  demand=DemandRates(299.0, 1e-134, 493131.0, 60.0))  # fmt: skip
+                  running=10**12, demand=DemandRates(1e10, 1e-134, 2.0, 60.0))  # fmt: skip
     d = decide(Inputs(NOW, 1, (PodView("p0", True, NOW, sample=s),), POLICY))
     assert d.figures.needed_replicas > 2**63
     rec = decision_record(d, 1, NOW, True)

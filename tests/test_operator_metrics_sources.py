@@ -100,6 +100,22 @@ def test_figures_no_engine_reports_are_dropped_not_carried_to_status() -> None:
     assert longest is not None and longest.eta_seconds == 9.9e8 and longest.preemption_rate == 3.0
 
 
+def test_blocks_that_contradict_the_occupancy_make_the_pod_silent() -> None:
+    # Every source's occupancy is used / capacity: used blocks counted in tokens (16x) were
+    # sized on as present KV, 3 -> 11 pods on one answer.
+    assert usable(sample_from_report(report(used_blocks=8000, capacity_blocks=1000))) is None
+    assert usable(sample_from_report(report(used_blocks=420, capacity_blocks=2))) is None
+    near = usable(sample_from_report(report(occupancy=0.42, used_blocks=440)))
+    assert near is not None and near.used_blocks == 440  # rounding, not another unit
+
+
+@pytest.mark.parametrize("age", [-1e6, -120.0, math.nan])
+def test_an_age_no_sidecar_sends_makes_the_pod_silent(age: float) -> None:
+    # A negative age dated the pod's counters in the future, and its rates with them.
+    assert sample_from_report(report(age_seconds=age), received_at=5000.0) is None
+    assert sample_from_report(report(age_seconds=0.0), received_at=5000.0) is not None
+
+
 def test_promql_is_one_query_with_every_series_tagged() -> None:
     q = promql(ScrapeTarget(namespace='we"ird', name="chat"))
     assert q.count(" or ") == 16

@@ -105,6 +105,38 @@ def test_counters_that_fell_within_an_epoch_give_the_pod_no_rate_not_the_window_
     assert d3.figures.demand_blocks == pytest.approx(500)
 
 
+def _steady(now: float, **glitch: float) -> CounterSample:
+    """A day-old engine's counters at `now`: 2 requests a second in and out, 500 blocks held."""
+    n = now + 86_400
+    c = {"t": now, "arrived": 2 * n, "departed": 2 * n, "block_seconds": 500 * n}
+    return CounterSample(**{**c, **glitch})
+
+
+@pytest.mark.parametrize(
+    "glitch",
+    [{"arrived": 0.0}, {"arrived": 1.2e11}, {"block_seconds": 0.0}, {"block_seconds": 1e13},
+     {"t": 1e6}],
+    ids=["arrivals-dip", "arrivals-spike", "block-seconds-dip", "block-seconds-spike",
+         "dated-ahead"],
+)  # fmt: skip
+def test_one_reading_no_pod_could_make_buys_no_pods(glitch: dict[str, float]) -> None:
+    # One answer of a broken or hostile exporter: a dip to 0 made the next honest reading count
+    # the whole day's counter as arriving in 15 s (11,600 req/s), a spike did so at once, and a
+    # reading dated 1e6 s ahead stretched the horizon to 500,000 s: each 1 -> maxReplicas. Now
+    # that pod has no rate for a decision or two, and the demand holds.
+    t0, mem, seen = 1_000.0, Memory(), []
+    for k in range(8):
+        now = t0 + 15 * k
+        read = _steady(now, **(glitch if k == 3 else {}))
+        d = _decide(now, _sample(now, read), mem)
+        mem = d.memory
+        seen.append((d.replicas, d.figures.demand_blocks, d.figures.forecast))
+    assert all(r == 1 for r, _, _ in seen), [d for d in seen]
+    assert all(b is None or b == pytest.approx(500) for _, b, _ in seen[1:]), seen
+    assert all(fc is None or fc.horizon < 200 for _, _, fc in seen), seen
+    assert seen[-1][1] == pytest.approx(500)  # rates again after the glitch
+
+
 def test_the_same_reading_seen_again_repeats_the_pods_last_rate() -> None:
     t0 = 1_000.0
 

@@ -83,6 +83,10 @@ MAX_BLOCK_SECONDS_PER_REQUEST = 1e12 * 86400.0
 # decisions), and the source times it again at each query. A rate over the milliseconds
 # between two such answers is 0, not a measurement.
 MIN_TICK_SPAN_SECONDS = 1.0
+# A span between two decisions' readings longer than this (decisions stopped for a while, or a
+# reading dated in the future) is no tick: the source's window rate stands in, and an hour's
+# average does not stretch the forecast's horizon by half an hour.
+MAX_TICK_SPAN_SECONDS = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -481,7 +485,7 @@ def _measure(inp: Inputs, pods: _Pods, mem: Memory) -> _Demand:
     waiting = sum(s.waiting for s in samples)
     present = used + waiting * per_request
 
-    parts, counters, pod_rates = _tick_rates(pods, mem, now)
+    parts, counters, pod_rates = _tick_rates(pods, mem, now, p)
     # Demand counters from every fresh pod, or none: a mix would undercount the silent ones.
     rates = pooled([r for r in parts if r is not None]) if None not in parts else None
     lifetimes = tuple(x for x in mem.lifetimes if x[0] > now - PER_REQUEST_WINDOW_SECONDS)
@@ -559,8 +563,21 @@ def _since(mem: Memory, now: float) -> float:
     return mem.demand[0][0] if mem.demand else now
 
 
+def _possible(rate: DemandRates, sample: PodSample, policy: Policy) -> bool:
+    """Whether one pod could have done `rate`, within a wide margin (counters and gauges are
+    not read at one instant): its block-seconds per second are its mean KV in use, at most its
+    pool, and what arrived has left or is still in it (running or waiting). A broken or hostile
+    exporter's jump (a day's counter read as arriving in 15 s) is far outside both."""
+    span = rate.window_seconds
+    in_flight = sample.running + sample.waiting
+    return (
+        rate.block_seconds <= 2 * _capacity(sample, policy)
+        and rate.arrivals * span <= 10 * (rate.departures * span + in_flight) + 100
+    )
+
+
 def _tick_rates(
-    pods: _Pods, mem: Memory, now: float
+    pods: _Pods, mem: Memory, now: float, policy: Policy
 ) -> tuple[
     list[DemandRates | None],
     tuple[tuple[str, CounterSample], ...],
@@ -571,27 +588,34 @@ def _tick_rates(
     counters and rates the next decision starts from. A pod seen for the first time, or whose
     engine restarted (a new epoch), falls back to its source's window rate. A reading no newer
     than the last one (`MIN_TICK_SPAN_SECONDS`: the same Prometheus scrape seen again) keeps
-    the last one as the baseline and repeats the pod's last rate. Counters that fell within an
+    the last one as the baseline and repeats the pod's last rate; one more than
+    `MAX_TICK_SPAN_SECONDS` newer takes the window rate. Counters that fell within an
     epoch give the pod no rate for this decision and are the new baseline: its sidecar
     restarted while the engine ran, and the counters the sidecar derives (vLLM's and SGLang's
     arrivals, the block-seconds it integrates) started again lower. The window rate is no
     better then (Prometheus reads such a fall as a reset to zero and adds the whole counter),
-    and the demand series holds its last point over the gap instead."""
+    and the demand series holds its last point over the gap instead. A reading older than the
+    last by more than that (a clock or an age no sidecar sends) and a rate no pod could do
+    (`_possible`) also give no rate, and are the new baseline: one bad answer then costs that
+    pod one or two decisions' rates, not minutes of a forecast built on it."""
     last, last_rates = dict(mem.counters), dict(mem.rates)
     out: list[DemandRates | None] = []
     kept: list[tuple[str, CounterSample]] = []
     used: list[tuple[str, DemandRates]] = []
     for name, s in zip(pods.names, (*pods.samples, *pods.draining), strict=True):
         cur, prev = s.counters, last.get(name)
-        rate = s.demand
+        rate = s.demand if s.demand is not None and _possible(s.demand, s, policy) else None
         if cur is not None and prev is not None and prev.epoch == cur.epoch:
             span = cur.t - prev.t
             d = (cur.arrived - prev.arrived, cur.departed - prev.departed)
             bs = cur.block_seconds - prev.block_seconds
-            if span < MIN_TICK_SPAN_SECONDS:
+            if abs(span) < MIN_TICK_SPAN_SECONDS:
                 rate, cur = last_rates.get(name), prev
-            elif min(*d, bs) >= 0:
+            elif span > MAX_TICK_SPAN_SECONDS and min(*d, bs) >= 0:
+                pass  # the window rate, as for a pod seen for the first time
+            elif span > 0 and min(*d, bs) >= 0:
                 rate = DemandRates(d[0] / span, d[1] / span, bs / span, span)
+                rate = rate if _possible(rate, s, policy) else None
             else:
                 rate = None
         if cur is not None:

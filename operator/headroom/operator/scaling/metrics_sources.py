@@ -112,6 +112,11 @@ def usable(sample: PodSample | None) -> PodSample | None:
     counts = (*blocks, sample.waiting, sample.running)
     if any(not 0 <= c <= _MAX_COUNT for c in counts):
         return None
+    used, capacity = sample.used_blocks, sample.capacity_blocks
+    if used is not None and capacity and abs(used / capacity - occ) > _MAX_OCCUPANCY - 1:
+        # Every source's occupancy is used / capacity: blocks that say otherwise (tokens
+        # counted as blocks, 16x) are no pool's, and present KV is sized from them.
+        return None
     hit = _finite(sample.hit_ratio)
     rate = _finite(sample.preemption_rate)
     eta = _finite(sample.eta_seconds)
@@ -195,6 +200,11 @@ def sample_from_report(
     wall clock) times the sample, `steady_at` (`steady_time()`, the same moment) its counters:
     a rate's span between two decisions must not move when the operator's clock steps."""
     if report.occupancy is None:
+        return None
+    age = report.age_seconds
+    if age is not None and not (math.isfinite(age) and age >= 0):
+        # The sidecar's age is a length of time since its last reading: a negative one (no
+        # sidecar sends it) dated the pod's counters in the future, and its rates with them.
         return None
     return PodSample(
         occupancy=report.occupancy,
