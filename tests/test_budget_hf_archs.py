@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -18,6 +19,7 @@ from headroom.contract.budget import (
     plan,
     sequence_kv_bytes,
 )
+from headroom.contract.budget.arch import ConfigFieldError
 from headroom.contract.cli import main
 
 # Published config.json values (the numbers that matter to the arithmetic).
@@ -274,3 +276,218 @@ def test_gemma3n_per_layer_widths_need_params_and_shared_kv_layers_cache_none(
     lists = write(tmp_path, "lists", {**PLAIN, "num_key_value_heads": [4] * 8})
     err = refusal(capsys, "--model-config", str(lists), "--concurrency", "1", "--context", "8")
     assert "num_key_value_heads is a per-layer list, not one number" in err
+
+
+# --- A config's numbers as vLLM reads them, and each refusal naming its field -----------------
+
+# fmt: off
+QWEN25_7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+             "intermediate_size": 18944, "num_attention_heads": 28, "num_hidden_layers": 28,
+             "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768,
+             "max_window_layers": 28, "sliding_window": 131072, "use_sliding_window": False,
+             "rope_theta": 1000000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+# The block Qwen2.5's and Qwen3's model cards add to config.json for contexts past 32,768.
+YARN_4X = {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}
+LLAMA31_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+              "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+              "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+              "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+QWEN2_MOE = {"model_type": "qwen2_moe", "num_attention_heads": 16, "num_key_value_heads": 16,
+             "hidden_size": 2048, "num_hidden_layers": 24, "vocab_size": 151936,
+             "num_experts": 60, "moe_intermediate_size": 1408,
+             "shared_expert_intermediate_size": 5632}
+QWEN3_MOE = {"model_type": "qwen3_moe", "num_attention_heads": 32, "num_key_value_heads": 4,
+             "hidden_size": 2048, "num_hidden_layers": 48, "vocab_size": 151936,
+             "num_experts": 128, "moe_intermediate_size": 768, "intermediate_size": 6144}
+MISTRAL_7B = {"model_type": "mistral", "num_attention_heads": 32, "num_key_value_heads": 8,
+              "hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 32000,
+              "sliding_window": 4096}
+# fmt: on
+
+
+def test_a_layer_count_past_the_bound_is_refused_before_any_per_layer_list(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # With a sliding window, windows.py built one entry per layer before ModelArch's bound of
+    # 1,024 layers was checked: 10**12 layers were a MemoryError traceback (exit 1), 5e7 on
+    # Gemma 2 took 15 s and 900 MB before the refusal.
+    gemma2 = {**PLAIN, "model_type": "gemma2", "sliding_window": 4096}
+    qwen2 = {**QWEN25_7B, "use_sliding_window": True}
+    for cfg in (MISTRAL_7B, gemma2, qwen2):
+        for layers in (10**12, 5 * 10**7, 1025):
+            with pytest.raises(ConfigFieldError, match=(
+                rf"^num_layers: Input should be less than or equal to 1024 "
+                rf"\(num_hidden_layers is {layers}\)$"
+            )):  # fmt: skip
+                from_hf_dict({**cfg, "num_hidden_layers": layers})
+        assert from_hf_dict({**cfg, "num_hidden_layers": 1024}).num_layers == 1024
+    # GPT-2's name for it is named as the config states it.
+    with pytest.raises(ConfigFieldError, match=r"1024 \(n_layer is 4096\)$"):
+        from_hf_dict({**STARCODER, "n_layer": 4096})
+    path = write(tmp_path, "huge", {**MISTRAL_7B, "num_hidden_layers": 10**12})
+    err = refusal(capsys, "--model-config", str(path), "--concurrency", "1", "--context", "10")
+    assert (
+        "num_layers: Input should be less than or equal to 1024 "
+        "(num_hidden_layers is 1000000000000)"
+    ) in err
+
+
+def test_rope_scaling_extends_the_context_by_vllms_rule(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # vLLM's derived max_model_len multiplies the config's length by rope scaling's factor
+    # (YaRN from original_max_position_embeddings): Qwen2.5-7B with its model card's YaRN block
+    # serves 131,072 tokens, where the plan called 65,536 infeasible (max 32,768).
+    assert from_hf_dict(QWEN25_7B).max_position_embeddings == 32768
+    path = write(tmp_path, "qwen25-7b-yarn", {**QWEN25_7B, "rope_scaling": YARN_4X})
+    args = ["--model-config", str(path), "--concurrency", "8"]
+    out = plan_json(capsys, *args, "--context", "65536")
+    assert out["feasible"] and out["binding"] != "context", out["reason"]
+    out = plan_json(capsys, *args, "--context", "131073")
+    assert (out["feasible"], out["binding"]) == (False, "context")
+    assert "max_position_embeddings 131072" in str(out["reason"])
+    yarn_t5 = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+               "rope_theta": 1000000.0}  # fmt: skip
+    longrope = {"type": "longrope", "long_factor": [1.0] * 48, "short_factor": [1.0] * 48}
+    gemma3: dict[str, Any] = json.loads(json.dumps(GEMMA3_27B_IT))  # as published
+    gemma3["text_config"].update(max_position_embeddings=131072,
+                                 rope_scaling={"factor": 8.0, "rope_type": "linear"})  # fmt: skip
+    deepseek_yarn = {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"}  # fmt: skip
+    cases: list[tuple[dict[str, Any], int]] = [
+        # Qwen3-8B states 40,960; YaRN counts from its original 32,768.
+        ({**QWEN25_7B, "max_position_embeddings": 40960,
+          "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                           "original_max_position_embeddings": 32768}}, 131072),
+        # YaRN without original_max_position_embeddings scales the stated length.
+        ({**QWEN25_7B, "rope_scaling": {"type": "yarn", "factor": 2.0}}, 65536),
+        ({**QWEN25_7B, "rope_scaling": {"type": "linear", "factor": 4}}, 131072),
+        ({**QWEN25_7B, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, 65536),
+        # Already extended: Llama 3.1, Phi-3's longrope (once "su"), Gemma 3's 128K.
+        (LLAMA31_8B, 131072),
+        ({**QWEN25_7B, "max_position_embeddings": 131072, "rope_scaling": longrope}, 131072),
+        ({**QWEN25_7B, "max_position_embeddings": 131072,
+          "rope_scaling": {**longrope, "type": "su"}}, 131072),
+        (gemma3, 131072),
+        # Qwen2-VL's mrope has no factor; DeepSeek-V3's YaRN gives its stated 163,840.
+        ({**QWEN25_7B, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}, 32768),
+        ({**DEEPSEEK_V3, "rope_scaling": deepseek_yarn}, 163840),
+        # transformers 5's rope_parameters, one mapping or one per layer type, wins over
+        # rope_scaling; its default (rope_theta only) changes nothing.
+        ({**QWEN25_7B, "rope_parameters": yarn_t5}, 131072),
+        ({**QWEN25_7B, "rope_parameters": yarn_t5, "rope_scaling": {"type": "linear",
+          "factor": 8.0}}, 131072),
+        ({**QWEN25_7B, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, 32768),
+        ({**QWEN25_7B, "rope_parameters": {"full_attention": yarn_t5,
+          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, 131072),
+    ]  # fmt: skip
+    for cfg, served in cases:
+        assert from_hf_dict(cfg).max_position_embeddings == served, cfg
+    refused = [
+        ({"type": "yarn", "factor": "4x"}, "rope_scaling.factor: '4x' is not a positive number"),
+        ({"type": "linear", "factor": 0}, "rope_scaling.factor: 0 is not a positive number"),
+        ({"type": "linear", "factor": True}, "rope_scaling.factor: True is not a positive"),
+        ({**YARN_4X, "original_max_position_embeddings": "32k"},
+         "rope_scaling.original_max_position_embeddings: '32k' is not a number"),
+        ({"type": "linear", "factor": 1e9}, "rope_scaling: factor 1000000000.0 extends the "
+         "context to 32768000000000 tokens, past 100,000,000"),
+        ("yarn", "rope_scaling is str, not an object"),
+    ]  # fmt: skip
+    for i, (rope, says) in enumerate(refused):
+        path = write(tmp_path, f"rope-{i}", {**QWEN25_7B, "rope_scaling": rope})
+        err = refusal(capsys, "--model-config", str(path), "--concurrency", "1",
+                      "--context", "10")  # fmt: skip
+        assert says in err, err
+
+
+def test_every_bad_field_is_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Each was `invalid literal for int()`, or "not a model config this reads (TypeError /
+    # AttributeError / ZeroDivisionError ...)" without the field, or, for `vocab_size: true`,
+    # the per-layer-list wording.
+    gemma2 = {**PLAIN, "model_type": "gemma2", "sliding_window": 4096}
+    qwen2 = {**QWEN25_7B, "use_sliding_window": True}
+    modelopt = {"quant_method": "modelopt"}
+    compressed = {"quant_method": "compressed-tensors"}
+    cases = [
+        ({**QWEN2_MOE, "moe_intermediate_size": "abc"},
+         "moe_intermediate_size: 'abc' is not a number"),
+        ({**QWEN2_MOE, "moe_intermediate_size": [1408]},
+         "moe_intermediate_size is a per-layer list"),
+        ({**QWEN2_MOE, "shared_expert_intermediate_size": "5632x"},
+         "shared_expert_intermediate_size: '5632x' is not a number"),
+        ({**MINICPM3_4B, "kv_lora_rank": "x"}, "kv_lora_rank: 'x' is not a number"),
+        ({**DEEPSEEK_V3, "q_lora_rank": "x"}, "q_lora_rank: 'x' is not a number"),
+        ({**MISTRAL_7B, "sliding_window": "4k"}, "sliding_window: '4k' is not a number"),
+        ({**MISTRAL_7B, "sliding_window": [4096, None]}, "sliding_window is a per-layer list"),
+        ({**qwen2, "max_window_layers": "x"}, "max_window_layers: 'x' is not a number"),
+        ({**gemma2, "sliding_window_pattern": {"every": 2}},
+         "sliding_window_pattern is an object, not a number"),
+        ({**PLAIN, "quantization_config": {**modelopt, "quantization": None}},
+         "quantization_config (quant_method 'modelopt'): cannot tell how wide its weights are"),
+        ({**PLAIN, "quantization_config": {**modelopt, "quantization": "FP8"}},
+         "quantization_config.quantization must be an object, got str"),
+        ({**PLAIN, "quantization_config": {**compressed, "config_groups": [{"weights": {}}]}},
+         "quantization_config.config_groups must be an object (group name to scheme), got list"),
+        ({**PLAIN, "quantization_config": {**compressed, "config_groups": {
+            "group_0": {"weights": {"num_bits": [8], "type": "int"}}}}},
+         "quantization_config (quant_method 'compressed-tensors'): cannot tell how wide"),
+        ({**PLAIN, "num_attention_heads": 0},
+         "num_attention_heads: Input should be greater than or equal to 1 (it is 0)"),
+        ({**PLAIN, "vocab_size": True}, "vocab_size: true is not a number"),
+    ]  # fmt: skip
+    for i, (cfg, says) in enumerate(cases):
+        path = write(tmp_path, f"bad-{i}", cfg)
+        err = refusal(capsys, "--model-config", str(path), "--concurrency", "1",
+                      "--context", "100")  # fmt: skip
+        assert f"{path / 'config.json'}: {says}" in err, err
+        assert "not a model config this reads" not in err and "int()" not in err, err
+        assert "per-layer" not in err or "per-layer list" in says, err
+
+
+def test_negative_or_zero_sizes_are_refused_not_priced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # moe_intermediate_size -1 priced Qwen3-MoE's weights at 1.6 GiB instead of 28.6;
+    # num_kv_shared_layers -32 cached 64 KV layers of a 32-layer Llama.
+    assert from_hf_dict(QWEN3_MOE).num_parameters == pytest.approx(30.5e9, rel=0.02)
+    at_least_1 = [
+        (QWEN3_MOE, "moe_intermediate_size", -1), (QWEN3_MOE, "moe_intermediate_size", 0),
+        (QWEN2_MOE, "shared_expert_intermediate_size", 0),
+        (QWEN2_MOE, "shared_expert_intermediate_size", -5632),
+        (QWEN3_MOE, "num_experts", 0), (DEEPSEEK_V3, "n_routed_experts", -1),
+        ({**MISTRAL_7B, "intermediate_size": 14336}, "num_local_experts", 0),
+        (DEEPSEEK_V3, "q_lora_rank", -1), (DEEPSEEK_V3, "kv_lora_rank", 0),
+        (MINICPM3_4B, "kv_lora_rank", -256),
+    ]  # fmt: skip
+    for cfg, key, value in at_least_1:
+        with pytest.raises(
+            ConfigFieldError,
+            match=rf"^{key}: Input should be greater than or equal to 1 "
+            rf"\(it is {value}\)$",
+        ):
+            from_hf_dict({**cfg, key: value})
+    for cfg, key, value, says in [
+        (DEEPSEEK_V3, "n_shared_experts", -1, "greater than or equal to 0"),
+        (DEEPSEEK_V3, "first_k_dense_replace", -3, "greater than or equal to 0"),
+        (LLAMA31_8B, "num_kv_shared_layers", -32, "greater than or equal to 0"),
+        # Every layer sharing another's KV leaves none that caches it.
+        (LLAMA31_8B, "num_kv_shared_layers", 32, "less than or equal to 31"),
+    ]:
+        with pytest.raises(
+            ConfigFieldError, match=rf"^{key}: Input should be {says} \(it is {value}\)$"
+        ):
+            from_hf_dict({**cfg, key: value})
+    # Null is absent (DeepSeek-V2-Lite's q_lora_rank), and first_k_dense_replace past the
+    # layers is every layer dense, as vLLM runs it.
+    assert from_hf_dict({**DEEPSEEK_V3, "q_lora_rank": None}).num_parameters > 0
+    assert (
+        from_hf_dict({**DEEPSEEK_V3, "first_k_dense_replace": 100}).num_parameters
+        == from_hf_dict({**DEEPSEEK_V3, "first_k_dense_replace": 61}).num_parameters
+    )
+    path = write(tmp_path, "neg", {**QWEN3_MOE, "moe_intermediate_size": -1})
+    err = refusal(capsys, "--model-config", str(path), "--concurrency", "1", "--context", "8")
+    assert "moe_intermediate_size: Input should be greater than or equal to 1 (it is -1)" in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from enum import StrEnum
 from pathlib import Path
@@ -9,6 +10,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+# ConfigFieldError: re-exported, as it was defined here.
+from headroom.contract.budget.windows import ConfigFieldError as ConfigFieldError
+from headroom.contract.budget.windows import config_number as _number
 from headroom.contract.budget.windows import model_family, sliding_windows
 from headroom.contract.jsonfile import fields_line, read_json_object
 
@@ -34,6 +38,8 @@ DTYPE_NAMES: dict[str, WeightDtype] = {
     "int4": "int4",
 }
 MAX_PARAMETERS = 10**15  # a thousand times the largest model published
+MAX_LAYERS = 1024
+MAX_POSITIONS = 100_000_000
 # What a serving runtime holds a float32 checkpoint's weights in. vLLM's `--dtype auto` does
 # "Downcast for float32 models" (vllm/config/model.py, `_resolve_auto_dtype`) to the platform's
 # preferred dtype: bf16 on CUDA from compute capability 8.0, fp16 before it and for pooling
@@ -56,14 +62,15 @@ class ModelArch(BaseModel):
     # The bounds are the CRD's (an architecture it would refuse is refused here too), and keep
     # every product of them within a float: a config.json can say anything.
     name: str
-    num_layers: int = Field(ge=1, le=1024)
+    num_layers: int = Field(ge=1, le=MAX_LAYERS)
     num_attention_heads: int = Field(ge=1, le=4096)
     num_kv_heads: int = Field(ge=1, le=4096)
     head_dim: int = Field(ge=1, le=4096)
     hidden_size: int = Field(ge=1, le=1_000_000)
     intermediate_size: int | None = Field(default=None, ge=1, le=10_000_000)
     vocab_size: int = Field(ge=1, le=100_000_000)
-    max_position_embeddings: int = Field(ge=1, le=100_000_000)
+    # The longest sequence it serves: vLLM's derived max_model_len (`context_length`).
+    max_position_embeddings: int = Field(ge=1, le=MAX_POSITIONS)
     num_parameters: int = Field(
         ge=1, le=MAX_PARAMETERS, description="total parameters (all experts for MoE)"
     )
@@ -76,7 +83,7 @@ class ModelArch(BaseModel):
     indexer_head_dim: int | None = Field(default=None, ge=1, le=4096)
     # Sliding-window layers only ever hold `sliding_window` tokens of KV.
     sliding_window: int | None = Field(default=None, ge=1, le=100_000_000)
-    num_sliding_window_layers: int = Field(default=0, ge=0, le=1024)
+    num_sliding_window_layers: int = Field(default=0, ge=0, le=MAX_LAYERS)
 
     @model_validator(mode="after")
     def _check(self) -> ModelArch:
@@ -171,7 +178,12 @@ def quantized_weight_dtype(q: Any) -> WeightDtype | None:
     if method in ("mxfp4", "fp_quant"):
         return "int4"  # 4-bit floats: int4's half byte a parameter
     if method == "modelopt":
-        algo = str(q.get("quant_algo") or q.get("quantization", {}).get("quant_algo", "")).upper()
+        nested = q.get("quantization")
+        if nested is not None and not isinstance(nested, dict):
+            raise ValueError(
+                f"quantization_config.quantization must be an object, got {type(nested).__name__}"
+            )
+        algo = str(q.get("quant_algo") or (nested or {}).get("quant_algo") or "").upper()
         if algo.startswith("FP8"):
             return "fp8"
         if "FP4" in algo:
@@ -181,13 +193,20 @@ def quantized_weight_dtype(q: Any) -> WeightDtype | None:
         if isinstance(bits, int) and bits in _BITS:
             return _BITS[bits]
     if method == "compressed-tensors":
-        widths = {
-            (g["weights"].get("num_bits"), g["weights"].get("type", "int"))
-            for g in (q.get("config_groups") or {}).values()
-            if isinstance(g, dict) and isinstance(g.get("weights"), dict)
-        }
+        groups = q.get("config_groups") or {}
+        if not isinstance(groups, dict):
+            raise ValueError(
+                "quantization_config.config_groups must be an object (group name to scheme), "
+                f"got {type(groups).__name__}"
+            )
+        widths: list[tuple[Any, Any]] = []  # a list: a stray num_bits need not be hashable
+        for g in groups.values():
+            if isinstance(g, dict) and isinstance(g.get("weights"), dict):
+                width = (g["weights"].get("num_bits"), g["weights"].get("type", "int"))
+                if width not in widths:
+                    widths.append(width)
         if len(widths) == 1:
-            bits, kind = widths.pop()
+            bits, kind = widths[0]
             if bits == 8:
                 return "fp8" if kind == "float" else "int8"
             if bits == 4:
@@ -262,36 +281,6 @@ def is_mla(raw: dict[str, Any]) -> bool:
     return cfg.get("kv_lora_rank") is not None and bool(_types(raw) & _squashed(MLA_MODEL_TYPES))
 
 
-class ConfigFieldError(TypeError):
-    """A config.json field absent or not one number, its message naming it. A TypeError, as
-    int() of such a field raises: a reader that names the file for those names it for this."""
-
-
-def _number(cfg: dict[str, Any], *keys: str, default: int | None = None) -> int:
-    """The first of `keys` the config states, as an int; `default` where it states none.
-    ConfigFieldError naming the key where it states none and there is no default, or states
-    something other than one number (a per-layer list)."""
-    for key in keys:
-        value = cfg.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float | str):
-            what = "a per-layer list" if isinstance(value, list) else type(value).__name__
-            raise ConfigFieldError(
-                f"{key} is {what}, not one number: a model whose layers differ in {key} is "
-                "not sized yet"
-            )
-        try:
-            return int(value)
-        except (ValueError, OverflowError):
-            raise ConfigFieldError(f"{key}: {value!r} is not a number") from None
-    if default is None:
-        raise ConfigFieldError(
-            f"{keys[0]}: config.json states none (nor does its text_config); add it there"
-        )
-    return default
-
-
 def hybrid_marker(cfg: dict[str, Any]) -> str | None:
     """What marks a config as a hybrid or state-space model (some or all layers keep a
     recurrent state, not KV), or None."""
@@ -343,10 +332,16 @@ def from_hf_dict(
             "(their layers are not all KV layers, and each sequence keeps a recurrent state)"
         )
     types = _types(raw)
-    heads = _number(cfg, "num_attention_heads", "n_head")
+    heads = _number(cfg, "num_attention_heads", "n_head", low=1)  # head_dim divides by it
     hidden = _number(cfg, "hidden_size", "n_embd")
     # num_layers, padded_vocab_size, ffn_hidden_size, seq_length: ChatGLM's names.
-    layers = _number(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    layer_keys = ("num_hidden_layers", "n_layer", "num_layers")
+    layers = _number(cfg, *layer_keys)
+    if layers > MAX_LAYERS:  # refused before windows.py builds a list with one entry a layer
+        key = next(k for k in layer_keys if cfg.get(k) is not None)
+        raise ConfigFieldError(
+            f"num_layers: Input should be less than or equal to {MAX_LAYERS} ({key} is {cfg[key]})"
+        )
     vocab_default = next((v for t, v in _VOCAB_DEFAULTS.items() if t in types), None)
     vocab = _number(cfg, "vocab_size", "padded_vocab_size", default=vocab_default)
     kv_heads = _kv_heads(cfg, heads)
@@ -369,8 +364,10 @@ def from_hf_dict(
         # width, one pair per attention head.
         head_dim = _number(cfg, "qk_nope_head_dim") + _number(cfg, "qk_rope_head_dim")
         kv_heads = heads
-    # Gemma 3n: the last num_kv_shared_layers reuse earlier layers' KV and cache none.
-    kv_layers = layers - _number(cfg, "num_kv_shared_layers", default=0)
+    # Gemma 3n: the last num_kv_shared_layers reuse earlier layers' KV and cache none (the
+    # first layer always caches its own).
+    shared_layers = _number(cfg, "num_kv_shared_layers", default=0, low=0, high=max(0, layers - 1))
+    kv_layers = layers - shared_layers
     # Counted by the rule the engine runs its attention by (windows.py).
     windows = [w for w in sliding_windows(cfg, layers)[:kv_layers] if w is not None]
     if num_parameters is None:
@@ -397,10 +394,7 @@ def from_hf_dict(
         hidden_size=hidden,
         intermediate_size=inter,
         vocab_size=vocab,
-        # n_positions: GPT-2 and GPT-J's name for it (their configs map it, as n_head and n_embd).
-        max_position_embeddings=_number(
-            cfg, "max_position_embeddings", "n_positions", "seq_length", default=4096
-        ),
+        max_position_embeddings=context_length(cfg, types),
         num_parameters=num_parameters,
         weight_dtype=weight_dtype,
         kv_lora_rank=_number(cfg, "kv_lora_rank") if mla else None,
@@ -409,6 +403,56 @@ def from_hf_dict(
         sliding_window=min(windows) if windows else None,
         num_sliding_window_layers=len(windows),
     )
+
+
+# Rope types whose config already states the extended length (Phi-3's longrope, once "su";
+# Llama 3.1's llama3): vLLM does not scale their max_position_embeddings again.
+_PRESCALED_ROPE_TYPES = frozenset({"su", "longrope", "llama3"})
+
+
+def context_length(cfg: dict[str, Any], types: Iterable[str] = ()) -> int:
+    """The longest sequence vLLM serves a (text_config-merged) config at: its derived
+    max_model_len (`_get_and_verify_max_len`, vllm/config/model.py, 0.11). The config's length
+    (n_positions: GPT-2's name, seq_length: ChatGLM's), times the rope scaling `factor` unless
+    the rope type is su, longrope or llama3 (already extended) or the model a Gemma 3 (its
+    128K is already scaled); YaRN counts from its original_max_position_embeddings. The
+    scaling is `rope_parameters` (transformers 5, which vLLM reads the same way, one mapping
+    or one per layer type) or else `rope_scaling`, its type `rope_type` or the legacy `type`.
+    `types`: the config's model types (`_types`)."""
+    length = _number(cfg, "max_position_embeddings", "n_positions", "seq_length", default=4096)
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    params = cfg.get(key)
+    if params is None or any("gemma3" in t for t in types):
+        return length
+    if not isinstance(params, dict):
+        raise ConfigFieldError(f"{key} is {type(params).__name__}, not an object")
+    per_type = bool(params) and all(isinstance(v, dict) for v in params.values())
+    factor: float = 1.0
+    for layer_type, rope in params.items() if per_type else [("", params)]:
+        where = f"{key}.{layer_type}" if layer_type else key
+        rope_type = str(rope.get("rope_type") or rope.get("type") or "default")
+        if rope_type in _PRESCALED_ROPE_TYPES:
+            continue
+        stated = rope.get("factor")
+        if stated is not None:
+            if (
+                isinstance(stated, bool)
+                or not isinstance(stated, int | float)
+                or not (0 < stated < math.inf)
+            ):
+                raise ConfigFieldError(f"{where}.factor: {stated!r} is not a positive number")
+            factor = stated
+        if rope_type == "yarn" and rope.get("original_max_position_embeddings") is not None:
+            try:
+                length = _number(rope, "original_max_position_embeddings", low=1)
+            except ConfigFieldError as exc:
+                raise ConfigFieldError(f"{where}.{exc}") from None
+    if factor != 1 and length * factor > MAX_POSITIONS:
+        raise ConfigFieldError(
+            f"{key}: factor {factor} extends the context to {length * factor:.0f} tokens, "
+            f"past {MAX_POSITIONS:,}"
+        )
+    return int(length * factor)
 
 
 def _parameters_of(
@@ -428,8 +472,9 @@ def _parameters_of(
     where it has them."""
     family = _family(cfg)
     dense = inter or 4 * hidden
-    experts = _number(cfg, "num_local_experts", "n_routed_experts", "num_experts", default=1)
-    moe_width = cfg.get("moe_intermediate_size")
+    experts_keys = ("num_local_experts", "n_routed_experts", "num_experts")
+    experts = _number(cfg, *experts_keys, default=1, low=1)
+    moe_width = _number(cfg, "moe_intermediate_size", default=0, low=1) or None
     llama4 = family in _LLAMA4_TYPES and experts > 1
     plain_mlp = family in _PLAIN_MLP_TYPES
     total = estimate_parameters(
@@ -455,24 +500,24 @@ def _parameters_of(
         total += moe * (3 * hidden * dense * (experts + 1) + hidden * experts)
         total += (layers - moe) * 3 * hidden * mlp_width
     elif moe_width is not None:
-        shared = _number(cfg, "n_shared_experts", default=0)
-        if cfg.get("shared_expert_intermediate_size"):  # Qwen2-MoE: one wider shared expert
-            shared_width = int(cfg["shared_expert_intermediate_size"])
-        else:
-            shared_width = shared * int(moe_width)
-        dense_layers = min(layers, _number(cfg, "first_k_dense_replace", default=0))
-        moe_layer = 3 * hidden * (experts * int(moe_width) + shared_width) + hidden * experts
+        shared = _number(cfg, "n_shared_experts", default=0, low=0)
+        # Qwen2-MoE: one wider shared expert.
+        wide = _number(cfg, "shared_expert_intermediate_size", default=0, low=1)
+        shared_width = wide or shared * moe_width
+        # Past num_hidden_layers it means every layer dense, as vLLM's DeepSeek runs it.
+        dense_layers = min(layers, _number(cfg, "first_k_dense_replace", default=0, low=0))
+        moe_layer = 3 * hidden * (experts * moe_width + shared_width) + hidden * experts
         total += dense_layers * 3 * hidden * dense + (layers - dense_layers) * moe_layer
-    if cfg.get("kv_lora_rank"):
+    if latent := _number(cfg, "kv_lora_rank", default=0, low=1):
         # MLA: low-rank q and kv projections replace the plain q/k/v of the estimate above.
         rope = _number(cfg, "qk_rope_head_dim", default=0)
         nope = _number(cfg, "qk_nope_head_dim", default=head_dim)
         v_dim = _number(cfg, "v_head_dim", default=head_dim)
-        latent, q_rank = int(cfg["kv_lora_rank"]), cfg.get("q_lora_rank")
+        q_rank = _number(cfg, "q_lora_rank", default=0, low=1)  # null: a full-rank q
         q = (
             hidden * heads * (nope + rope)
             if not q_rank
-            else int(q_rank) * (hidden + heads * (nope + rope))
+            else q_rank * (hidden + heads * (nope + rope))
         )
         kv = hidden * (latent + rope) + latent * heads * (nope + v_dim)
         plain = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
