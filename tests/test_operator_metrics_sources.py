@@ -580,11 +580,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """Terminate `proc`, and kill it if it has not gone in 20 s."""
+def stop(proc: subprocess.Popen[Any], grace: float = 20.0) -> None:
+    """Terminate `proc`, and kill it if it has not gone in `grace` seconds."""
     proc.terminate()
     try:
-        proc.wait(timeout=20)
+        proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()

@@ -30,6 +30,7 @@ import pytest
 from aiohttp import ClientSession, ClientTimeout
 from aiohttp.test_utils import TestServer
 from synthetic_engine import SyntheticEngine
+from test_operator_metrics_sources import stop
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "charts" / "headroom" / "files" / "headroom-alerts.yaml"
@@ -94,12 +95,7 @@ class Prometheus:
         )
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc)
         self.log.close()
 
     def log_tail(self) -> str:
@@ -146,12 +142,7 @@ class Sidecar:
         )  # fmt: skip
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc)
         self.log.close()
 
 
@@ -226,12 +217,7 @@ async def served_engine(
 
             yield url, load
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, grace=30)
         log.close()
 
 
