@@ -423,3 +423,22 @@ def test_the_sidecar_reads_the_key_the_operator_gives_it(monkeypatch: pytest.Mon
     assert key is not None and key.get_secret_value() == "s3cret"
     monkeypatch.setenv(API_KEY_ENV, "")
     assert config_from_args(args).api_key is None
+
+
+async def test_a_restart_with_a_bigger_pool_reads_its_new_pool_at_once() -> None:
+    # The first poll after the restart is read against the dead server's pool (used / pool
+    # 1.07): that must not be garbage, or the refresh of the pool on a restart never runs and
+    # the engine reads as down until the periodic refresh, 60 s later.
+    sg = Sglang(start=1000.0)
+    async with _rig(sg.engine(), source="sglang") as rig:
+        for t in range(10):
+            rig.clock.t = float(t)
+            await rig.poller.poll_once()
+        assert rig.state.last_poll_ok
+        sg.pool, sg.used, sg.start = 16384, 15400, 2000.0
+        for t in range(10, 12):
+            rig.clock.t = float(t)
+            await rig.poller.poll_once()
+            assert rig.state.last_poll_ok, rig.state.last_error
+        reading = figures(rig.state, rig.cfg, 11.0).reading
+        assert reading is not None and reading.capacity_blocks == 16384

@@ -694,6 +694,26 @@ def test_usage_above_one_is_clamped() -> None:
     assert parse_sglang_metrics("sglang:token_usage 1.05\n").occupancy == 1.0
 
 
+def test_used_tokens_over_a_stale_pool_give_way_to_the_gauge() -> None:
+    # A server restarted with a bigger pool, read against the dead one's size (or another
+    # data-parallel rank's): used / pool is 1.104. The gauge, the server's own, wins; the
+    # ratio was refused as garbage before the gauge could, and the engine read as down.
+    text = (
+        'sglang:token_usage{tp_rank="0"} 0.92\n'
+        'sglang:num_used_tokens{tp_rank="0"} 11040\n'
+        'sglang:num_running_reqs{tp_rank="0"} 3\n'
+        'sglang:num_queue_reqs{tp_rank="0"} 0\n'
+    )
+    r = parse_sglang_metrics(text, server_info=SglangServerInfo((10000,), 1))
+    assert r.occupancy == pytest.approx(0.92)
+    # With no gauge, a ratio past any pool's is garbage, not a full pool.
+    no_gauge = text.replace(
+        'sglang:token_usage{tp_rank="0"} 0.92\n', 'sglang:max_total_num_tokens{tp_rank="0"} 10000\n'
+    )
+    with pytest.raises(GarbageError, match="not a fraction"):
+        parse_sglang_metrics(no_gauge, server_info=SglangServerInfo((10000,), 1))
+
+
 @pytest.mark.parametrize("usage", ["1.2", "37.5"])
 def test_usage_far_above_one_is_garbage_not_a_full_pool(usage: str) -> None:
     # A percent read as a share was a confident full pool, and the operator bought pods.

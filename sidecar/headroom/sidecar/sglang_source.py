@@ -14,6 +14,7 @@ from typing import Any
 
 from headroom.contract.jsonfile import parse_json
 from headroom.sidecar.exposition import (
+    MAX_FRACTION,
     Pool,
     PoolKey,
     as_int,
@@ -152,11 +153,15 @@ def parse_sglang_metrics(
         # the gauge, rounded: all there is while the pool size is unknown
         share = fraction(usage[key], "SGLang token usage") if key in usage else None
         if key in used_tokens and tokens:
-            exact = fraction(used_tokens[key] / tokens, "SGLang token usage")
+            ratio = count(used_tokens[key] / tokens, "SGLang token usage")
             # A ratio further from the gauge than its rounding is not over the pool the server
-            # measured (a hybrid model's gauge is its fuller pool's): the gauge wins then.
-            if share is None or abs(exact - share) <= USAGE_ROUNDING:
-                share = exact
+            # measured (a hybrid model's gauge is its fuller pool's; a server restarted with a
+            # bigger pool, before the sidecar reads its size again): the gauge wins then. With
+            # no gauge, a ratio past MAX_FRACTION is no pool's.
+            if share is None:
+                share = fraction(ratio, "SGLang token usage")
+            elif ratio <= MAX_FRACTION and abs(min(ratio, 1.0) - share) <= USAGE_ROUNDING:
+                share = min(ratio, 1.0)
         assert share is not None  # `keys` are the gauge's, or have both used and pool size
         pools.append(Pool(share, (int(tokens) // page or None) if tokens else None))
     occupancy, capacity, used = combine_pools(pools)
