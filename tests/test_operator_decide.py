@@ -16,6 +16,7 @@ from headroom.contract.demand import CounterSample, DemandRates
 from headroom.operator.crd.models import InferenceDeploymentSpec, ScalingSpec
 from headroom.operator.reconcile.sizing import size
 from headroom.operator.scaling.decide import (
+    MAX_PODS,
     Decision,
     Inputs,
     Memory,
@@ -26,7 +27,7 @@ from headroom.operator.scaling.decide import (
     decide,
     pod_start_seconds,
 )
-from headroom.operator.scaling.loop import MAX_NEEDED_REPLICAS, decision_record, policy_for
+from headroom.operator.scaling.loop import decision_record, policy_for
 
 NOW = 10_000.0
 POLICY = Policy(
@@ -695,20 +696,26 @@ def test_needed_replicas_beyond_int64_are_recorded_at_the_cap() -> None:
     s = PodSample(occupancy=0.0, sampled_at=NOW, used_blocks=0, capacity_blocks=1,
                   running=10**12, demand=DemandRates(1e10, 1e-134, 2.0, 60.0))  # fmt: skip
     d = decide(Inputs(NOW, 1, (PodView("p0", True, NOW, sample=s),), POLICY))
-    assert d.figures.needed_replicas > 2**63
+    assert d.figures.needed_replicas == MAX_PODS
     rec = decision_record(d, 1, NOW, True)
-    assert rec["inputs"]["neededReplicas"] == MAX_NEEDED_REPLICAS
+    assert rec["inputs"]["neededReplicas"] == MAX_PODS
     assert d.replicas == 1 + POLICY.max_scale_up_pods
 
 
-def test_a_target_occupancy_under_one_percent_is_refused() -> None:
-    # 1e-310 passed the CRD (> 0) and overflowed the decision's division at every tick.
+@pytest.mark.parametrize("target", [1e-310, 1e-20])
+def test_a_near_zero_target_occupancy_asks_for_the_most_pods_without_raising(
+    target: float,
+) -> None:
+    # The CRD takes any target above 0: 1e-310 made the pods needed infinite and math.ceil
+    # raised at every tick (scaling stopped for good); 1e-20 needed 1e21 pods, past int64.
     base = {"model": {"preset": "llama-3.1-8b"}, "gpu": {"type": "h100-80gb"},
-            "traffic": {"peakConcurrency": 8, "contextTokens": 1024}}  # fmt: skip
-    tiny = {"targetOccupancy": 1e-310, "scaleInHysteresis": 0}
-    with pytest.raises(ValueError, match=r"must be at least 0\.01"):
-        InferenceDeploymentSpec.model_validate({**base, "scaling": tiny})
-    spec = InferenceDeploymentSpec.model_validate(
-        {**base, "scaling": {"targetOccupancy": 0.01, "scaleInHysteresis": 0}}
-    )
-    assert policy_for(spec, size(spec)).target_occupancy == 0.01
+            "traffic": {"peakConcurrency": 8, "contextTokens": 1024},
+            "scaling": {"targetOccupancy": target, "scaleInHysteresis": 0,
+                        "maxReplicas": 3}}  # fmt: skip
+    spec = InferenceDeploymentSpec.model_validate(base)
+    policy = policy_for(spec, size(spec))
+    busy = PodSample(occupancy=0.5, sampled_at=NOW, waiting=300, running=10)
+    d = decide(Inputs(NOW, 1, (PodView("p0", True, NOW - 3600, sample=busy),), policy))
+    assert d.replicas == 3 and d.figures.needed_replicas == MAX_PODS
+    assert "inf" not in d.message and "nan" not in d.message
+    assert decision_record(d, 1, NOW, True)["inputs"]["neededReplicas"] == MAX_PODS

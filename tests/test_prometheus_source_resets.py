@@ -75,9 +75,11 @@ def _sample(at: float, counters: CounterSample, demand: DemandRates | None = Non
     )  # fmt: skip
 
 
-def _decide(now: float, sample: PodSample | None, mem: Memory, replicas: int = 1) -> Decision:
+def _decide(
+    now: float, sample: PodSample | None, mem: Memory, replicas: int = 1, policy: Policy = POLICY
+) -> Decision:
     return decide(Inputs(now, replicas, (PodView("chat-0", True, 0.0, sample=sample),),
-                         POLICY, mem))  # fmt: skip
+                         policy, mem))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- decide()
@@ -135,6 +137,33 @@ def test_one_reading_no_pod_could_make_buys_no_pods(glitch: dict[str, float]) ->
     assert all(b is None or b == pytest.approx(500) for _, b, _ in seen[1:]), seen
     assert all(fc is None or fc.horizon < 200 for _, _, fc in seen), seen
     assert seen[-1][1] == pytest.approx(500)  # rates again after the glitch
+
+
+def test_decisions_an_interval_apart_rate_the_counters_however_long_the_interval() -> None:
+    # intervalSeconds 900 (the CRD takes up to 3,600): a cap of 600 s on a tick's span gave
+    # every decision the window rate, none at all where Prometheus has no window rate.
+    slow = replace(POLICY, interval_seconds=900)
+    mem, rates = Memory(), []
+    for k in range(4):
+        now = 1_000.0 + 900 * k
+        d = _decide(now, _sample(now, _steady(now)), mem, policy=slow)
+        mem = d.memory
+        rates.append(d.figures.arrival_rate)
+    assert rates[0] is None and rates[1:] == pytest.approx([2.0] * 3), rates
+
+
+def test_an_ha_prometheus_pairs_older_scrape_repeats_the_last_rate() -> None:
+    # Two Prometheus replicas behind one Service scrape 25 s out of phase: a decision can read
+    # a scrape older than the last one read. Its counters are honest, only earlier: the last
+    # rate stands, the newer baseline stays, and no decision loses its rates.
+    mem, rates = Memory(), []
+    for k, lag in enumerate((0, 0, 25, 0, 25, 25, 0, 25)):
+        now = 1_000.0 + 15 * k
+        read = now - lag
+        d = _decide(now, _sample(now, _steady(read)), mem)
+        mem = d.memory
+        rates.append(d.figures.arrival_rate)
+    assert rates[0] is None and all(r == pytest.approx(2.0) for r in rates[1:]), rates
 
 
 def test_the_same_reading_seen_again_repeats_the_pods_last_rate() -> None:

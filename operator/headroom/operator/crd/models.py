@@ -696,14 +696,6 @@ class ScalingSpec(CRDModel):
             check=lambda s: s.forecast_quantile >= 0.5,
             field_path=".forecastQuantile",
         ),
-        # Pods sized to a near-zero share are counts no cluster holds: 1e-310 passed `> 0` and
-        # overflowed the decision's division at every tick, which stopped scaling.
-        Rule(
-            cel="self.targetOccupancy >= 0.01",
-            message="scaling.targetOccupancy must be at least 0.01",
-            check=lambda s: s.target_occupancy >= 0.01,
-            field_path=".targetOccupancy",
-        ),
     )
 
     mode: ScalingMode = Field(

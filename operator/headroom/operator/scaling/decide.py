@@ -83,9 +83,10 @@ MAX_BLOCK_SECONDS_PER_REQUEST = 1e12 * 86400.0
 # decisions), and the source times it again at each query. A rate over the milliseconds
 # between two such answers is 0, not a measurement.
 MIN_TICK_SPAN_SECONDS = 1.0
-# A span between two decisions' readings longer than this (decisions stopped for a while, or a
-# reading dated in the future) is no tick: the source's window rate stands in, and an hour's
-# average does not stretch the forecast's horizon by half an hour.
+# A span between two decisions' readings longer than this, or than two decision intervals
+# (decisions stopped for a while, or a reading dated in the future), is no tick: the source's
+# window rate stands in, and an hour's average does not stretch the forecast's horizon by half
+# an hour.
 MAX_TICK_SPAN_SECONDS = 600.0
 
 
@@ -587,18 +588,20 @@ def _tick_rates(
     (independent from one decision to the next, unlike the sidecar's sliding window), with the
     counters and rates the next decision starts from. A pod seen for the first time, or whose
     engine restarted (a new epoch), falls back to its source's window rate. A reading no newer
-    than the last one (`MIN_TICK_SPAN_SECONDS`: the same Prometheus scrape seen again) keeps
-    the last one as the baseline and repeats the pod's last rate; one more than
-    `MAX_TICK_SPAN_SECONDS` newer takes the window rate. Counters that fell within an
+    than the last one (`MIN_TICK_SPAN_SECONDS`: the same Prometheus scrape seen again, or an
+    older one from the other replica of an HA pair) keeps the last one as the baseline and
+    repeats the pod's last rate; one more than the longest tick (`MAX_TICK_SPAN_SECONDS`, or
+    two decision intervals) newer takes the window rate. Counters that fell within an
     epoch give the pod no rate for this decision and are the new baseline: its sidecar
     restarted while the engine ran, and the counters the sidecar derives (vLLM's and SGLang's
     arrivals, the block-seconds it integrates) started again lower. The window rate is no
     better then (Prometheus reads such a fall as a reset to zero and adds the whole counter),
     and the demand series holds its last point over the gap instead. A reading older than the
-    last by more than that (a clock or an age no sidecar sends) and a rate no pod could do
+    last by more than the longest tick (the last was dated ahead) and a rate no pod could do
     (`_possible`) also give no rate, and are the new baseline: one bad answer then costs that
     pod one or two decisions' rates, not minutes of a forecast built on it."""
     last, last_rates = dict(mem.counters), dict(mem.rates)
+    longest = max(MAX_TICK_SPAN_SECONDS, 2 * policy.interval_seconds)
     out: list[DemandRates | None] = []
     kept: list[tuple[str, CounterSample]] = []
     used: list[tuple[str, DemandRates]] = []
@@ -609,9 +612,9 @@ def _tick_rates(
             span = cur.t - prev.t
             d = (cur.arrived - prev.arrived, cur.departed - prev.departed)
             bs = cur.block_seconds - prev.block_seconds
-            if abs(span) < MIN_TICK_SPAN_SECONDS:
+            if -longest < span < MIN_TICK_SPAN_SECONDS:
                 rate, cur = last_rates.get(name), prev
-            elif span > MAX_TICK_SPAN_SECONDS and min(*d, bs) >= 0:
+            elif span > longest and min(*d, bs) >= 0:
                 pass  # the window rate, as for a pod seen for the first time
             elif span > 0 and min(*d, bs) >= 0:
                 rate = DemandRates(d[0] / span, d[1] / span, bs / span, span)
@@ -690,6 +693,18 @@ def _demand_words(d: _Demand) -> str:
     )
 
 
+# More pods than any count of them means "as many as allowed": a near-zero target occupancy
+# (the CRD takes any above 0) made the ratio infinite, and math.ceil raised at every tick; an
+# exporter's near-zero departures needed 5e19 pods, past the int64 status keeps.
+MAX_PODS = 2**31 - 1
+
+
+def _pods_holding(blocks: float, per_pod: float) -> int:
+    """Pods of `per_pod` blocks that hold `blocks`, at most MAX_PODS."""
+    ratio = blocks / per_pod
+    return MAX_PODS if not ratio < MAX_PODS else math.ceil(ratio)
+
+
 def _pods_for(d: _Demand, target: float, full: float, large: float) -> int:
     """Pods that keep the forecast's mean at `target` of their pools and its upper band within
     `full` of them, less room for one `large` request on each: a pod admits a request only when
@@ -698,8 +713,8 @@ def _pods_for(d: _Demand, target: float, full: float, large: float) -> int:
     room = max(d.capacity * full - large, d.capacity * full / 2)
     # A target above what the engine admits to (its watermark) is the watermark.
     return max(
-        math.ceil(d.forecast.mean / (d.capacity * min(target, full))),
-        math.ceil(d.forecast.upper / room),
+        _pods_holding(d.forecast.mean, d.capacity * min(target, full)),
+        _pods_holding(d.forecast.upper, room),
     )
 
 
@@ -710,7 +725,7 @@ def _need(p: Policy, d: _Demand, current: int) -> tuple[int, str]:
     # Present KV alone buys pods only over the scale-out line: below it, KV that is about to
     # leave (demand falling) would buy pods that arrive after it has gone.
     hot = d.present > current * d.capacity * p.scale_out_occupancy
-    by_present = math.ceil(d.present / (d.capacity * p.target_occupancy))
+    by_present = _pods_holding(d.present, d.capacity * p.target_occupancy)
     if d.preempt > 0:
         return max(need, by_present if hot else 0), "Preempting"
     if hot and by_present >= need:
@@ -810,7 +825,7 @@ def _rule_scale_in(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Deci
     present_full = min(p.usable_occupancy, p.scale_out_occupancy) - p.scale_in_hysteresis
     keep = max(
         _pods_for(d, floor, p.usable_occupancy - p.scale_in_hysteresis, p.blocks_per_sequence),
-        math.ceil(d.present / (d.capacity * present_full)),
+        _pods_holding(d.present, d.capacity * present_full),
     )
     recommend = clamp(keep, p.min_replicas, p.max_replicas)
     quiet = replace(base.memory, scale_in=None)

@@ -196,20 +196,10 @@ def decision_record(d: Decision, current: int, now: float, applied: bool) -> dic
             forecast_blocks=_r(fc.mean) if fc else None,
             forecast_band_blocks=_r(fc.band) if fc else None,
             horizon_seconds=_r(fc.horizon) if fc else None,
-            # A count beyond any maxReplicas says "more than allowed" as well as its digits,
-            # and status keeps integers as int64 (a demand from an exporter's near-zero
-            # departures needed 5e19 pods, and the whole status write was refused).
-            needed_replicas=_capped(f.needed_replicas),
+            needed_replicas=f.needed_replicas,
         ),
     )
     return rec.wire()
-
-
-MAX_NEEDED_REPLICAS = 2**31 - 1
-
-
-def _capped(needed: int | None) -> int | None:
-    return None if needed is None else min(needed, MAX_NEEDED_REPLICAS)
 
 
 def _r(x: float | None) -> float | None:
