@@ -456,8 +456,6 @@ def test_negative_or_zero_sizes_are_refused_not_priced(
     assert from_hf_dict(QWEN3_MOE).num_parameters == pytest.approx(30.5e9, rel=0.02)
     at_least_1 = [
         (QWEN3_MOE, "moe_intermediate_size", -1), (QWEN3_MOE, "moe_intermediate_size", 0),
-        (QWEN2_MOE, "shared_expert_intermediate_size", 0),
-        (QWEN2_MOE, "shared_expert_intermediate_size", -5632),
         (QWEN3_MOE, "num_experts", 0), (DEEPSEEK_V3, "n_routed_experts", -1),
         ({**MISTRAL_7B, "intermediate_size": 14336}, "num_local_experts", 0),
         (DEEPSEEK_V3, "q_lora_rank", -1), (DEEPSEEK_V3, "kv_lora_rank", 0),
@@ -472,6 +470,7 @@ def test_negative_or_zero_sizes_are_refused_not_priced(
             from_hf_dict({**cfg, key: value})
     for cfg, key, value, says in [
         (DEEPSEEK_V3, "n_shared_experts", -1, "greater than or equal to 0"),
+        (QWEN2_MOE, "shared_expert_intermediate_size", -5632, "greater than or equal to 0"),
         (DEEPSEEK_V3, "first_k_dense_replace", -3, "greater than or equal to 0"),
         (LLAMA31_8B, "num_kv_shared_layers", -32, "greater than or equal to 0"),
         # Every layer sharing another's KV leaves none that caches it.
@@ -481,6 +480,9 @@ def test_negative_or_zero_sizes_are_refused_not_priced(
             ConfigFieldError, match=rf"^{key}: Input should be {says} \(it is {value}\)$"
         ):
             from_hf_dict({**cfg, key: value})
+    # A shared expert 0 wide is none (Qwen2-MoE's family builds one only above 0).
+    no_shared = from_hf_dict({**QWEN2_MOE, "shared_expert_intermediate_size": 0})
+    assert 0 < no_shared.num_parameters < from_hf_dict(QWEN2_MOE).num_parameters
     # Null is absent (DeepSeek-V2-Lite's q_lora_rank), and first_k_dense_replace past the
     # layers is every layer dense, as vLLM runs it.
     assert from_hf_dict({**DEEPSEEK_V3, "q_lora_rank": None}).num_parameters > 0

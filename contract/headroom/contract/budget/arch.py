@@ -501,8 +501,8 @@ def _parameters_of(
         total += (layers - moe) * 3 * hidden * mlp_width
     elif moe_width is not None:
         shared = _number(cfg, "n_shared_experts", default=0, low=0)
-        # Qwen2-MoE: one wider shared expert.
-        wide = _number(cfg, "shared_expert_intermediate_size", default=0, low=1)
+        # Qwen2-MoE: one wider shared expert; 0 is none (vLLM builds one only above 0).
+        wide = _number(cfg, "shared_expert_intermediate_size", default=0, low=0)
         shared_width = wide or shared * moe_width
         # Past num_hidden_layers it means every layer dense, as vLLM's DeepSeek runs it.
         dense_layers = min(layers, _number(cfg, "first_k_dense_replace", default=0, low=0))
