@@ -557,6 +557,11 @@ BAD_VALUES = [
     ("operator.metricsHost=:", "/operator/metricsHost"),
     ("operator.healthHost=1:2", "/operator/healthHost"),
     ("operator.healthHost=0.0.0.0:8081", "/operator/healthHost"),
+    # A zone belongs to an IPv6 address only, and is never empty or a second one.
+    ("operator.metricsHost=10.0.0.1%eth0", "/operator/metricsHost"),
+    ("operator.metricsHost=fe80::1%", "/operator/metricsHost"),
+    ("operator.healthHost=fe80::1%a%b", "/operator/healthHost"),
+    ("operator.healthHost=1:2%eth0", "/operator/healthHost"),
     # Not RFC 1123 subdomains: the API server would refuse the objects named after them.
     ("operator.peering=a..b", "/operator/peering"),
     ("operator.peering=a.-b", "/operator/peering"),
@@ -738,20 +743,45 @@ def _nested(dotted: str, value: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("text", "said", "schema"),
     [
-        # YAML reads these as numbers; helm would print 1.10 as 1.1, 1234567 as 1.234567e+06.
-        # No integer (which --set image.tag=2 gives, digit for digit) is one to the schema.
+        # YAML reads it as the float 1.1: the digits are gone before the chart sees it.
         ("tag: 1.10", "at '/image/tag'", True),
-        ("tag: 1234567", "image.tag is a number in a values file", False),
-        ("tag: 20240101120000", "image.tag is a number in a values file", False),
-        ("tag: 2", "image.tag is a number in a values file", False),
+        # A float is exact below 2**53 only: ...993 would come back as ...992.
+        ("tag: 9007199254740993", "exact only below 2^53", False),
     ],
 )
-def test_an_unquoted_numeric_tag_in_a_values_file_is_refused(
+def test_a_numeric_tag_a_float_cannot_hold_is_refused(
     helm: Path, tmp_path: Path, text: str, said: str, schema: bool
 ) -> None:
     values = tmp_path / "values.yaml"
     values.write_text(f"image:\n  {text}\n")
     assert said in _refusal(helm, "-f", str(values), lint=schema)
+
+
+def _image_and_flag(out: str) -> tuple[str, list[str]]:
+    dep = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    return c["image"], c["args"]
+
+
+@pytest.mark.parametrize("tag", [1234567, 20240101120000, 2, 9007199254740991])
+def test_a_whole_numeric_tag_is_the_tag_as_yaml_or_json_gives_it(
+    helm: Path, tmp_path: Path, tag: int
+) -> None:
+    # A values file (YAML), --set-json, and the release's values as helm stores them (JSON:
+    # `helm upgrade --reuse-values` of `--set image.tag=2` reads 2.0) give the chart a float64;
+    # a whole one is printed digit for digit, not 1.234567e+06.
+    values = tmp_path / "values.yaml"
+    values.write_text(f"image:\n  tag: {tag}\n")
+    stored = tmp_path / "stored.json"  # what helm keeps of `--set image.tag=N`, read back
+    stored.write_text(json.dumps({"image": {"tag": float(tag)}}))
+    for args in (["-f", str(values)], ["--set-json", f"image.tag={tag}"], ["-f", str(stored)]):
+        image, flags = _image_and_flag(_run(helm, "template", "x", str(CHART), *args).stdout)
+        assert image == f"ghcr.io/headroom-dev/headroom:{tag}", args
+        assert f"--headroom-image=ghcr.io/headroom-dev/headroom:{tag}" in flags, args
+    # A 0 is the appVersion, as `--set image.tag=0` is, so that an upgrade renders the same.
+    zero = _run(helm, "template", "x", str(CHART), "--set", "image.tag=0").stdout
+    stored_zero = _run(helm, "template", "x", str(CHART), "--set-json", "image.tag=0.0").stdout
+    assert _image_and_flag(stored_zero) == _image_and_flag(zero)
 
 
 @pytest.mark.parametrize("tag", ["1.10", "1234567", "20240101120000", "2", "v1.10"])
@@ -773,9 +803,10 @@ BAD_NAMES = [
     *[("priorityClassName", v) for v in
       ["true", "yes", "1.0", "1e3", "0x1f", "{a}", "x\n      hostNetwork: true", "a..b", "High"]],
     *[("fullnameOverride", v) for v in
-      ["true", "1.0", "{a}", "hr\n  namespace: kube-system", "a.b", "1hr", "hr-"]],
+      ["true", "1.0", "{a}", "hr\n  namespace: kube-system", "hr-", "Hr", "a..b", "a_b"]],
     *[("nameOverride", v) for v in
-      ["true", "null", "1.0", "123", "{a}", "hr\n    evil: injected", "a.b", "x" * 64]],
+      ["true", "True", "NO", "null", "1.0", "1E3", "0X1F", "123", "{a}",
+       "hr\n    evil: injected", "a b", "_hr", "hr.", "x" * 64]],
     *[("operator.peering", v) for v in ["true", "1.0", "a..b", "a.-b"]],
     *[("serviceAccount.name", v) for v in ["no", "1.0", "a..b", "a.-b"]],
 ]  # fmt: skip
@@ -788,6 +819,69 @@ def test_the_schema_refuses_names_that_change_type_or_inject_yaml(
     said = _refusal(helm, "-f", _values_file(tmp_path, _nested(key, value)))
     path = "/" + key.replace(".", "/")
     assert "don't meet the specifications of the schema" in said and f"at '{path}'" in said, said
+
+
+# Names the chart before the schema's name checks installed, which `helm upgrade` must keep
+# taking: every object but the metrics Service takes a DNS subdomain, and nameOverride, with
+# fullnameOverride set, reaches only the app.kubernetes.io/name label (a label value).
+KEPT_NAMES: list[dict[str, Any]] = [
+    {"fullnameOverride": "1headroom", "metrics": {"service": {"enabled": False}}},
+    {"fullnameOverride": "team.headroom", "metrics": {"service": {"enabled": False}}},
+    {"fullnameOverride": "team.headroom", "operator": {"metricsPort": 0}},
+    {"fullnameOverride": "headroom", "nameOverride": "Headroom_Operator"},
+    {"nameOverride": "ops.v2", "metrics": {"service": {"enabled": False}}},
+]
+
+
+@pytest.mark.parametrize("values", KEPT_NAMES, ids=[json.dumps(v) for v in KEPT_NAMES])
+def test_names_the_previous_chart_took_still_render(
+    helm: Path, tmp_path: Path, values: dict[str, Any]
+) -> None:
+    out = _run(helm, "template", "x", str(CHART), "-f", _values_file(tmp_path, values)).stdout
+    objs = [d for d in yaml.safe_load_all(out) if d]
+    full = values.get("fullnameOverride") or f"x-{values['nameOverride']}"
+    assert one(objs, "Deployment")["metadata"]["name"] == full
+    label = values.get("nameOverride", "headroom")
+    for o in objs:
+        assert o["metadata"]["name"].startswith(full), o["metadata"]["name"]
+        assert o["metadata"]["labels"]["app.kubernetes.io/name"] == label
+
+
+# Schema-valid names Kubernetes refuses for an object the chart renders: refused naming the value
+# and the object. The metrics Service is a DNS-1035 label before Kubernetes 1.36 (helm template's
+# default is older), a DNS-1123 label from 1.36 on (RelaxedServiceNameValidation).
+NAMES_REFUSED_BY_THE_CHART = [
+    ({"fullnameOverride": "1headroom"}, (), "fullnameOverride: 1headroom: the metrics Service"),
+    ({"fullnameOverride": "team.headroom"}, ("--kube-version", "1.36.0"),
+     "fullnameOverride: team.headroom: the metrics Service"),
+    ({"nameOverride": "ops.v2"}, (), "nameOverride: ops.v2, after the release name x"),
+    ({"nameOverride": "Headroom_Operator"}, (), "the operator's objects would be named "
+     "x-Headroom_Operator, which Kubernetes refuses: an object name is a DNS-1123 subdomain"),
+    ({"nameOverride": "Headroom_Operator", "metrics": {"service": {"enabled": False}}}, (),
+     "nameOverride: Headroom_Operator, after the release name x"),
+    # Cut to 63 characters, the name ends on '.'.
+    ({"fullnameOverride": "a" * 62 + ".bcd", "metrics": {"service": {"enabled": False}}}, (),
+     "the operator's objects would be named " + "a" * 62 + ".,"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("values", "extra", "said"),
+    NAMES_REFUSED_BY_THE_CHART,
+    ids=[json.dumps(v) + " ".join(e) for v, e, _ in NAMES_REFUSED_BY_THE_CHART],
+)
+def test_names_kubernetes_would_refuse_are_refused_with_the_value(
+    helm: Path, tmp_path: Path, values: dict[str, Any], extra: tuple[str, ...], said: str
+) -> None:
+    refused = _refusal(helm, "-f", _values_file(tmp_path, values), *extra, lint=False)
+    assert said in refused, refused
+
+
+def test_a_digit_first_metrics_service_from_kubernetes_1_36(helm: Path, tmp_path: Path) -> None:
+    values = _values_file(tmp_path, {"fullnameOverride": "1headroom"})
+    out = _run(helm, "template", "x", str(CHART), "-f", values, "--kube-version", "1.36.0").stdout
+    svc = one([d for d in yaml.safe_load_all(out) if d], "Service")
+    assert svc["metadata"]["name"] == "1headroom-metrics"
 
 
 def test_names_render_as_the_strings_they_are(helm: Path, tmp_path: Path) -> None:
@@ -822,7 +916,7 @@ def _is_loopback(host: str) -> bool:
 @pytest.mark.parametrize(
     "host",
     ["127.0.0.1", "127.1.2.3", "::1", "0:0:0:0:0:0:0:1", "::0:1", "::ffff:127.0.0.1",
-     "::FFFF:7f00:1"],
+     "::FFFF:7f00:1", "::1%lo", "::ffff:127.0.0.1%eth0"],
 )  # fmt: skip
 def test_a_loopback_health_host_is_refused(helm: Path, host: str) -> None:
     # The kubelet probes /healthz on the pod IP: bound to loopback, the probe never succeeds
@@ -835,7 +929,10 @@ def test_a_loopback_health_host_is_refused(helm: Path, host: str) -> None:
 def test_the_bind_addresses_the_chart_takes_are_the_operators(helm: Path) -> None:
     from headroom.operator.handlers import Options
 
-    for host in ["0.0.0.0", "::", "10.0.0.1", "::ffff:10.0.0.1", "fd00::1", "2001:db8::42"]:
+    hosts = ["0.0.0.0", "::", "10.0.0.1", "::ffff:10.0.0.1", "fd00::1", "2001:db8::42",
+             # An IPv6 address with a zone: pydantic's IPvAnyAddress takes it.
+             "fe80::1%eth0", "fe80::1%1", "::ffff:10.0.0.1%net1.2", "FE80::1%Eth_0"]  # fmt: skip
+    for host in hosts:
         assert not _is_loopback(host)
         dep = one(render(helm, f"operator.healthHost={host}", f"operator.metricsHost={host}"),
                   "Deployment")  # fmt: skip
@@ -846,6 +943,48 @@ def test_the_bind_addresses_the_chart_takes_are_the_operators(helm: Path) -> Non
     for host in ["127.0.0.1", "::1"]:
         dep = one(render(helm, f"operator.metricsHost={host}"), "Deployment")
         assert f"--metrics-host={host}" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_the_zoned_ipv6_pattern_takes_what_the_operator_does() -> None:
+    # format: ipv6 refuses a zone (fe80::1%eth0), which the operator's IPvAnyAddress takes: the
+    # schema's pattern for it must take every IPv6 address, in every spelling, and nothing else.
+    import ipaddress
+    import random
+
+    from headroom.operator.handlers import Options
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    (zoned,) = [b["pattern"] for b in schema["definitions"]["bindAddress"]["anyOf"]
+                if "pattern" in b]  # fmt: skip
+    pattern = re.compile(zoned)
+
+    def operator_takes(host: str) -> bool:
+        try:
+            Options(metrics_host=host)
+            return True
+        except ValueError:
+            return False
+
+    rng = random.Random(5)
+    spellings: set[str] = set()
+    for _ in range(300):
+        bits = rng.getrandbits(128) & rng.choice([2**128 - 1, 2**64 - 1, 2**32 - 1, 2**16 - 1,
+                                                  (2**128 - 1) ^ (2**64 - 1), 0])  # fmt: skip
+        addr = ipaddress.IPv6Address(bits)
+        groups = addr.exploded.split(":")
+        i = rng.randint(0, 8)
+        j = rng.randint(i, 8)
+        spellings |= {addr.compressed, addr.exploded, addr.compressed.upper(),
+                      ":".join(groups[:i]) + "::" + ":".join(groups[j:]),
+                      f"::ffff:{ipaddress.IPv4Address(bits & (2**32 - 1))}"}  # fmt: skip
+    pieces = ["0", "1", "ffff", "12345", "g", ":", "::", ".", "1.2.3.4", "256.1.1.1", "01.2.3.4"]
+    for _ in range(3000):
+        spellings.add("".join(rng.choice(pieces) for _ in range(rng.randint(1, 12))))
+    for spelling in sorted(spellings):
+        for zone in ["%eth0", "%1", "%net1.2_a-b", "%", "%a%b", ""]:
+            host = spelling + zone
+            ours = pattern.fullmatch(host) is not None
+            assert ours == (operator_takes(host) and zone not in ("", "%")), host
 
 
 # Each as the operator's own range check (rate_window_seconds: 1s..1h) decides it.
@@ -907,6 +1046,46 @@ def test_a_null_gateway_selector_selects_every_pod(helm: Path, tmp_path: Path) -
     (policy,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "NetworkPolicy"]
     by_port = {r["ports"][0]["port"]: r["from"] for r in policy["spec"]["ingress"]}
     assert by_port["http"] == [{"podSelector": {}}]
+
+
+def test_an_upgrade_reusing_the_values_keeps_a_numeric_tag(
+    cluster: Cluster, cluster_namespace: str
+) -> None:
+    # helm stores a release's values as JSON: `--set image.tag=2` (an int64) comes back as the
+    # float 2.0 to `helm upgrade --reuse-values`, which must render the same image.
+    release = "reuse-tag"
+    common = ("--namespace", cluster_namespace, "--skip-crds")
+    try:
+        cluster.helm("install", release, str(CHART), *common, "--set", "image.tag=2")
+        for reuse in ("--reuse-values", "--reset-then-reuse-values"):
+            out = cluster.helm("upgrade", release, str(CHART), *common, reuse,
+                               "--set", "operator.logFormat=text", check=False)  # fmt: skip
+            assert out.returncode == 0, f"helm upgrade {reuse}: {out.stdout}{out.stderr}"
+            manifest = cluster.helm("get", "manifest", release, "--namespace", cluster_namespace)
+            image, flags = _image_and_flag(manifest.stdout)
+            assert image == "ghcr.io/headroom-dev/headroom:2", (reuse, image)
+            assert "--headroom-image=ghcr.io/headroom-dev/headroom:2" in flags
+            assert "--log-format=text" in flags
+    finally:
+        cluster.helm("uninstall", release, "--namespace", cluster_namespace, check=False)
+
+
+def test_names_the_chart_takes_apply_with_server_dry_run(
+    cluster: Cluster, cluster_namespace: str, tmp_path: Path
+) -> None:
+    # The relaxed names render, and the cluster's API server takes every object named after
+    # them: a digit-first metrics Service too, from Kubernetes 1.36 (RelaxedServiceNameValidation).
+    cases: list[dict[str, Any]] = [*KEPT_NAMES, {"fullnameOverride": "1headroom"},
+                                   {"operator": {"metricsHost": "fe80::1%eth0"}}]  # fmt: skip
+    for values in cases:
+        manifest = cluster.helm(
+            "template", "headroom", str(CHART), "--namespace", cluster_namespace,
+            "--kube-version", cluster.version, "-f", _values_file(tmp_path, values),
+        ).stdout  # fmt: skip
+        objs = [d for d in yaml.safe_load_all(manifest) if d]
+        out = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=manifest, check=False)
+        assert out.returncode == 0, f"{values}: {out.stdout}{out.stderr}"
+        assert out.stdout.count("(server dry run)") == len(objs), out.stdout
 
 
 def test_edge_values_apply_with_server_dry_run(

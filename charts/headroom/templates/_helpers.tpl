@@ -52,15 +52,65 @@ app.kubernetes.io/component: operator
 {{- include "headroom.fullname" . | trunc 55 | trimSuffix "-" }}-metrics
 {{- end }}
 
+{{/* The value the full name comes from, as headroom.fullname builds it, to start the checks'
+     messages: fullnameOverride, else the release name, with nameOverride unless the release
+     name contains it. */}}
+{{- define "headroom.fullnameFrom" -}}
+{{- if .Values.fullnameOverride }}
+{{- printf "fullnameOverride: %s%s" .Values.fullnameOverride (ternary " (cut to 63 characters)" "" (gt (len .Values.fullnameOverride) 63)) }}
+{{- else if and .Values.nameOverride (not (contains .Values.nameOverride .Release.Name)) }}
+{{- printf "nameOverride: %s, after the release name %s (without fullnameOverride, nameOverride names the objects, not only their app.kubernetes.io/name label)" .Values.nameOverride .Release.Name }}
+{{- else }}
+{{- printf "the release name %s" .Release.Name }}
+{{- end }}
+{{- end }}
+
+{{/* The full name names every object but the metrics Service: a DNS-1123 subdomain. The schema
+     has checked fullnameOverride, but nameOverride is a label value (upper case and '_' are
+     fine there) and a cut at 63 characters may end on '.'. */}}
+{{- define "headroom.validateFullname" -}}
+{{- $full := include "headroom.fullname" . }}
+{{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$" $full) }}
+{{- fail (printf "%s: the operator's objects would be named %s, which Kubernetes refuses: an object name is a DNS-1123 subdomain (lower-case letters, digits, '-' and '.', a letter or digit at each end of every dot-separated part). Change it, or set fullnameOverride to such a name" (include "headroom.fullnameFrom" .) $full) }}
+{{- end }}
+{{- end }}
+
+{{/* The metrics Service's name, checked where service.yaml renders it: a Service name is a
+     DNS-1035 label (a letter first, no '.'); from Kubernetes 1.36, whose API server relaxes it
+     by default (RelaxedServiceNameValidation), a DNS-1123 label (a digit first too). */}}
+{{- define "headroom.validateMetricsService" -}}
+{{- include "headroom.validateFullname" . }}
+{{- $svc := include "headroom.metricsService" . }}
+{{- $kube := .Capabilities.KubeVersion.Version }}
+{{- if semverCompare ">=1.36.0-0" $kube }}
+{{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$" $svc) }}
+{{- fail (printf "%s: the metrics Service would be named %s, which Kubernetes refuses: a Service name is a DNS label (lower-case letters, digits and '-'; no '.'). Change it, or turn the Service off (metrics.service.enabled: false, or operator.metricsPort: 0)" (include "headroom.fullnameFrom" .) $svc) }}
+{{- end }}
+{{- else if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $svc) }}
+{{- fail (printf "%s: the metrics Service would be named %s, which Kubernetes before 1.36 (this is %s) refuses: a Service name is a DNS-1035 label (a lower-case letter first, then lower-case letters, digits and '-'; no '.'). Change it, or turn the Service off (metrics.service.enabled: false, or operator.metricsPort: 0)" (include "headroom.fullnameFrom" .) $svc $kube) }}
+{{- end }}
+{{- end }}
+
 {{/* REPOSITORY:TAG, the tag defaulting to the chart's appVersion: the operator's image unless
      image.digest pins it, and always the pods' (the operator's --headroom-image). */}}
 {{- define "headroom.taggedImage" -}}
-{{- if kindIs "float64" .Values.image.tag }}
-{{- /* --set image.tag=2 gives an int64, kept digit for digit; a number from a values file
-       reaches the chart as a float64, which has lost them (1.10 is 1.1, 1234567 1.234567e+06). */}}
-{{- fail "image.tag is a number in a values file, which YAML reads as a float and helm prints with other digits (1.10 as 1.1, 1234567 as 1.234567e+06): quote it (tag: \"1.10\")" }}
+{{- $tag := .Values.image.tag }}
+{{- if and (kindIs "float64" $tag) $tag }}
+{{- /* A number from a values file (tag: 1234567), --set-json, or the release's stored values
+       (helm keeps them as JSON: --set image.tag=2, an int64 at install, is 2.0 to `helm upgrade
+       --reuse-values`) reaches the chart as a float64. A whole one below 2^53 is exact and
+       printed digit for digit (not 1.234567e+06); a fraction has already lost its digits
+       (1.10 is 1.1), and from 2^53 on so may a whole number. 0, like --set image.tag=0, is
+       the appVersion below. */}}
+{{- if ne (floor $tag) $tag }}
+{{- fail (printf "image.tag is the number %v: YAML or JSON (a values file, --set-json, or the release's values as helm stores them) read it as a float, which has already lost digits (1.10 is 1.1). Give it as a string: tag: \"1.10\" in a values file, or --set-string image.tag=1.10" $tag) }}
 {{- end }}
-{{- printf "%s:%s" .Values.image.repository (toString (default .Chart.AppVersion .Values.image.tag)) }}
+{{- if ge $tag 9007199254740992.0 }}
+{{- fail (printf "image.tag is the number %s: YAML or JSON (a values file, --set-json, or the release's values as helm stores them) read it as a float, exact only below 2^53 (9007199254740992). Give it as a string: tag: \"12345678901234567890\" in a values file, or --set-string image.tag=..." (printf "%.0f" $tag)) }}
+{{- end }}
+{{- $tag = printf "%.0f" $tag }}
+{{- end }}
+{{- printf "%s:%s" .Values.image.repository (toString (default .Chart.AppVersion $tag)) }}
 {{- end }}
 
 {{- define "headroom.image" -}}
@@ -141,6 +191,7 @@ app.kubernetes.io/component: operator
      installing an operator that exits, or whose liveness probe fails, at every start. */}}
 {{- define "headroom.validate" -}}
 {{- $op := .Values.operator }}
+{{- include "headroom.validateFullname" . }}
 {{- /* The operator's range for --prometheus-rate-window (rate_window_seconds: 1s..1h); the
        schema has checked the grammar, PromQL's units in order, each at most once. */}}
 {{- $window := toString $op.prometheusRateWindow }}
@@ -158,8 +209,9 @@ app.kubernetes.io/component: operator
 {{- if or (lt $ms 1000.0) (gt $ms 3600000.0) }}
 {{- fail (printf "operator.prometheusRateWindow: %s is outside 1s..1h, the range `headroom operator --prometheus-rate-window` takes" $window) }}
 {{- end }}
-{{- /* The kubelet probes /healthz on the pod IP: bound to loopback, it never answers. */}}
-{{- $health := lower (toString $op.healthHost) }}
+{{- /* The kubelet probes /healthz on the pod IP: bound to loopback, it never answers (with a
+       zone too: ::1%lo). */}}
+{{- $health := regexReplaceAll "%.*$" (lower (toString $op.healthHost)) "" }}
 {{- if or (regexMatch "^127[.]" $health) (regexMatch "^[0:]+:0*1$" $health) (regexMatch "^[0:]+:ffff:(127[.]|7f[0-9a-f]{2}:)" $health) }}
 {{- fail (printf "operator.healthHost: %s is a loopback address, but the kubelet probes /healthz on the pod IP: the liveness probe would fail and restart the operator forever. Use 0.0.0.0, :: or the pod IP" $op.healthHost) }}
 {{- end }}
