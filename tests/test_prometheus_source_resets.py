@@ -139,6 +139,21 @@ def test_one_reading_no_pod_could_make_buys_no_pods(glitch: dict[str, float]) ->
     assert seen[-1][1] == pytest.approx(500)  # rates again after the glitch
 
 
+def test_a_reading_dated_ahead_is_not_kept_as_the_baseline_for_minutes() -> None:
+    # One reading dated 300 s ahead: older readings after it within the longest tick were taken
+    # as an HA pair's older scrape, which kept the future baseline and repeated a rate of
+    # 1/21 the real one for 20 decisions. Older by more than a stale sample's age is a new
+    # baseline, and the rates come back two decisions later.
+    mem, rates = Memory(), []
+    for k in range(8):
+        now = 1_000.0 + 15 * k
+        read = _steady(now, **({"t": now + 300} if k == 3 else {}))
+        d = _decide(now, _sample(now, read), mem)
+        mem = d.memory
+        rates.append(d.figures.arrival_rate)
+    assert rates[5:] == pytest.approx([2.0] * 3), rates
+
+
 def test_decisions_an_interval_apart_rate_the_counters_however_long_the_interval() -> None:
     # intervalSeconds 900 (the CRD takes up to 3,600): a cap of 600 s on a tick's span gave
     # every decision the window rate, none at all where Prometheus has no window rate.

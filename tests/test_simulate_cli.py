@@ -173,6 +173,20 @@ def test_profile_with_a_spec_keeps_its_scaling_and_names_what_its_max_length_ref
     InferenceDeploymentSpec.model_validate(pasted_in)
 
 
+def test_profile_with_a_near_zero_target_occupancy_sizes_the_most_pods_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    # The CRD takes any target above 0: 1e-310 made the pods for the peak infinite, and
+    # `math.ceil` raised (exit 1, a traceback) where decide() asks for the most pods.
+    doc = yaml.safe_load(Path(EXAMPLE).read_text())
+    doc["spec"]["scaling"].update(targetOccupancy=1e-310, scaleInHysteresis=0)
+    spec = tmp_path / "tiny-target.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    r = headroom("profile", MOONCAKE, "--spec", str(spec))
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "2,147,483,647" in r.stdout, r.stdout
+
+
 def test_profile_at_twice_the_rate_doubles_the_requests() -> None:
     one = json.loads(headroom("profile", MOONCAKE, "--json").stdout)
     two = json.loads(headroom("profile", MOONCAKE, "--json", "--rate", "2").stdout)

@@ -597,11 +597,14 @@ def _tick_rates(
     arrivals, the block-seconds it integrates) started again lower. The window rate is no
     better then (Prometheus reads such a fall as a reset to zero and adds the whole counter),
     and the demand series holds its last point over the gap instead. A reading older than the
-    last by more than the longest tick (the last was dated ahead) and a rate no pod could do
+    last by more than a stale sample's age (the last was dated ahead) and a rate no pod could do
     (`_possible`) also give no rate, and are the new baseline: one bad answer then costs that
     pod one or two decisions' rates, not minutes of a forecast built on it."""
     last, last_rates = dict(mem.counters), dict(mem.rates)
     longest = max(MAX_TICK_SPAN_SECONDS, 2 * policy.interval_seconds)
+    # An HA Prometheus pair's other replica lags by a scrape or so; a reading older than
+    # the last by more than a stale sample's age is not that: the last one was dated ahead.
+    lag = policy.metrics_max_age_seconds
     out: list[DemandRates | None] = []
     kept: list[tuple[str, CounterSample]] = []
     used: list[tuple[str, DemandRates]] = []
@@ -612,7 +615,7 @@ def _tick_rates(
             span = cur.t - prev.t
             d = (cur.arrived - prev.arrived, cur.departed - prev.departed)
             bs = cur.block_seconds - prev.block_seconds
-            if -longest < span < MIN_TICK_SPAN_SECONDS:
+            if -lag < span < MIN_TICK_SPAN_SECONDS:
                 rate, cur = last_rates.get(name), prev
             elif span > longest and min(*d, bs) >= 0:
                 pass  # the window rate, as for a pod seen for the first time
@@ -699,7 +702,7 @@ def _demand_words(d: _Demand) -> str:
 MAX_PODS = 2**31 - 1
 
 
-def _pods_holding(blocks: float, per_pod: float) -> int:
+def pods_holding(blocks: float, per_pod: float) -> int:
     """Pods of `per_pod` blocks that hold `blocks`, at most MAX_PODS."""
     ratio = blocks / per_pod
     return MAX_PODS if not ratio < MAX_PODS else math.ceil(ratio)
@@ -713,8 +716,8 @@ def _pods_for(d: _Demand, target: float, full: float, large: float) -> int:
     room = max(d.capacity * full - large, d.capacity * full / 2)
     # A target above what the engine admits to (its watermark) is the watermark.
     return max(
-        _pods_holding(d.forecast.mean, d.capacity * min(target, full)),
-        _pods_holding(d.forecast.upper, room),
+        pods_holding(d.forecast.mean, d.capacity * min(target, full)),
+        pods_holding(d.forecast.upper, room),
     )
 
 
@@ -725,7 +728,7 @@ def _need(p: Policy, d: _Demand, current: int) -> tuple[int, str]:
     # Present KV alone buys pods only over the scale-out line: below it, KV that is about to
     # leave (demand falling) would buy pods that arrive after it has gone.
     hot = d.present > current * d.capacity * p.scale_out_occupancy
-    by_present = _pods_holding(d.present, d.capacity * p.target_occupancy)
+    by_present = pods_holding(d.present, d.capacity * p.target_occupancy)
     if d.preempt > 0:
         return max(need, by_present if hot else 0), "Preempting"
     if hot and by_present >= need:
@@ -825,7 +828,7 @@ def _rule_scale_in(inp: Inputs, pods: _Pods, d: _Demand, base: Decision) -> Deci
     present_full = min(p.usable_occupancy, p.scale_out_occupancy) - p.scale_in_hysteresis
     keep = max(
         _pods_for(d, floor, p.usable_occupancy - p.scale_in_hysteresis, p.blocks_per_sequence),
-        _pods_holding(d.present, d.capacity * present_full),
+        pods_holding(d.present, d.capacity * present_full),
     )
     recommend = clamp(keep, p.min_replicas, p.max_replicas)
     quiet = replace(base.memory, scale_in=None)

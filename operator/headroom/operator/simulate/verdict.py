@@ -21,6 +21,7 @@ import numpy as np
 from headroom.contract.budget import Plan, plan
 from headroom.operator.crd.models import InferenceDeploymentSpec, ScalingSpec
 from headroom.operator.reconcile.sizing import Sizing, plan_input
+from headroom.operator.scaling.decide import pods_holding
 from headroom.operator.simulate.profile import (
     PREFIX_WORTHWHILE,
     SHARED_PERCENTILES,
@@ -150,7 +151,8 @@ def pod_context(spec: InferenceDeploymentSpec, p: Plan) -> int:
 
 
 def _pods(tokens: float, per_pod: int, target: float) -> int:
-    return max(1, math.ceil(tokens / (per_pod * target)))
+    # As decide() counts them: a near-zero targetOccupancy asks for the most pods, not inf.
+    return max(1, pods_holding(tokens, per_pod * target))
 
 
 def fit(ld: Load, spec: InferenceDeploymentSpec, sizing: Sizing, target: float) -> Fit:
