@@ -754,7 +754,8 @@ def test_a_numeric_tag_a_float_cannot_hold_is_refused(
 ) -> None:
     values = tmp_path / "values.yaml"
     values.write_text(f"image:\n  {text}\n")
-    assert said in _refusal(helm, "-f", str(values), lint=schema)
+    upgrade = () if schema else ("--is-upgrade",)  # past the install's own refusal
+    assert said in _refusal(helm, "-f", str(values), *upgrade, lint=schema)
 
 
 def _image_and_flag(out: str) -> tuple[str, list[str]]:
@@ -763,24 +764,34 @@ def _image_and_flag(out: str) -> tuple[str, list[str]]:
     return c["image"], c["args"]
 
 
+@pytest.mark.parametrize("text", ["1234567", "2", "2.0", "010", "0x10", "1e3"])
+def test_a_numeric_tag_is_refused_at_install(helm: Path, tmp_path: Path, text: str) -> None:
+    # YAML gives the chart a float, which cannot tell 2 from 2.0, 010, 0x10 or 1e3: each would
+    # render another image (2.0 as :2, 010 as :8) or the digits helm prints (1.234567e+06).
+    values = tmp_path / "values.yaml"
+    values.write_text(f"image:\n  tag: {text}\n")
+    said = _refusal(helm, "-f", str(values), lint=False)
+    assert "Give it as a string" in said or "at '/image/tag'" in said, said
+    assert "Give it as a string" in _refusal(helm, "--set-json", "image.tag=2", lint=False)
+
+
 @pytest.mark.parametrize("tag", [1234567, 20240101120000, 2, 9007199254740991])
-def test_a_whole_numeric_tag_is_the_tag_as_yaml_or_json_gives_it(
+def test_an_upgrade_takes_a_whole_numeric_tag_as_helm_stored_it(
     helm: Path, tmp_path: Path, tag: int
 ) -> None:
-    # A values file (YAML), --set-json, and the release's values as helm stores them (JSON:
-    # `helm upgrade --reuse-values` of `--set image.tag=2` reads 2.0) give the chart a float64;
-    # a whole one is printed digit for digit, not 1.234567e+06.
-    values = tmp_path / "values.yaml"
-    values.write_text(f"image:\n  tag: {tag}\n")
+    # helm keeps a release's values as JSON: `helm upgrade --reuse-values` of
+    # `--set image.tag=2` reads 2.0. An upgrade prints a whole one digit for digit.
     stored = tmp_path / "stored.json"  # what helm keeps of `--set image.tag=N`, read back
     stored.write_text(json.dumps({"image": {"tag": float(tag)}}))
-    for args in (["-f", str(values)], ["--set-json", f"image.tag={tag}"], ["-f", str(stored)]):
-        image, flags = _image_and_flag(_run(helm, "template", "x", str(CHART), *args).stdout)
-        assert image == f"ghcr.io/headroom-dev/headroom:{tag}", args
-        assert f"--headroom-image=ghcr.io/headroom-dev/headroom:{tag}" in flags, args
+    out = _run(helm, "template", "x", str(CHART), "--is-upgrade", "-f", str(stored)).stdout
+    image, flags = _image_and_flag(out)
+    assert image == f"ghcr.io/headroom-dev/headroom:{tag}"
+    assert f"--headroom-image=ghcr.io/headroom-dev/headroom:{tag}" in flags
     # A 0 is the appVersion, as `--set image.tag=0` is, so that an upgrade renders the same.
     zero = _run(helm, "template", "x", str(CHART), "--set", "image.tag=0").stdout
-    stored_zero = _run(helm, "template", "x", str(CHART), "--set-json", "image.tag=0.0").stdout
+    stored_zero = _run(
+        helm, "template", "x", str(CHART), "--is-upgrade", "--set-json", "image.tag=0.0"
+    ).stdout
     assert _image_and_flag(stored_zero) == _image_and_flag(zero)
 
 
