@@ -604,7 +604,7 @@ def _tick_rates(
     longest = max(MAX_TICK_SPAN_SECONDS, 2 * policy.interval_seconds)
     # An HA Prometheus pair's other replica lags by a scrape or so; a reading older than
     # the last by more than a stale sample's age is not that: the last one was dated ahead.
-    lag = policy.metrics_max_age_seconds
+    lag = min(policy.metrics_max_age_seconds, longest)
     out: list[DemandRates | None] = []
     kept: list[tuple[str, CounterSample]] = []
     used: list[tuple[str, DemandRates]] = []
