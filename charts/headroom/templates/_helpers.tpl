@@ -96,23 +96,13 @@ app.kubernetes.io/component: operator
 {{- define "headroom.taggedImage" -}}
 {{- $tag := .Values.image.tag }}
 {{- if and (kindIs "float64" $tag) $tag }}
-{{- /* A number from a values file (tag: 1234567), --set-json, or the release's stored values
-       (helm keeps them as JSON: --set image.tag=2, an int64 at install, is 2.0 to `helm upgrade
-       --reuse-values`) reaches the chart as a float64, which cannot tell tag: 2 from 2.0, 010,
-       0x10 or 2e0. An install refuses it: quote the tag. An upgrade, whose values may be the
-       release's own, takes a whole one below 2^53 digit for digit (not 1.234567e+06); a
-       fraction has already lost its digits (1.10 is 1.1), and from 2^53 on so may a whole
-       number. 0, like --set image.tag=0, is the appVersion below. */}}
-{{- if not .Release.IsUpgrade }}
-{{- fail (printf "image.tag is the number %v: a values file or --set-json gives it as a float, which cannot tell 2 from 2.0, 010 or 0x10 (and prints 1234567 as 1.234567e+06). Give it as a string: tag: \"2.0\" in a values file, or --set-string image.tag=2.0" $tag) }}
-{{- end }}
-{{- if ne (floor $tag) $tag }}
-{{- fail (printf "image.tag is the number %v: YAML or JSON (a values file, --set-json, or the release's values as helm stores them) read it as a float, which has already lost digits (1.10 is 1.1). Give it as a string: tag: \"1.10\" in a values file, or --set-string image.tag=1.10" $tag) }}
-{{- end }}
-{{- if ge $tag 9007199254740992.0 }}
-{{- fail (printf "image.tag is the number %s: YAML or JSON (a values file, --set-json, or the release's values as helm stores them) read it as a float, exact only below 2^53 (9007199254740992). Give it as a string: tag: \"12345678901234567890\" in a values file, or --set-string image.tag=..." (printf "%.0f" $tag)) }}
-{{- end }}
-{{- $tag = printf "%.0f" $tag }}
+{{- /* A number from a values file (tag: 2), --set-json, or the release's stored values (helm
+       keeps them as JSON: --set image.tag=2, an int64 at install, is 2.0 to `helm upgrade
+       --reuse-values`) reaches the chart as a float64, which cannot tell 2 from 2.0, 010, 0x10
+       or 2e0, and has lost digits (1.10 is 1.1, 1234567 prints as 1.234567e+06). Any of them
+       may be another image than the one meant, so none is guessed at: a string is asked for.
+       0, like --set image.tag=0, is the appVersion below. */}}
+{{- fail (printf "image.tag is the number %v: a values file, --set-json or the values helm stored for this release give it as a float, which cannot tell 2 from 2.0, 010 or 0x10 and loses digits (1.10 is 1.1). Give it as a string: tag: \"2.0\" in a values file, or --set-string image.tag=2.0 (with helm upgrade --reuse-values too)" $tag) }}
 {{- end }}
 {{- printf "%s:%s" .Values.image.repository (toString (default .Chart.AppVersion $tag)) }}
 {{- end }}
