@@ -88,6 +88,9 @@ MIN_TICK_SPAN_SECONDS = 1.0
 # window rate stands in, and an hour's average does not stretch the forecast's horizon by half
 # an hour.
 MAX_TICK_SPAN_SECONDS = 600.0
+# The most an older reading may lag the last and still be an HA Prometheus pair's other
+# replica (its scrape a phase behind; the README's longest scrape interval is 60 s).
+MAX_HA_LAG_SECONDS = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -603,8 +606,9 @@ def _tick_rates(
     last, last_rates = dict(mem.counters), dict(mem.rates)
     longest = max(MAX_TICK_SPAN_SECONDS, 2 * policy.interval_seconds)
     # An HA Prometheus pair's other replica lags by a scrape or so; a reading older than
-    # the last by more than a stale sample's age is not that: the last one was dated ahead.
-    lag = min(policy.metrics_max_age_seconds, longest)
+    # the last by more than that, or than a stale sample's age, is not that: the last one was
+    # dated ahead, and must not stay the baseline while real time catches up with it.
+    lag = min(policy.metrics_max_age_seconds, MAX_HA_LAG_SECONDS)
     out: list[DemandRates | None] = []
     kept: list[tuple[str, CounterSample]] = []
     used: list[tuple[str, DemandRates]] = []
