@@ -777,7 +777,7 @@ def test_a_numeric_tag_is_refused_install_or_upgrade(helm: Path, tmp_path: Path,
     assert "Give it as a string" in _refusal(helm, "--set-json", "image.tag=2", lint=False)
 
 
-@pytest.mark.parametrize("tag", [1234567, 2])
+@pytest.mark.parametrize("tag", [1234567, 2, 20240101120000])
 def test_a_stored_numeric_tag_is_refused_with_the_flag_that_keeps_it(
     helm: Path, tmp_path: Path, tag: int
 ) -> None:
@@ -786,7 +786,7 @@ def test_a_stored_numeric_tag_is_refused_with_the_flag_that_keeps_it(
     stored = tmp_path / "stored.json"  # what helm keeps of `--set image.tag=N`, read back
     stored.write_text(json.dumps({"image": {"tag": float(tag)}}))
     said = _refusal(helm, "--is-upgrade", "-f", str(stored), lint=False)
-    assert "--set-string image.tag=" in said and "--reuse-values" in said, said
+    assert f"--set-string image.tag={tag} " in said and "--reuse-values" in said, said
     out = _run(helm, "template", "x", str(CHART), "--is-upgrade", "-f", str(stored),
                "--set-string", f"image.tag={tag}").stdout  # fmt: skip
     image, flags = _image_and_flag(out)
@@ -1091,6 +1091,19 @@ def test_an_upgrade_reusing_a_numeric_tag_says_how_to_keep_it(
         cluster.helm("uninstall", release, "--namespace", cluster_namespace, check=False)
 
 
+def _server_dry_run(cluster: Cluster, namespace: str, values_file: str) -> None:
+    """Render the chart with `values_file` for the cluster's version; the API server takes
+    every object it renders (a server-side dry run)."""
+    manifest = cluster.helm(
+        "template", "headroom", str(CHART), "--namespace", namespace,
+        "--kube-version", cluster.version, "-f", values_file,
+    ).stdout  # fmt: skip
+    objs = [d for d in yaml.safe_load_all(manifest) if d]
+    out = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=manifest, check=False)
+    assert out.returncode == 0, f"{values_file}: {out.stdout}{out.stderr}"
+    assert out.stdout.count("(server dry run)") == len(objs), out.stdout
+
+
 def test_names_the_chart_takes_apply_with_server_dry_run(
     cluster: Cluster, cluster_namespace: str, tmp_path: Path
 ) -> None:
@@ -1099,14 +1112,7 @@ def test_names_the_chart_takes_apply_with_server_dry_run(
     cases: list[dict[str, Any]] = [*KEPT_NAMES, {"fullnameOverride": "1headroom"},
                                    {"operator": {"metricsHost": "fe80::1%eth0"}}]  # fmt: skip
     for values in cases:
-        manifest = cluster.helm(
-            "template", "headroom", str(CHART), "--namespace", cluster_namespace,
-            "--kube-version", cluster.version, "-f", _values_file(tmp_path, values),
-        ).stdout  # fmt: skip
-        objs = [d for d in yaml.safe_load_all(manifest) if d]
-        out = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=manifest, check=False)
-        assert out.returncode == 0, f"{values}: {out.stdout}{out.stderr}"
-        assert out.stdout.count("(server dry run)") == len(objs), out.stdout
+        _server_dry_run(cluster, cluster_namespace, _values_file(tmp_path, values))
 
 
 def test_edge_values_apply_with_server_dry_run(
@@ -1125,11 +1131,4 @@ def test_edge_values_apply_with_server_dry_run(
                      "watchNamespaces": [cluster_namespace]},
         "networkPolicy": {"enabled": True, "gateway": {"podSelector": None}},
     }  # fmt: skip
-    manifest = cluster.helm(
-        "template", "headroom", str(CHART), "--namespace", cluster_namespace,
-        "--kube-version", cluster.version, "-f", _values_file(tmp_path, values),
-    ).stdout  # fmt: skip
-    objs = [d for d in yaml.safe_load_all(manifest) if d]
-    out = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=manifest, check=False)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("(server dry run)") == len(objs), out.stdout
+    _server_dry_run(cluster, cluster_namespace, _values_file(tmp_path, values))

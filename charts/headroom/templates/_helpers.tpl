@@ -102,7 +102,11 @@ app.kubernetes.io/component: operator
        or 2e0, and has lost digits (1.10 is 1.1, 1234567 prints as 1.234567e+06). Any of them
        may be another image than the one meant, so none is guessed at: a string is asked for.
        0, like --set image.tag=0, is the appVersion below. */}}
-{{- fail (printf "image.tag is the number %v: a values file, --set-json or the values helm stored for this release give it as a float, which cannot tell 2 from 2.0, 010 or 0x10 and loses digits (1.10 is 1.1). Give it as a string: tag: \"2.0\" in a values file, or --set-string image.tag=2.0 (with helm upgrade --reuse-values too)" $tag) }}
+{{- $shown := printf "%v" $tag }}
+{{- if and (eq (floor $tag) $tag) (lt $tag 9007199254740992.0) }}
+{{- $shown = printf "%.0f" $tag }}
+{{- end }}
+{{- fail (printf "image.tag is the number %s: a values file, --set-json or the values helm stored for this release give it as a float, which cannot tell 2 from 2.0, 010 or 0x10 and loses digits (1.10 is 1.1). Give it as a string: tag: \"%s\" in a values file, or --set-string image.tag=%s (with helm upgrade --reuse-values too), if %s is the tag you meant" $shown $shown $shown $shown) }}
 {{- end }}
 {{- printf "%s:%s" .Values.image.repository (toString (default .Chart.AppVersion $tag)) }}
 {{- end }}
