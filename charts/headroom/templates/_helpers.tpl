@@ -77,17 +77,18 @@ app.kubernetes.io/component: operator
 
 {{/* The metrics Service's name, checked where service.yaml renders it: a Service name is a
      DNS-1035 label (a letter first, no '.'); from Kubernetes 1.36, whose API server relaxes it
-     by default (RelaxedServiceNameValidation), a DNS-1123 label (a digit first too). */}}
+     by default (RelaxedServiceNameValidation), a DNS-1123 label (a digit first too). The full
+     name it is cut from first: helm renders service.yaml before deployment.yaml, and a name
+     no object can take is the error to name. */}}
 {{- define "headroom.validateMetricsService" -}}
 {{- include "headroom.validateFullname" . }}
 {{- $svc := include "headroom.metricsService" . }}
 {{- $kube := .Capabilities.KubeVersion.Version }}
-{{- if semverCompare ">=1.36.0-0" $kube }}
-{{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$" $svc) }}
-{{- fail (printf "%s: the metrics Service would be named %s, which Kubernetes refuses: a Service name is a DNS label (lower-case letters, digits and '-'; no '.'). Change it, or turn the Service off (metrics.service.enabled: false, or operator.metricsPort: 0)" (include "headroom.fullnameFrom" .) $svc) }}
-{{- end }}
-{{- else if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $svc) }}
-{{- fail (printf "%s: the metrics Service would be named %s, which Kubernetes before 1.36 (this is %s) refuses: a Service name is a DNS-1035 label (a lower-case letter first, then lower-case letters, digits and '-'; no '.'). Change it, or turn the Service off (metrics.service.enabled: false, or operator.metricsPort: 0)" (include "headroom.fullnameFrom" .) $svc $kube) }}
+{{- $relaxed := semverCompare ">=1.36.0-0" $kube }}
+{{- if not (regexMatch (ternary "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$" "^[a-z]([-a-z0-9]*[a-z0-9])?$" $relaxed) $svc) }}
+{{- $who := ternary "Kubernetes" (printf "Kubernetes before 1.36 (this is %s)" $kube) $relaxed }}
+{{- $rule := ternary "a DNS label (lower-case letters, digits and '-'; no '.')" "a DNS-1035 label (a lower-case letter first, then lower-case letters, digits and '-'; no '.')" $relaxed }}
+{{- fail (printf "%s: the metrics Service would be named %s, which %s refuses: a Service name is %s. Change it, or turn the Service off (metrics.service.enabled: false, or operator.metricsPort: 0)" (include "headroom.fullnameFrom" .) $svc $who $rule) }}
 {{- end }}
 {{- end }}
 
