@@ -600,7 +600,8 @@ def _tick_rates(
     arrivals, the block-seconds it integrates) started again lower. The window rate is no
     better then (Prometheus reads such a fall as a reset to zero and adds the whole counter),
     and the demand series holds its last point over the gap instead. A reading older than the
-    last by more than a stale sample's age (the last was dated ahead) and a rate no pod could do
+    last by more than an HA pair's lag (`MAX_HA_LAG_SECONDS`, or a stale sample's age if less:
+    the last was dated ahead) and a rate no pod could do
     (`_possible`) also give no rate, and are the new baseline: one bad answer then costs that
     pod one or two decisions' rates, not minutes of a forecast built on it."""
     last, last_rates = dict(mem.counters), dict(mem.rates)
