@@ -53,6 +53,8 @@ CEL_CASES = [
     ("heads-multiple", {**VALID, "model": {**ARCH, "numKVHeads": 3}},
      rule(ModelSpec, "multiple of model.numKVHeads")),
     ("mla-pair", {**VALID, "model": {**ARCH, "kvLoraRank": 64}}, rule(ModelSpec, "MLA")),
+    ("indexer-needs-mla", {**VALID, "model": {**ARCH, "indexHeadDim": 128}},
+     rule(ModelSpec, "indexHeadDim")),
     ("sliding-window", {**VALID, "model": {**ARCH, "numSlidingWindowLayers": 2}},
      rule(ModelSpec, "slidingWindow")),
     ("gpu-type-or-memory", {**VALID, "gpu": {"countPerPod": 2}}, rule(GPUSpec, "type preset")),

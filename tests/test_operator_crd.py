@@ -218,6 +218,7 @@ ARCH_FIELDS = {
     "parameter_count": "num_parameters",
     "kv_lora_rank": "kv_lora_rank",
     "qk_rope_head_dim": "qk_rope_head_dim",
+    "index_head_dim": "indexer_head_dim",
     "sliding_window": "sliding_window",
     "num_sliding_window_layers": "num_sliding_window_layers",
 }

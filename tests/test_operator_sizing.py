@@ -100,6 +100,49 @@ def test_max_model_len_beyond_the_model_is_infeasible() -> None:
     assert not s.feasible and "max_position_embeddings" in (s.reason or "")
 
 
+# DeepSeek-V3.2's numbers as a CRD gives them (its config.json's), with and without its indexer.
+V32_MODEL = {
+    "numLayers": 61, "numAttentionHeads": 128, "numKVHeads": 128, "headDim": 192,
+    "hiddenSize": 7168, "vocabSize": 129280, "parameterCount": 671_000_000_000,
+    "maxPositionEmbeddings": 163840, "kvLoraRank": 512, "qkRopeHeadDim": 64,
+    "weightDtype": "fp8", "path": "/models/v32",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kv", "v32_bytes", "v3_bytes"),
+    [("auto", 61 * (656 + 132), 61 * 576 * 2), ("fp8", 61 * (656 + 132), 61 * 576)],
+)
+def test_deepseek_v32_through_the_crd_is_priced_with_its_indexer(
+    kv: str, v32_bytes: int, v3_bytes: int
+) -> None:
+    """indexHeadDim prices vLLM's fp8_ds_mla latent plus the indexer's key (auto runs as fp8),
+    as `plan --model-config` does for the same config.json. Without it the spec is priced as
+    V3: under fp8 about 27 % short of what vLLM allocates, so the pool it is given overflows."""
+    sections: dict[str, Any] = {
+        "gpu": {"type": "h200-141gb", "countPerPod": 8},
+        "engine": {"runtime": "vllm", "kvCacheDtype": kv},
+        "traffic": {"peakConcurrency": 256, "contextTokens": 32768},
+    }
+    assert (
+        size(spec(model={**V32_MODEL, "indexHeadDim": 128}, **sections)).plan.kv_bytes_per_token
+        == v32_bytes
+    )
+    assert size(spec(model=V32_MODEL, **sections)).plan.kv_bytes_per_token == v3_bytes
+
+
+def test_deepseek_v32_with_int8_kv_is_an_invalid_spec() -> None:
+    """vLLM has no int8 for sparse MLA: the spec is refused with the plan's reason."""
+    s = spec(
+        model={**V32_MODEL, "indexHeadDim": 128},
+        gpu={"type": "h200-141gb"},
+        engine={"kvCacheDtype": "int8"},
+        traffic={"peakConcurrency": 8, "contextTokens": 4096},
+    )
+    with pytest.raises(SpecError, match="int8"):
+        plan_input(s)
+
+
 def test_custom_architecture_and_memory() -> None:
     s = spec(
         model={

@@ -80,6 +80,7 @@ _ARCH_OPTIONAL = (
     "maxPositionEmbeddings",
     "kvLoraRank",
     "qkRopeHeadDim",
+    "indexHeadDim",
     "slidingWindow",
     "numSlidingWindowLayers",
 )
@@ -229,6 +230,12 @@ class ModelSpec(CRDModel):
             check=lambda m: (m.kv_lora_rank is None) == (m.qk_rope_head_dim is None),
         ),
         Rule(
+            cel="!has(self.indexHeadDim) || has(self.kvLoraRank)",
+            message="model.indexHeadDim (DeepSeek-V3.2's sparse attention) needs model.kvLoraRank",
+            check=lambda m: m.index_head_dim is None or m.kv_lora_rank is not None,
+            field_path=".indexHeadDim",
+        ),
+        Rule(
             cel=(
                 "!has(self.numSlidingWindowLayers) || self.numSlidingWindowLayers == 0 || "
                 "(has(self.slidingWindow) && (!has(self.numLayers) || "
@@ -303,6 +310,16 @@ class ModelSpec(CRDModel):
         ),
     )
     qk_rope_head_dim: int | None = Field(default=None, ge=1, le=4096)
+    index_head_dim: int | None = Field(
+        default=None,
+        ge=1,
+        le=4096,
+        description=(
+            "DeepSeek-V3.2's sparse attention (config.json index_head_dim, with index_topk): its "
+            "indexer caches an fp8 key this wide per token and layer, and vLLM stores the MLA "
+            "latent as fp8_ds_mla; leave it out for V2/V3"
+        ),
+    )
     sliding_window: int | None = Field(default=None, ge=1, le=100_000_000)
     num_sliding_window_layers: int | None = Field(default=None, ge=0, le=1024)
 

@@ -67,6 +67,7 @@ def model_arch(model: ModelSpec, fallback_context: int) -> ModelArch:
             weight_dtype=model.weight_dtype or "bf16",
             kv_lora_rank=model.kv_lora_rank,
             qk_rope_head_dim=model.qk_rope_head_dim,
+            indexer_head_dim=model.index_head_dim,
             sliding_window=model.sliding_window,
             num_sliding_window_layers=model.num_sliding_window_layers or 0,
         )
