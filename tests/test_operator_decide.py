@@ -7,6 +7,7 @@ import itertools
 import math
 import random
 from dataclasses import replace
+from statistics import NormalDist
 
 import pytest
 
@@ -218,6 +219,7 @@ def test_partial_metrics_scale_out_but_never_in() -> None:
     cold = run(4, [pod("a", 0.05), pod("b", None), pod("c", None), pod("d", 0.05)],
                memory=replace(history(100), scale_in=window))  # fmt: skip
     assert cold.replicas == 4 and cold.metrics == "partial"
+    assert "but some ready pods do not report" in cold.message, cold.message
 
 
 def test_a_mix_of_pods_with_and_without_counters_falls_back_to_the_kv_in_use() -> None:
@@ -719,3 +721,309 @@ def test_a_near_zero_target_occupancy_asks_for_the_most_pods_without_raising(
     assert d.replicas == 3 and d.figures.needed_replicas == MAX_PODS
     assert "inf" not in d.message and "nan" not in d.message
     assert decision_record(d, 1, NOW, True)["inputs"]["neededReplicas"] == MAX_PODS
+
+
+# ----------------------------------------------------------------------------- boundaries
+
+
+def test_policy_accepts_the_edges_of_its_ranges_and_rejects_past_them() -> None:
+    """Each range Policy checks, at its edge: the CRD's values there must construct."""
+    for ok in ({"min_replicas": 1, "max_replicas": 1}, {"scale_out_occupancy": 1.0},
+               {"blocks_per_pod": 1, "blocks_per_sequence": 1}, {"scale_in_hysteresis": 0.0},
+               {"forecast_quantile": 0.5}, {"usable_occupancy": 1.0}):  # fmt: skip
+        replace(POLICY, **ok)  # type: ignore[arg-type]
+    for bad in ({"min_replicas": 0}, {"target_occupancy": 0.0}, {"scale_out_occupancy": 1.01},
+                {"blocks_per_pod": 0}, {"blocks_per_sequence": 0}, {"scale_in_hysteresis": -0.1},
+                {"forecast_quantile": 1.0}, {"usable_occupancy": 1.01}):  # fmt: skip
+        with pytest.raises(ValueError):
+            replace(POLICY, **bad)  # type: ignore[arg-type]
+
+
+def test_the_pod_start_is_the_90th_percentile_of_the_last_20_starts() -> None:
+    """Of 20 starts the 18th shortest (not the longest), and only the newest 20 are kept."""
+    starts = tuple((f"p{i}", float(s)) for i, s in enumerate(range(100, 2100, 100)))
+    inp = Inputs(NOW, 2, (), POLICY)
+    assert pod_start_seconds(inp, Memory(pod_starts=starts)) == 1800.0
+    # A 21st start (the shortest) pushes out the oldest (100 s): 200..2,000 s and 50 s.
+    mem = Memory(pod_starts=starts, seen_starting=frozenset({"new"}))
+    new = PodView("new", True, NOW - 100, sample=pod("x", 0.3).sample, ready_since=NOW - 50)
+    d = decide(Inputs(NOW, 1, (new,), POLICY, mem))
+    assert len(d.memory.pod_starts) == 20 and d.memory.pod_starts[0] == ("p1", 200.0)
+    assert d.memory.pod_starts[-1] == ("new", 50.0)
+
+
+def test_missing_metrics_report_no_figures_beyond_the_pod_counts() -> None:
+    """A decision on no fresh sample measures nothing: every figure but the counts is unset."""
+    d = run(3, [pod(f"p{i}", None) for i in range(3)])
+    assert dataclasses.asdict(d.figures) == {
+        "ready": 3, "starting": 0, "reporting": 0, "mean_occupancy": None,
+        "max_occupancy": None, "min_eta_seconds": None, "forecast_pending": 0, "waiting": 0,
+        "preemption_rate": 0.0, "hit_ratio": None, "present_blocks": None,
+        "demand_blocks": None, "arrival_rate": None, "block_seconds_per_request": None,
+        "forecast": None, "pod_start_seconds": None, "needed_replicas": None,
+        "projected_occupancy": None, "stuck": 0,
+    }  # fmt: skip
+    assert not d.saturated and d.saturated_message == ""
+
+
+def test_a_sample_without_a_running_count_charges_waiting_requests_the_planned_blocks() -> None:
+    """No running requests reported: a waiting one claims `blocks_per_sequence`, not the pod's
+    used blocks per request; from one running request on, the measured share."""
+    s = PodSample(occupancy=0.5, sampled_at=NOW, waiting=2, used_blocks=500, capacity_blocks=1000)
+    d = decide(Inputs(NOW, 1, (PodView("p0", True, NOW - 3600, sample=s),), POLICY))
+    assert d.figures.present_blocks == pytest.approx(500 + 2 * 100)
+    one = replace(s, running=1)
+    d = decide(Inputs(NOW, 1, (PodView("p0", True, NOW - 3600, sample=one),), POLICY))
+    assert d.figures.present_blocks == pytest.approx(500 + 2 * 500)
+
+
+def test_the_scale_in_window_goes_to_its_highest_recommendation_not_its_lowest() -> None:
+    """HPA's sliding window: the most pods recommended inside it, whatever the step allows."""
+    window = ScaleInWindow(since=NOW - 400, history=((NOW - 290, 4), (NOW - 15, 1)))
+    assert window.replicas == 4
+    pods = [pod(f"p{i}", 0.1, arrivals=1.0) for i in range(6)]
+    wide = replace(POLICY, max_scale_down_pods=5)
+    d = run(6, pods, memory=replace(history(600), scale_in=window), policy=wide)
+    assert (d.replicas, d.reason) == (4, "LowDemand"), d.message
+
+
+def test_the_measured_demand_is_held_over_a_gap_of_at_most_120_s() -> None:
+    """DEMAND_GAP_HOLD_SECONDS: a gap of exactly 120 s still holds the last measured demand,
+    one a second longer takes the KV in use."""
+    pods = [pod("a", 0.5, arrivals=1.0, waiting=8), pod("b", 0.5, arrivals=1.0, waiting=8),
+            pod("c", 0.05, running=1)]  # fmt: skip
+    for gap, demand in ((120.0, 1200.0), (121.0, 1850.0)):
+        mem = replace(history(1200), lifetimes=((NOW - gap, 1200.0, 1.0),))
+        assert run(3, pods, memory=mem).figures.demand_blocks == pytest.approx(demand), gap
+
+
+def counted(now: float, counters: CounterSample, mem: Memory, policy: Policy = POLICY) -> Decision:
+    """One pod (500 of 1,000 blocks, 10 running) whose window rate is 2 req/s x 250 block-s
+    per request and whose cumulative counters read `counters`."""
+    s = PodSample(occupancy=0.5, sampled_at=now, running=10, used_blocks=500,
+                  capacity_blocks=1000, demand=DemandRates(2.0, 2.0, 500.0, 60.0),
+                  counters=counters)  # fmt: skip
+    return decide(Inputs(now, 1, (PodView("p0", True, 0.0, sample=s),), policy, mem))
+
+
+def test_readings_one_second_apart_are_a_tick_and_closer_ones_one_reading() -> None:
+    """MIN_TICK_SPAN_SECONDS: counters read 1 s after the last are rated over that second;
+    read 0.5 s after, they are the same scrape again and repeat the pod's last rate."""
+    base = CounterSample(NOW, arrived=1e6, departed=1e6, block_seconds=5e8)
+    first = counted(NOW, base, Memory())
+    assert first.figures.arrival_rate == pytest.approx(2.0)  # the window rate, seen first
+    for span, rate in ((1.0, 3.0), (0.5, 2.0)):
+        read = CounterSample(NOW + span, 1e6 + 3 * span, 1e6 + 3 * span, 5e8 + 500 * span)
+        d = counted(NOW + 15, read, first.memory)
+        assert d.figures.arrival_rate == pytest.approx(rate), span
+
+
+def test_a_reading_older_than_the_last_by_over_60_s_is_no_ha_pairs_scrape() -> None:
+    """MAX_HA_LAG_SECONDS, with stale samples allowed an hour: 59 s older repeats the last
+    rate (an HA pair's other replica), 60.5 s older gives no rate and is the new baseline."""
+    lenient = replace(POLICY, metrics_max_age_seconds=3600)
+    base = CounterSample(NOW, arrived=1e6, departed=1e6, block_seconds=5e8)
+    first = counted(NOW, base, Memory(), lenient)
+    for lag, rate in ((59.0, 2.0), (60.5, None)):
+        read = CounterSample(NOW - lag, 1e6 - 2 * lag, 1e6 - 2 * lag, 5e8 - 500 * lag)
+        d = counted(NOW + 15, read, first.memory, lenient)
+        assert d.figures.arrival_rate == (None if rate is None else pytest.approx(rate)), lag
+        assert dict(d.memory.counters)["p0"] == (base if rate is not None else read)
+
+
+def test_block_seconds_per_request_average_the_last_600_s_of_decisions() -> None:
+    """PER_REQUEST_WINDOW_SECONDS: a deployment's block-seconds and departures of 599 s ago
+    count, those of 600 s ago or more (a long request mix since gone) do not."""
+    pods = [pod("a", 0.5, arrivals=1.0)]  # 500 block-s per second, 1 departure per second
+    mem = Memory(lifetimes=((NOW - 601, 1e6, 1.0), (NOW - 600, 1e6, 1.0), (NOW - 599, 300.0, 1.0)))
+    d = run(1, pods, memory=mem)
+    assert d.figures.block_seconds_per_request == pytest.approx((300 + 500) / 2)
+    assert [t for t, _, _ in d.memory.lifetimes] == [NOW - 599, NOW]
+
+
+def test_block_seconds_per_request_are_capped_at_a_day_of_10_to_the_12_blocks() -> None:
+    """MAX_BLOCK_SECONDS_PER_REQUEST: departures counted near zero make the ratio infinite,
+    recorded at the cap; a request mix that is merely long (2,000 blocks for 28 h) is not cut."""
+    for departures, want in ((1e-300, 1e12 * 86400), (1e-5, 2e8)):
+        odd = DemandRates(arrivals=1e-5, departures=departures, block_seconds=2000.0,
+                          window_seconds=60.0)  # fmt: skip
+        s = PodSample(occupancy=1.0, sampled_at=NOW, running=10, used_blocks=1000,
+                      capacity_blocks=1000, demand=odd)  # fmt: skip
+        d = decide(Inputs(NOW, 1, (PodView("p0", True, NOW - 3600, sample=s),), POLICY))
+        assert d.figures.block_seconds_per_request == pytest.approx(want), departures
+
+
+def test_a_sample_exactly_the_max_age_old_is_fresh() -> None:
+    """metricsMaxAgeSeconds is the oldest a sample may be: 60 s old counts, 60.5 s does not."""
+    assert run(2, [pod("a", 0.9, ago=60.0), pod("b", 0.9, ago=60.0)]).reason == "HighOccupancy"
+    stale = run(2, [pod("a", 0.9, ago=60.5), pod("b", 0.9, ago=60.5)])
+    assert stale.reason == "MetricsUnavailable"
+
+
+@pytest.mark.parametrize(
+    ("running", "used", "occupancy", "served"),
+    [(0, 0, 0.0, False), (0, None, 0.0, False), (1, 0, 0.0, True), (0, 1, 0.0, True),
+     (0, None, 0.001, True)],
+)  # fmt: skip
+def test_a_young_unready_pod_has_served_when_its_engine_holds_any_request_or_block(
+    running: int, used: int | None, occupancy: float, served: bool
+) -> None:
+    """A restarted operator tells a dipped pod from a starting one by its engine: any running
+    request, used block or occupancy has served (hold); an empty engine is starting (cancel)."""
+    pods = [replace(pod(f"p{i}", 0.05, arrivals=0.1), created_at=NOW - 86400) for i in range(2)]
+    s = PodSample(occupancy=occupancy, sampled_at=NOW, running=running, used_blocks=used)
+    young = PodView("p2", False, NOW - 60, sample=s)
+    d = run(3, [*pods, young], memory=history(600))
+    want = (3, "Hold") if served else (2, "StartingNotNeeded")
+    assert (d.replicas, d.reason) == want, d.message
+
+
+def test_only_pods_not_ready_past_the_startup_grace_are_stuck() -> None:
+    """figures.stuck: a ready pod however old is not stuck, nor a young one still loading."""
+    pods = [pod("old", 0.5, age=86400), pod("young", None, ready=False, age=60),
+            pod("late", None, ready=False, age=POLICY.startup_grace_seconds + 1)]  # fmt: skip
+    assert run(3, pods).figures.stuck == 1
+
+
+def test_silent_ready_pods_carry_the_reporting_pods_average_kv_and_requests() -> None:
+    """1 of 3 ready pods reports 500 blocks held by 10 requests: the deployment holds 1,500
+    blocks in 30 requests, 50 blocks each, which the forecast's Poisson band is made of; and
+    the arrivals of a pod that counts stand for the silent ones' too."""
+    d = run(3, [pod("a", 0.5, running=10), pod("b", None), pod("c", None)])
+    assert d.figures.present_blocks == pytest.approx(1500)
+    fc = d.figures.forecast
+    assert fc is not None and fc.mean == pytest.approx(1500)
+    assert fc.band == pytest.approx(NormalDist().inv_cdf(0.95) * math.sqrt(1500 * 50))
+    # No rates, so no averaging span: the horizon is the pod start and the period alone.
+    assert fc.horizon == pytest.approx(120 + 15)
+    # Their arrivals too: 2 req/s on the one that counts, 4 on the deployment.
+    d = run(2, [pod("a", 0.4, arrivals=2.0), pod("b", None)])
+    assert d.figures.arrival_rate == pytest.approx(4.0)
+    assert d.figures.demand_blocks == pytest.approx(4.0 * 400)
+
+
+def test_silent_ready_pods_carry_the_reporting_pods_average_queue_too() -> None:
+    """1 of 4 ready pods reports 500 blocks held by 10 requests and 20 waiting: the silent
+    three are taken to queue as many, so the present demand is what four reporting pods
+    give (6,000 blocks), not a quarter of the backlog (3,000). Status shows the 20 reported."""
+    pods = [pod(f"p{i}", 0.5, waiting=20) for i in range(4)]
+    every = run(4, pods)
+    one = run(4, [pods[0], *(pod(f"p{i}", None) for i in range(1, 4))])
+    assert every.figures.present_blocks == pytest.approx(6000)
+    assert one.figures.present_blocks == pytest.approx(6000)
+    assert one.figures.waiting == 20 and every.figures.waiting == 80
+
+
+def test_the_demand_and_kv_series_keep_exactly_the_growth_window() -> None:
+    """growth_window_seconds (180): points from 180 s ago on are kept and fitted, older ones
+    go; the KV-in-use series, whose scatter widens the band, alike."""
+    # A point at `now` itself (a decision repeated at the same instant) is this decision's.
+    times = (NOW - 195, NOW - 180, NOW - 15, NOW)
+    mem = Memory(demand=tuple((t, 700.0) for t in times), held=tuple((t, 700.0) for t in times))
+    d = run(1, [pod("a", 0.5)], memory=mem)
+    assert [t for t, _ in d.memory.demand] == [NOW - 180, NOW - 15, NOW]
+    assert [t for t, _ in d.memory.held] == [NOW - 180, NOW - 15, NOW]
+    assert d.memory.held[-1] == (NOW, pytest.approx(500)) == d.memory.demand[-1]
+
+
+@pytest.mark.parametrize(("start", "projected"), [(90, True), (75, False)])
+def test_a_trend_is_projected_once_half_the_growth_window_is_measured(
+    start: int, projected: bool
+) -> None:
+    """KV in use rising 100 blocks every 15 s: its slope is fitted from 90 s of history (half
+    of 180) on, and before that only the level counts (pods filling from empty)."""
+    ramp = tuple((NOW - dt, 1000.0 - 100 * dt / 15) for dt in range(start, 0, -15))
+    d = run(2, [pod("a", 0.5), pod("b", 0.5)], memory=Memory(demand=ramp, held=ramp))
+    fc = d.figures.forecast
+    assert fc is not None
+    assert fc.slope == (pytest.approx(100 / 15) if projected else 0.0), d.message
+
+
+def test_the_nearest_saturation_eta_is_the_smallest_of_the_pods() -> None:
+    """figures.min_eta_seconds: the pod that fills first, not the last."""
+    s = PodSample(occupancy=0.5, sampled_at=NOW, used_blocks=500, capacity_blocks=1000)
+    pods = [PodView(f"p{e}", True, 0.0, sample=replace(s, eta_seconds=e)) for e in (300, 100)]
+    assert run(2, pods).figures.min_eta_seconds == 100
+
+
+def test_a_memory_without_its_start_has_measured_since_its_first_demand_point() -> None:
+    """Memory.demand_since unset (a memory that predates it): scale-in waits until the demand
+    series' first point is a horizon old, even a point the growth window (180 s) drops: pods
+    that start in 180 s make the horizon 180 + 15 + 30 = 225 s."""
+    pods = [pod(f"p{i}", 0.1, arrivals=1.0) for i in range(4)]
+    slow = replace(POLICY, pod_start_seconds=180)
+    assert run(4, pods, memory=history(400, 230), policy=slow).reason == "Stabilizing"
+    assert run(4, pods, memory=history(400, 215), policy=slow).reason == "Learning"
+
+
+@pytest.mark.parametrize(
+    ("arrivals", "block_seconds", "possible"),
+    [(16.0, 500.0, True), (16.01, 500.0, False), (1.0, 2000.0, True), (1.0, 2000.5, False)],
+)
+def test_a_window_rate_past_what_one_pod_could_do_is_no_rate(
+    arrivals: float, block_seconds: float, possible: bool
+) -> None:
+    """_possible's edges, for a pod of 1,000 blocks with 10 running and 10 waiting: at most
+    twice its pool in block-seconds a second, and over 50 s at most 10 x (50 departed + 20 in
+    flight) + 100 = 800 arrivals."""
+    rate = DemandRates(arrivals, 1.0, block_seconds, 50.0)
+    s = PodSample(occupancy=0.5, sampled_at=NOW, running=10, waiting=10, used_blocks=500,
+                  capacity_blocks=1000, demand=rate)  # fmt: skip
+    d = decide(Inputs(NOW, 1, (PodView("p0", True, NOW - 3600, sample=s),), POLICY))
+    assert (d.figures.arrival_rate is not None) == possible
+
+
+@pytest.mark.parametrize(
+    ("interval", "span", "per_second", "rate"),
+    [(15, 600, 3.0, 3.0), (15, 700, 3.0, 2.0), (400, 800, 3.0, 3.0), (400, 1000, 3.0, 2.0),
+     (15, 700, 0.0, 2.0)],
+)  # fmt: skip
+def test_a_tick_spans_at_most_600_s_or_two_decision_intervals(
+    interval: float, span: float, per_second: float, rate: float
+) -> None:
+    """MAX_TICK_SPAN_SECONDS: counters read up to 600 s (or two intervals, if longer) after
+    the last are rated over that span (3 req/s); read later, the window rate (2) stands in,
+    also where the counters stood still."""
+    policy = replace(POLICY, interval_seconds=interval)
+    first = counted(NOW, CounterSample(NOW, 1e6, 1e6, 5e8), Memory(), policy)
+    n = per_second * span
+    read = CounterSample(NOW + span, 1e6 + n, 1e6 + n, 5e8 + 500 * span * (per_second > 0))
+    d = counted(NOW + span, read, first.memory, policy)
+    assert d.figures.arrival_rate == pytest.approx(rate)
+
+
+def test_one_full_pod_saturates_the_deployment() -> None:
+    """saturated and figures.max_occupancy follow the fullest pod, not the emptiest; any
+    preemption at all saturates too, and the projection is the band over today's pods."""
+    d = run(2, [pod("a", 0.5), pod("b", 1.0)])
+    assert d.saturated and d.figures.max_occupancy == 1.0 and d.figures.mean_occupancy == 0.75
+    assert "max occupancy 100%" in d.saturated_message
+    d = run(2, [pod("a", 0.5, preempt=0.5), pod("b", 0.5)])
+    assert d.saturated and "0.50 preemptions/s" in d.saturated_message
+    assert not run(2, [pod("a", 0.5), pod("b", 0.99)]).saturated
+    fc = d.figures.forecast
+    assert fc is not None and d.figures.projected_occupancy == pytest.approx(fc.upper / 2000)
+
+
+@pytest.mark.parametrize(("ago", "since"), [(30.0, NOW - 1000), (31.0, NOW)])
+def test_a_scale_in_window_survives_one_missed_decision_not_more(ago: float, since: float) -> None:
+    """The window's evidence holds if its last recommendation is at most two intervals (30 s)
+    old; older, the window starts again now."""
+    pods = [pod(f"p{i}", 0.1, arrivals=1.0) for i in range(6)]
+    window = ScaleInWindow(since=NOW - 1000, history=((NOW - ago, 6),))
+    d = run(6, pods, memory=replace(history(600), scale_in=window))
+    assert d.memory.scale_in is not None and d.memory.scale_in.since == since
+
+
+@pytest.mark.parametrize(
+    ("stabilization", "last_up", "deferred"),
+    [(1, NOW - 0.5, True), (1, NOW - 1, False), (0, NOW + 10, False)],
+)
+def test_the_up_stabilization_window_defers_only_inside_it(
+    stabilization: float, last_up: float, deferred: bool
+) -> None:
+    """A scale-up within scaleUpStabilizationSeconds of the last is deferred, however short the
+    window; with none (0), a last scale-up dated ahead (a clock stepped back) defers nothing."""
+    policy = replace(POLICY, scale_up_stabilization_seconds=stabilization)
+    d = run(2, [pod("a", 0.9), pod("b", 0.9)], policy=policy, memory=Memory(last_up=last_up))
+    assert (d.reason == "Stabilizing") == deferred and (d.replicas == 2) == deferred, d.message
