@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import pytest
 from hypothesis import given
@@ -138,3 +139,147 @@ def test_the_forecast_is_never_negative_and_the_band_never_below_zero(
     assert fc.mean >= 0 and fc.level >= 0 and fc.band >= 0
     assert math.isfinite(fc.upper)
     assert forecast_demand([], horizon, q, 50) is None
+
+
+Z95 = 1.6448536269514722  # NormalDist().inv_cdf(0.95)
+
+
+def test_under_three_points_the_level_is_the_latest_and_the_band_poisson() -> None:
+    """Two points are no line to trust: the latest point is the level, no trend, no scatter."""
+    fc = forecast_demand([(0.0, 900.0), (15.0, 1000.0)], 165, 0.95, 10)
+    assert fc is not None
+    assert (fc.level, fc.slope, fc.mean, fc.scatter) == (1000.0, 0.0, 1000.0, 0.0)
+    assert fc.band == pytest.approx(Z95 * math.sqrt(1000.0 * 10))
+
+
+def test_three_points_on_a_line_are_a_trend() -> None:
+    """Three points are enough for the line; an exact one has no error to take off its slope."""
+    fc = forecast_demand([(0.0, 900.0), (15.0, 1050.0), (30.0, 1200.0)], 60, 0.95, 10)
+    assert fc is not None
+    assert fc.slope == pytest.approx(10.0) and fc.level == pytest.approx(1200.0)
+    assert fc.mean == pytest.approx(1800.0)
+    assert fc.band == pytest.approx(Z95 * math.sqrt(1800.0 * 10))  # Poisson at the mean
+
+
+def test_a_falling_line_plans_for_the_poisson_noise_of_the_level_now() -> None:
+    """Requests in flight now are max(mean, level): a fall is not counted on before it comes."""
+    fc = forecast_demand([(0.0, 1200.0), (15.0, 1050.0), (30.0, 900.0)], 30, 0.95, 10)
+    assert fc is not None
+    assert fc.mean == pytest.approx(600.0) and fc.level == pytest.approx(900.0)
+    assert fc.band == pytest.approx(Z95 * math.sqrt(900.0 * 10))
+
+
+def test_without_a_trend_the_level_is_uncertain_by_the_scatter_over_root_n() -> None:
+    """The mean's variance is stdev^2 / n, x averaging / spacing (points sharing a window)."""
+    ys = [1000.0 + (100.0 if i % 2 else -100.0) for i in range(13)]
+    hist = [(5000.0 + 15.0 * i, y) for i, y in enumerate(ys)]  # spacing 15 s, clock not at 0
+    fc = forecast_demand(hist, 165, 0.95, 1, averaging=60)
+    assert fc is not None and fc.slope == 0
+    mean, sd = statistics.fmean(ys), statistics.stdev(ys)
+    assert (fc.level, fc.mean, fc.scatter) == pytest.approx((mean, mean, sd))
+    assert fc.band == pytest.approx(Z95 * math.sqrt(sd**2 / 13 * (60 / 15) + mean * 1))
+
+
+def test_averages_shorter_than_the_spacing_share_nothing() -> None:
+    """sqrt(averaging / spacing) never narrows the band: below one shared point it is 1."""
+    ys = [1000.0 + (100.0 if i % 2 else -100.0) for i in range(13)]
+    hist = [(15.0 * i, y) for i, y in enumerate(ys)]
+    short = forecast_demand(hist, 165, 0.95, 1, averaging=5)
+    none = forecast_demand(hist, 165, 0.95, 1)
+    assert short is not None and none is not None and short.band == pytest.approx(none.band)
+    mean, sd = statistics.fmean(ys), statistics.stdev(ys)
+    assert short.band == pytest.approx(Z95 * math.sqrt(sd**2 / 13 + mean * 1))
+
+
+def test_a_ramps_band_is_the_lines_prediction_interval_at_the_horizon() -> None:
+    """s^2 (1/n + (t_now + horizon - mean t)^2 / Sxx) x shared, plus the Poisson term."""
+    rng = random.Random(5)
+    hist = [(float(t), 1000.0 + 10.0 * t + rng.gauss(0, 40)) for t in range(0, 181, 15)]
+    fit = least_squares(hist)
+    assert fit is not None and abs(fit.slope) > 2 * (fit.slope_stderr * 2)  # a trend, shared 4
+    fc = forecast_demand(hist, 165, 0.95, 1, averaging=60)
+    assert fc is not None
+    se = fit.slope_stderr * 2  # sqrt(60 / 15)
+    level = fit.intercept + fit.slope * 180
+    assert fc.level == pytest.approx(level)
+    assert fc.slope == pytest.approx(fit.slope - se)
+    assert fc.mean == pytest.approx(level + (fit.slope - se) * 165)
+    s2 = fit.sse / (13 - 2)
+    assert fc.scatter == pytest.approx(math.sqrt(s2))
+    var_level = s2 * (1 / 13 + (180 + 165 - 90) ** 2 / fit.sxx) * 4
+    assert fc.band == pytest.approx(Z95 * math.sqrt(var_level + fc.mean))
+
+
+def test_shrink_is_how_many_standard_errors_come_off_the_slope() -> None:
+    """shrink 0 projects the fitted slope; shrink 1.5 takes 1.5 standard errors off it."""
+    rng = random.Random(1)
+    hist = [(float(t), 1000.0 + 10.0 * t + rng.gauss(0, 20)) for t in range(0, 181, 15)]
+    fit = least_squares(hist)
+    assert fit is not None
+    whole = forecast_demand(hist, 165, 0.95, 10, shrink=0.0)
+    less = forecast_demand(hist, 165, 0.95, 10, shrink=1.5)
+    assert whole is not None and less is not None
+    assert whole.slope == pytest.approx(fit.slope)
+    assert less.slope == pytest.approx(fit.slope - 1.5 * fit.slope_stderr)
+
+
+@pytest.mark.parametrize("amplitude", [0.4, 1.0, 1.6])
+def test_a_shrink_beyond_the_fitted_slope_projects_no_slope(amplitude: float) -> None:
+    """A slope of under `shrink` standard errors that passes a lower significance is projected
+    flat: taking the margin off must not reflect it past zero, or the weaker the fitted slope,
+    the steeper the projection."""
+    hist = [(15.0 * i, 1000.0 + amplitude * 3 * i + (100 if i % 2 else -100)) for i in range(13)]
+    fit = least_squares(hist)
+    assert fit is not None and 0 < fit.slope < 2 * fit.slope_stderr
+    fc = forecast_demand(hist, 165, 0.95, 1, significance=0.0, shrink=2.0)
+    assert fc is not None and fc.slope == 0.0
+
+
+def test_three_points_of_held_kv_measure_its_scatter() -> None:
+    """Held KV's scatter is around its own line, over n - 2 degrees of freedom, from 3 points."""
+    hist = [(float(t), 1000.0) for t in range(0, 181, 15)]
+    # A flat line at 1,200 with residuals -200, +400, -200: SSE 240,000 over 1 degree.
+    held = [(150.0, 1000.0), (165.0, 1600.0), (180.0, 1000.0)]
+    fc = forecast_demand(hist, 165, 0.95, 10, held=held)
+    assert fc is not None
+    assert fc.band == pytest.approx(Z95 * math.sqrt(240_000.0))
+
+
+def test_a_slope_is_projected_beyond_two_standard_errors_by_default() -> None:
+    """significance defaults to 2: 1.9 standard errors is noise, 2.8 is a trend."""
+
+    def ramp(growth: float) -> list[tuple[float, float]]:
+        return [
+            (15.0 * i, 1000.0 + growth * 15 * i + (100.0 if i % 2 else -100.0)) for i in range(13)
+        ]
+
+    for growth, projected in ((1.0, False), (1.5, True)):
+        fit = least_squares(ramp(growth))
+        fc = forecast_demand(ramp(growth), 165, 0.95, 10)
+        assert fit is not None and fc is not None
+        assert (abs(fit.slope) > 2 * fit.slope_stderr) is projected
+        assert (fc.slope != 0) is projected
+
+
+def test_rates_are_over_the_span_from_the_first_sample_to_the_last() -> None:
+    """The window is last t - first t, whatever the clock read at the first sample; two do."""
+    samples = [CounterSample(t, 2.0 * t, 2.0 * t, 1000.0 * t) for t in (100.0, 160.0)]
+    r = rates(samples)
+    assert r is not None and r.window_seconds == 60.0
+    assert (r.arrivals, r.departures, r.block_seconds) == pytest.approx((2.0, 2.0, 1000.0))
+
+
+def test_a_steady_series_with_no_noise_anywhere_has_no_band() -> None:
+    """No scatter, no Poisson term (0 blocks per request), held KV under 3 points: band 0."""
+    hist = [(float(t), 1000.0) for t in range(0, 181, 15)]
+    fc = forecast_demand(hist, 165, 0.95, 0, held=[(165.0, 900.0), (180.0, 1100.0)])
+    assert fc is not None and fc.band == 0.0 and fc.upper == 1000.0
+
+
+def test_an_idle_deployment_and_a_fall_below_zero_forecast_zero() -> None:
+    """Demand is never negative: the level and the mean stop at 0, not at some floor above."""
+    idle = forecast_demand([(float(t), 0.0) for t in range(0, 181, 15)], 165, 0.95, 10)
+    assert idle is not None and (idle.level, idle.mean, idle.band) == (0.0, 0.0, 0.0)
+    falling = forecast_demand([(0.0, 200.0), (15.0, 100.0), (30.0, 0.0)], 60, 0.95, 10)
+    assert falling is not None and falling.slope < 0
+    assert (falling.level, falling.mean) == pytest.approx((0.0, 0.0), abs=1e-9)

@@ -173,7 +173,7 @@ def forecast_demand(
             # only just passed the test loses most of its slope.
             margin = shrink * se
             level = fit.intercept + fit.slope * t_now
-            slope = math.copysign(abs(fit.slope) - margin, fit.slope)
+            slope = math.copysign(max(abs(fit.slope) - margin, 0.0), fit.slope)
             lever = (t_now + horizon - t_mean) ** 2 / fit.sxx if fit.sxx > 0 else 0.0
             var_level = scatter**2 * (1 / n + lever) * shared
         else:
