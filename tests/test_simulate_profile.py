@@ -15,6 +15,7 @@ from headroom.operator.reconcile.sizing import parse
 from headroom.operator.simulate import verdict
 from headroom.operator.simulate.profile import (
     PREFIX_WORTHWHILE,
+    Burstiness,
     burstiness,
     ideal_hit_ratio,
     in_flight,
@@ -380,3 +381,117 @@ def test_profile_columns_are_as_wide_as_their_widest_number() -> None:
     assert rows["KV tokens"][-1] == f"{p.kv_tokens_max:,.0f}"
     header, kv = (line for line in text.splitlines() if line.startswith(("in flight", "KV tok")))
     assert len(header) == len(kv)  # the header's labels stay over their columns
+
+
+def _five() -> Trace:
+    """Five requests whose every figure is worked out by hand below (512-token blocks: request
+    0 holds blocks 1 (512) and 2 (488), request 1 blocks 1 and 3 (88), request 2 blocks 4-7,
+    request 3 block 4 again, request 4 none)."""
+    return Trace(
+        "five",
+        np.array([0.0, 0.5, 1.2, 3.0, 3.1]),
+        np.array([1000, 600, 2000, 512, 300]),
+        np.array([40, 20, 100, 10, 60]),
+        ((1, 2), (1, 3), (4, 5, 6, 7), (4,), ()),
+    )
+
+
+def test_a_five_request_trace_s_in_flight_series_is_the_one_worked_out_by_hand() -> None:
+    # Ends at 2.1, 1.56, 6.4, 3.5512 and 6.13 s; each holds prompt + output / 2 (1020, 610,
+    # 2050, 517, 330). Sampled at whole seconds until two past the last end.
+    count, tokens = in_flight(_five(), decode_tps=20.0, prefill_tps=10_000.0)
+    assert count.tolist() == [1, 2, 2, 2, 2, 2, 2, 0, 0]
+    assert tokens.tolist() == pytest.approx([1020, 1630, 3070, 2567, 2380, 2380, 2380, 0, 0])
+    # Every other second at a step of 2 s: the same instants, the same requests.
+    count2, tokens2 = in_flight(_five(), 20.0, 10_000.0, step=2.0)
+    assert count2.tolist() == [1, 2, 2, 2, 0, 0]
+    assert tokens2.tolist() == pytest.approx([1020, 3070, 2380, 2380, 0, 0])
+    # Requests over within their second (at 0.2 and 2.7 s) still end two samples past the last.
+    quick = Trace("quick", np.array([0.0, 2.5]), np.full(2, 100), np.full(2, 2))
+    assert in_flight(quick, 20.0, 10_000.0)[0].tolist() == [1, 0, 0, 0, 0]
+
+
+def test_a_five_request_trace_s_profile_is_the_one_worked_out_by_hand() -> None:
+    p = profile(_five())
+    assert (p.decode_tps, p.prefill_tps) == (20.0, 10_000.0)  # the CLI's defaults
+    assert (p.requests, p.duration, p.rate) == (5, 3.1, pytest.approx(5 / 3.1))
+    assert p.concurrency == dict.fromkeys((50, 90, 95, 99), 2.0) and p.concurrency_max == 2
+    # Tokens sorted: 0, 0, 1020, 1630, 2380 x3, 2567, 3070; p90 is 2567 + 0.2 x 503.
+    assert p.kv_tokens[50] == 2380.0 and p.kv_tokens[90] == pytest.approx(2667.6)
+    assert p.kv_tokens_max == 3070.0
+    assert p.prompt[50] == 600.0 and p.prompt[90] == pytest.approx(1600.0)
+    assert p.output[50] == 40.0 and p.context[95] == pytest.approx(1888.0)
+    # Hits: block 1 (512 tokens) for request 1, block 4 (512) for request 3; of 4,412 tokens.
+    assert p.ideal_hit_ratio == pytest.approx(1024 / 4412)
+    assert p.burstiness == ()  # 3.1 s: not ten whole windows of any size
+
+
+def test_a_five_request_trace_s_shared_in_flight_is_the_one_worked_out_by_hand() -> None:
+    # Seconds 1-6 have two in flight: at 1 requests 0 and 1 share block 1 (512 of 1,630
+    # tokens), at 3 requests 2 and 3 share block 4 (512 of 2,567); the others share nothing.
+    shared = shared_in_flight(_five(), 20.0, 10_000.0)
+    assert shared is not None
+    assert shared.tolist() == pytest.approx([512 / 1630, 0, 512 / 2567, 0, 0, 0])
+    two = shared_in_flight(_five(), 20.0, 10_000.0, step=2.0)  # seconds 2, 4 and 6
+    assert two is not None and two.tolist() == [0, 0, 0]
+    p = profile(_five())
+    # Sorted 0 x4, 512 / 2567, 512 / 1630: p10 and p50 are 0, p90 halfway between the two.
+    assert p.shared_in_flight == {
+        10: 0.0,
+        50: 0.0,
+        90: pytest.approx((512 / 2567 + 512 / 1630) / 2),
+    }
+
+
+def test_burstiness_of_counts_worked_out_by_hand_leaves_out_the_partial_last_window() -> None:
+    # Ten whole 1 s windows hold 3, 0, 1, 0, 2, 0, 0, 4, 0, 0 arrivals (mean 1, variance 2);
+    # the arrival at 10.5 s is in a partial eleventh window, left out.
+    arrival = np.array([0.0, 0.3, 0.6, 2.5, 4.1, 4.9, 7.0, 7.2, 7.4, 7.99, 10.5])
+    trace = Trace("hand", arrival, np.full(11, 10), np.full(11, 10))
+    one = burstiness(trace, 1.0)
+    assert (one.window, one.dispersion, one.peak_to_mean) == (1.0, 2.0, 4.0)
+    # Five whole 2 s windows hold 3, 1, 2, 4, 0 (mean 2, variance 2).
+    two = burstiness(trace, 2.0)
+    assert (two.dispersion, two.peak_to_mean) == (pytest.approx(1.0), 2.0)
+    # A window longer than the trace: the one partial window is all there is (even, 10 in it).
+    assert burstiness(trace, 20.0) == Burstiness(20.0, 0.0, 1.0)
+    assert profile(trace).burstiness == (one,)  # 10.5 s: ten whole 1 s windows, not 10 s ones
+    # The README's three windows, 60 s from ten minutes on.
+    assert [b.window for b in profile(steady(seconds=601.0)).burstiness] == [1.0, 10.0, 60.0]
+
+
+@pytest.mark.parametrize(("hit", "decision"), [(0.099, "buys little"), (0.10, "on")])
+def test_prefix_caching_pays_from_the_10_percent_ideal_hit_ratio_the_readme_documents(
+    hit: float, decision: str
+) -> None:
+    p = replace(profile(steady(seconds=60.0)), ideal_hit_ratio=hit)
+    advice = verdict.prefix_caching(p)
+    assert advice.decision.startswith(decision) and "10%" in advice.why
+
+
+def test_an_empty_trace_profiles_as_zeros_not_an_error() -> None:
+    # The readers refuse an empty file, but profile() and burstiness() guard for none: no NaN.
+    empty = Trace("none", np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    p = profile(empty)
+    assert (p.requests, p.rate, p.concurrency_max, p.kv_tokens_max) == (0, None, 0, 0.0)
+    assert p.concurrency == dict.fromkeys((50, 90, 95, 99), 0.0)
+    assert p.prompt == p.output == p.context == dict.fromkeys((50, 90, 95, 99), 0.0)
+    assert burstiness(empty, 1.0) == Burstiness(1.0, 0.0, 0.0)
+
+
+def test_a_repeated_partial_last_block_hits_and_is_shared_with_its_own_tokens_only() -> None:
+    # Three 600-token prompts, blocks 512 + 88, the same all: the second and third find all 600
+    # cached; the third, alone in flight from 5 s, shares nothing (and its seconds are not counted).
+    arrival = np.array([0.0, 0.5, 5.0])
+    same = Trace("same", arrival, np.full(3, 600), np.full(3, 40), ((1, 2),) * 3)
+    assert ideal_hit_ratio(same) == pytest.approx(1200 / 1800)
+    shared = shared_in_flight(same, 20.0, 10_000.0)  # at 1 and 2 s, two hold 620 tokens each
+    assert shared is not None and shared.tolist() == pytest.approx([600 / 1240] * 2)
+    one = Trace("one", np.zeros(1), np.full(1, 100), np.full(1, 1), ((9,),))
+    assert ideal_hit_ratio(one) == 0.0  # one block id, never seen before: no hit, not unknown
+
+
+def test_a_trace_within_one_second_has_a_rate() -> None:
+    # Only a trace at one instant has none, not one shorter than a second.
+    blink = Trace("blink", np.array([0.0, 0.5]), np.full(2, 100), np.full(2, 10))
+    assert profile(blink).rate is not None

@@ -4,6 +4,7 @@ bench/traces: what they read, and how every kind of bad file is named."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -191,7 +192,10 @@ def test_a_bad_file_names_the_file_the_line_and_the_reason(
 
 def test_a_json_integer_beyond_a_float_is_a_trace_error(tmp_path: Path) -> None:
     text = '{"arrival_s": 1' + "0" * 400 + ', "prompt_tokens": 5, "output_tokens": 5}\n'
-    with pytest.raises(TraceError, match=r"^far\.jsonl:1: arrival time must be finite, got 1000"):
+    # Its first 24 digits are shown, not all 401.
+    with pytest.raises(
+        TraceError, match=r"^far\.jsonl:1: arrival time must be finite, got 10{23}\.\.\.$"
+    ):
         read_trace(write(tmp_path, "far.jsonl", text))
 
 
@@ -362,3 +366,121 @@ def test_classic_mac_and_windows_line_endings_are_read_with_their_lines(
     (tmp_path / "latin.csv").write_bytes(latin)
     with pytest.raises(TraceError, match=r"line 4 is not UTF-8"):
         read_trace(tmp_path / "latin.csv")
+
+
+def test_a_trace_may_span_31_days_and_no_more(tmp_path: Path) -> None:
+    month = 31 * 86_400
+    ok = write(
+        tmp_path, "month.csv", f"arrival_s,prompt_tokens,output_tokens\n0,5,5\n{month},5,5\n"
+    )
+    assert read_trace(ok).duration == month
+    over = write(
+        tmp_path, "over.csv", f"arrival_s,prompt_tokens,output_tokens\n0,5,5\n{month + 1},5,5\n"
+    )
+    with pytest.raises(TraceError) as info:
+        read_trace(over)
+    assert str(info.value) == (
+        "over.csv: arrivals span 31 days (0 to 2.6784e+06 s), more than the 31 a trace may: is "
+        "one timestamp from another clock?"
+    )
+
+
+def test_a_request_of_exactly_10_million_tokens_is_read_and_one_more_is_refused(
+    tmp_path: Path,
+) -> None:
+    ok = write(tmp_path, "ok.csv", "arrival_s,prompt_tokens,output_tokens\n0,9999999,1\n")
+    assert read_trace(ok).prompt.tolist() == [9_999_999]
+    # 10,000,000 prompt tokens is a count the CRD takes; with its output the context is not.
+    sum_over = write(tmp_path, "sum.csv", "arrival_s,prompt_tokens,output_tokens\n0,10000000,1\n")
+    with pytest.raises(TraceError, match=r"^sum\.csv:2: prompt \+ output tokens must be at most"):
+        read_trace(sum_over)
+    row = {"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5, "prefix_block_tokens": 10**7}
+    assert read_trace(write(tmp_path, "b.jsonl", json.dumps(row))).prefix_block_tokens == 10**7
+
+
+def test_block_ids_take_the_whole_signed_64_bit_range(tmp_path: Path) -> None:
+    lo, hi = -(2**63), 2**63 - 1
+    t = read_trace(write(tmp_path, "ids.jsonl", mooncake_line(0, 1024, 1, [lo, hi]) + "\n"))
+    assert t.prefix_blocks == ((lo, hi),)
+    with pytest.raises(TraceError, match=r"^low\.jsonl:1: hash_ids must be 64-bit .* got -9223"):
+        read_trace(write(tmp_path, "low.jsonl", mooncake_line(0, 1024, 1, [lo - 1, 0]) + "\n"))
+    # The message names the id out of range, not the edge of the range before it.
+    for ids, bad in (([lo, hi + 1], hi + 1), ([hi, lo - 1], lo - 1)):
+        with pytest.raises(TraceError, match=rf"got {bad}$"):
+            read_trace(write(tmp_path, "edge.jsonl", mooncake_line(0, 1024, 1, ids) + "\n"))
+    # An id of 24 characters is shown whole; one of 25 is cut to its first 24.
+    for n, shown in ((23, "-" + "9" * 23), (24, "-" + "9" * 23 + "...")):
+        line = mooncake_line(0, 600, 1, [1, -int("9" * n)])
+        with pytest.raises(TraceError) as info:
+            read_trace(write(tmp_path, "x.jsonl", line))
+        assert str(info.value).endswith(f"in size), got {shown}")
+
+
+@pytest.mark.parametrize("ids", ["[true, 2]", "5", '"1,2"', '{"1": 2}'])
+def test_block_ids_must_be_a_list_of_integers(tmp_path: Path, ids: str) -> None:
+    text = f'{{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": {ids}}}\n'
+    with pytest.raises(TraceError, match=r"^b\.jsonl:1: hash_ids must be a list of integers$"):
+        read_trace(write(tmp_path, "b.jsonl", text))
+
+
+def test_text_that_is_not_utf8_after_a_blank_first_line_names_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "blank.csv"
+    path.write_bytes(b"\narrival_s,prompt_tokens,output_tokens\n0,10,10\n\xff,1,1\n")
+    with pytest.raises(TraceError, match=r"blank\.csv: cannot read: line 4 is not UTF-8"):
+        read_trace(path)
+
+
+def test_a_json_lines_reader_reports_its_progress_in_lines(tmp_path: Path) -> None:
+    row = '{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5}\n'
+    path = write(tmp_path, "big.jsonl", row * 100_000)
+    seen: list[tuple[int, int]] = []
+    t = read_trace(path, progress=lambda done, total: seen.append((done, total)))
+    assert len(t) == 100_000 and seen == [(50_000, 100_001), (100_000, 100_001)]
+
+
+def test_scaled_rejects_a_rate_that_is_not_positive() -> None:
+    t = read_trace(MOONCAKE)
+    for factor in (0.0, -1.0):
+        with pytest.raises(ValueError, match=r"^the rate factor must be positive"):
+            scaled(t, factor, seed=1, jitter_seconds=5.0)
+
+
+def test_scaled_at_factor_one_without_jitter_is_the_trace_itself() -> None:
+    t = read_trace(MOONCAKE)
+    once = scaled(t, 1.0, seed=1, jitter_seconds=0.0)
+    assert np.array_equal(once.arrival, t.arrival) and np.array_equal(once.prompt, t.prompt)
+    assert once.prefix_blocks == t.prefix_blocks
+
+
+def test_an_azure_trace_with_an_extra_column_is_detected_and_read(tmp_path: Path) -> None:
+    text = (
+        "TIMESTAMP,ContextTokens,GeneratedTokens,Region\n"
+        "2023-11-16 18:15:46.5,374,44,eu\n2023-11-16 18:15:47,396,109,us\n"
+    )
+    t = read_trace(write(tmp_path, "az.csv", text))
+    assert t.arrival.tolist() == [0.0, 0.5] and t.prompt.tolist() == [374, 396]
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be"])
+def test_a_utf16_trace_is_told_to_be_saved_as_utf8(tmp_path: Path, encoding: str) -> None:
+    path = tmp_path / "wide.csv"
+    bom = "\ufeff".encode(encoding)
+    path.write_bytes(bom + "arrival_s,prompt_tokens,output_tokens\n0,10,10\n".encode(encoding))
+    with pytest.raises(TraceError, match=r"wide\.csv: cannot read: UTF-16 \(save it as UTF-8\)"):
+        read_trace(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "line"),
+    [
+        ("lead.jsonl", '\n\n{"arrival_s": 0,\n', 3),
+        ("lead.csv", "\n\n\ntime,prompt,output\n0,1,1\n", 4),
+        ("spaced.jsonl", '  \n{"arrival_s": 0,\n', 2),
+    ],
+)
+def test_a_bad_first_line_after_blank_ones_is_named_by_its_line_in_the_file(
+    tmp_path: Path, name: str, text: str, line: int
+) -> None:
+    """Format detection names the line an editor shows, as the readers do after it."""
+    with pytest.raises(TraceError, match=f"^{re.escape(name)}:{line}: "):
+        read_trace(write(tmp_path, name, text))

@@ -354,9 +354,13 @@ _READERS: dict[TraceFormat, Callable[[str, str, LineProgress | None], Trace]] = 
 
 def detect_format(text: str, path: Path) -> TraceFormat:
     """The format of a trace from its first line."""
-    first = text.lstrip().split("\n", 1)[0].strip()
+    rest = text.lstrip()
+    # Named by its line in the file: blank lines may come first.
+    line = text.count("\n", 0, len(text) - len(rest)) + 1
+    where = f"{path.name}:{line}"
+    first = rest.split("\n", 1)[0].strip()
     if first.startswith("{"):
-        obj = _json_object(first, f"{path.name}:1")
+        obj = _json_object(first, where)
         return "mooncake" if isinstance(obj, dict) and "input_length" in obj else "jsonl"
     # Read as the CSV readers read it: a header a spreadsheet quoted is still the header.
     try:
@@ -369,7 +373,7 @@ def detect_format(text: str, path: Path) -> TraceFormat:
     if head[:3] == GENERIC_HEADER:
         return "csv"
     raise TraceError(
-        f"{path.name}:1: not a trace this reads: expected the Azure header "
+        f"{where}: not a trace this reads: expected the Azure header "
         f"{','.join(AZURE_HEADER)}, the CSV header {','.join(GENERIC_HEADER)}, or JSON lines"
     )
 
