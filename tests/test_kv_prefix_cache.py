@@ -370,3 +370,77 @@ def test_prefix_counters_count_each_prompt_once_under_preemption() -> None:
     s = scheduler_stats(sched).prefix_cache
     assert s.queries_tokens_total == sum(len(p) for p in prompts)
     assert 0 < s.hits_tokens_total <= sum(len(p) - 1 for p in prompts)
+
+
+def test_a_colliding_block_never_takes_the_hash_from_a_live_entry() -> None:
+    # Hashes are given by hand: a collision is any two contents under one hash. The entry
+    # holding the hash keeps it while its parent is live (the root, or a block not evicted
+    # since), whichever block that parent is; the newcomer is refused and stays unfindable.
+    cache = PrefixCache(8)
+    assert cache.insert(0, 5, ROOT_REF, [1, 1], None) == cache.ref(0)
+    assert cache.insert(1, 5, ROOT_REF, [3, 3], None) is None, "a live root entry keeps it"
+    assert cache.match([5], [1, 1], 2, None) == [0] and cache.match([5], [3, 3], 2, None) == []
+    ref3 = cache.insert(3, 11, ROOT_REF, [1, 1], None)  # a parent in a block other than 0
+    assert ref3 is not None and cache.insert(4, 55, ref3, [5, 5], None) == cache.ref(4)
+    ref5 = cache.insert(5, 22, ROOT_REF, [2, 2], None)
+    assert ref5 is not None and cache.insert(6, 55, ref5, [5, 5], None) is None
+    assert cache.match([11, 55], [1, 1, 5, 5], 2, None) == [3, 4]
+    assert cache.match([22, 55], [2, 2, 5, 5], 2, None) == [5]
+
+
+def test_an_evicted_blocks_hash_is_forgotten_so_its_content_can_be_cached_again() -> None:
+    # Block 0 forgets [1, 1] and is reused for [2, 2]: [1, 1] computed again in block 1 must
+    # take the hash, not be refused as colliding with what block 0 holds now.
+    cache = PrefixCache(4)
+    assert cache.insert(0, 7, ROOT_REF, [1, 1], None) is not None
+    assert cache.park(0) and cache.evict() == 0
+    assert cache.insert(0, 8, ROOT_REF, [2, 2], None) == cache.ref(0)
+    assert cache.insert(1, 7, ROOT_REF, [1, 1], None) == cache.ref(1)
+    assert cache.match([7], [1, 1], 2, None) == [1] and cache.match([8], [2, 2], 2, None) == [0]
+
+
+def test_a_block_forgetting_content_twice_never_revives_an_old_ref() -> None:
+    # Refs name a block in one content: generations only grow, so once the orphan 1 gave up its
+    # hash and was evicted, block 1 holding [7, 7] is not the parent block 2 was computed after
+    # (even when the hash of [3, 3] collides across the two prefixes).
+    cache = PrefixCache(6)
+    ref = cache.insert(0, 11, ROOT_REF, [1, 1], None)
+    assert ref is not None and (ref := cache.insert(1, 22, ref, [2, 2], None)) is not None
+    assert cache.insert(2, 33, ref, [3, 3], None) is not None
+    assert cache.park(0) and cache.evict() == 0  # blocks 1 and 2 are orphans from here
+    ref = cache.insert(3, 11, ROOT_REF, [1, 1], None)
+    assert ref is not None and cache.insert(4, 22, ref, [2, 2], None) == cache.ref(4)
+    assert cache.park(1) and cache.evict() == 1
+    assert cache.insert(1, 77, ROOT_REF, [7, 7], None) == cache.ref(1)
+    assert cache.ref(1) != ROOT_REF
+    assert cache.match([77, 33], [7, 7, 3, 3], 2, None) == [1]
+    assert cache.match([11, 22], [1, 1, 2, 2], 2, None) == [3, 4]
+
+
+def test_a_freed_sequence_computed_again_registers_its_blocks_from_the_first() -> None:
+    # Preemption frees a sequence's blocks; if they are evicted while it waits, it recomputes
+    # from scratch and must register its chain again from block 0, not carry on from where the
+    # freed table left off.
+    kv = KVManager(4, 2, PrefixCache(4))
+    s = Sequence("s", [1, 2, 3, 4, 5], 1)
+
+    def admit_and_compute() -> None:
+        prefix = kv.computed_blocks(s)
+        assert prefix is not None
+        blocks, computed = prefix
+        kv.admit(s, blocks, computed, s.num_tokens - computed, [])
+        s.num_computed_tokens = s.num_tokens
+        kv.cache_blocks(s)
+
+    admit_and_compute()
+    kv.free(s)
+    s.num_computed_tokens = 0
+    filler = [kv.pool.allocate() for _ in range(4)]  # evicts both cached blocks
+    for b in filler:
+        kv.pool.free(b)
+    assert kv.pool.num_cached == 0
+    admit_and_compute()
+    assert s.num_cached_tokens == 0
+    kv.free(s)
+    again = kv.computed_blocks(Sequence("t", [1, 2, 3, 4, 6], 1))
+    assert again is not None and again[1] == 4

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from test_kv_model_sim import VOCAB, KVSimulator, drive, random_prompts, sample
 
 from headroom.engine.config import EngineConfig
 from headroom.engine.errors import RequestRejected
+from headroom.engine.kv_manager import KVManager
+from headroom.engine.prefix_cache import PrefixCache
 from headroom.engine.scheduled import SchedulerOutput
 from headroom.engine.scheduler import Scheduler
 from headroom.engine.sequence import Sequence, SequenceStatus
@@ -141,6 +144,27 @@ def test_decodes_keep_running_while_a_long_prompt_prefills() -> None:
         assert [e.seq for e in out.prefills] == [long]
         assert out.prefills[0].num_new_tokens == 12  # the budget less one token per decode
         assert out.scheduled == out.prefills + out.decodes
+
+
+def test_admissions_share_the_steps_token_budget() -> None:
+    # Each admission spends its chunk of the budget: the next one gets what is left, chunked.
+    sched, sim = make(max_num_batched_tokens=16)
+    a, b, c = (seq(10, max_tokens=2, start=20 * i) for i in range(3))
+    for s in (a, b, c):
+        sched.add(s)
+    out = step(sched, sim)
+    assert [(e.seq, e.num_new_tokens) for e in out.scheduled] == [(a, 10), (b, 6)]
+    assert out.num_batched_tokens == 16 and c.status is SequenceStatus.WAITING
+
+
+def test_a_budget_of_one_token_per_step_still_runs_every_request() -> None:
+    # The smallest budget: one prompt token per step, then one decode per step each.
+    sched, sim = make(max_num_batched_tokens=1)
+    a, b = seq(3, max_tokens=2), seq(2, max_tokens=2, start=10)
+    sched.add(a)
+    sched.add(b)
+    assert drive(sched, sim, max_steps=20) == (3 + 1) + (2 + 1)  # prompt tokens, a decode
+    assert len(a.output_token_ids) == len(b.output_token_ids) == 2
 
 
 def test_max_num_seqs_caps_the_running_set() -> None:
@@ -326,6 +350,7 @@ def test_update_checks_the_sampled_tokens_against_the_step() -> None:
 
 def test_an_empty_step_is_harmless() -> None:
     sched, _ = make()
+    assert scheduler_stats(sched).last_step_schedule_seconds == 0.0, "no step planned yet"
     out = sched.schedule()
     assert out.is_empty and scheduler_stats(sched).steps_total == 0
     assert sched.update(out, {}) == []
@@ -381,6 +406,111 @@ def test_a_sibling_whose_first_sibling_is_gone_computes_the_prompt_itself() -> N
     assert other.output_token_ids == first.output_token_ids
 
 
+def test_a_sibling_joins_once_its_first_has_computed_all_but_the_prompts_last_token() -> None:
+    # The siblings share the prompt less its last token (each computes that one itself), so a
+    # chunk ending there is enough: the sibling joins in the step that finishes the prompt.
+    sched, sim = make(block_size=4, max_num_batched_tokens=8)
+    first = seq(9, max_tokens=3)
+    (other,) = siblings(first, 1)
+    sched.add(first)
+    sched.add(other)
+    step(sched, sim)
+    assert first.num_computed_tokens == 8 and other.status is SequenceStatus.WAITING
+    out = step(sched, sim)
+    assert [(e.seq, e.start, e.num_new_tokens) for e in out.scheduled] == [
+        (first, 8, 1),
+        (other, 8, 1),
+    ]
+    assert other.num_cached_tokens == 8 and other.block_table[:2] == first.block_table[:2]
+    assert not out.blocks_to_copy, "the shared blocks are full: nothing to copy"
+    drive(sched, sim)
+    assert other.output_token_ids == first.output_token_ids
+
+
+@pytest.mark.parametrize(("prompt_len", "num_blocks"), [(6, 2), (3, 1)])
+def test_a_sibling_waits_while_no_block_is_left_for_its_copy(
+    prompt_len: int, num_blocks: int
+) -> None:
+    # The shared prompt ends in a partly filled block, so joining takes one block for the
+    # sibling's private copy, even when the whole prompt fits in one block: a full pool waits.
+    max_tokens = num_blocks * 4 - prompt_len + 1  # the first sibling fills the pool exactly
+    sched, sim = make(num_blocks=num_blocks, block_size=4, max_model_len=16)
+    first = seq(prompt_len, max_tokens=max_tokens)
+    (other,) = siblings(first, 1)
+    sched.add(first)
+    sched.add(other)
+    step(sched, sim)
+    assert sched.kv.num_available == 0
+    out = step(sched, sim)
+    assert [e.seq for e in out.scheduled] == [first] and not out.blocks_to_copy
+    assert other.status is SequenceStatus.WAITING
+    drive(sched, sim)
+    assert len(other.output_token_ids) == max_tokens and sched.kv.pool.num_used == 0
+
+
+def test_a_shared_partial_last_block_is_copied_and_only_the_room_left_is_taken() -> None:
+    # `allocate_slots` returns the tokens that fit: with a copy to make first, one block less.
+    kv = KVManager(3, 4, None)
+    first = Sequence("a", list(range(6)), 4)
+    kv.admit(first, [], 0, 6, [])
+    first.num_computed_tokens = 6
+    other = Sequence("a", first.prompt_token_ids, 4, sibling_of=first)
+    for b in first.block_table:  # as a sibling's admission leaves it before its first write
+        kv.pool.share(b)
+    other.block_table[:] = first.block_table
+    other.num_computed_tokens = 5
+    copies: list[tuple[int, int]] = []
+    assert kv.allocate_slots(other, 8, copies) == 3  # the rest of its private copy, no more
+    assert copies == [(1, 2)] and other.block_table == [0, 2] and first.block_table == [0, 1]
+    assert kv.pool.ref_counts == [2, 1, 1] and kv.num_available == 0
+
+
+def test_blocks_to_admit_counts_revived_blocks_the_private_copy_and_new_blocks() -> None:
+    kv = KVManager(8, 4, PrefixCache(8))
+    first = Sequence("a", list(range(6)), 8)
+    kv.admit(first, [], 0, 6, [])
+    first.num_computed_tokens = 6
+    kv.cache_blocks(first)  # its full block 0 is findable
+    # A sibling preempted after 3 outputs rejoins from the 5 shared prompt tokens: a copy of
+    # the partly filled block 1, and a new block for position 8.
+    assert kv.blocks_to_admit(first.block_table, 5, 4) == 2
+    assert kv.blocks_to_admit(first.block_table[:1], 4, 1) == 1, "in use: no revival, 1 new"
+    kv.free(first)
+    # A repeat of the prompt hits block 0, parked now: reviving it takes a block of room too.
+    assert kv.pool.num_cached == 1 and kv.blocks_to_admit([0], 4, 2) == 2
+
+
+def test_a_repeated_prompt_filling_the_pool_exactly_is_admitted_from_its_cached_blocks() -> None:
+    # A prefix of whole blocks has nothing to copy: a hit of 2 blocks plus 1 new fits 3.
+    sched, sim = make(num_blocks=3, block_size=4, max_model_len=12, watermark=0.0)
+    first = seq(9, max_tokens=1)
+    sched.add(first)
+    drive(sched, sim)
+    again = Sequence("b", first.prompt_token_ids, 1)
+    sched.add(again)
+    drive(sched, sim, max_steps=5)
+    assert again.num_cached_tokens == 8 and again.output_token_ids == first.output_token_ids
+
+
+def test_a_sequence_whose_own_last_block_is_private_is_never_copied() -> None:
+    # b shares a's first block through the prefix cache; its partly filled last block is its
+    # own, so no step copies anything (a self-copy would also cost a block of room).
+    sched, sim = make(block_size=4)
+    prompt = [5, 6, 7, 8, 9]
+    a = Sequence("a", prompt, 6)
+    sched.add(a)
+    copies = list(step(sched, sim).blocks_to_copy)
+    b = Sequence("b", prompt, 6)
+    sched.add(b)
+    while sched.has_unfinished():
+        out = step(sched, sim)
+        copies += out.blocks_to_copy
+        if b.block_table and a.block_table:
+            assert b.block_table[0] == a.block_table[0]
+    assert b.num_cached_tokens == 4 and copies == []
+    assert b.output_token_ids == a.output_token_ids
+
+
 # -- stats -------------------------------------------------------------------------------
 
 
@@ -398,6 +528,16 @@ def test_stats_snapshot_reports_blocks_requests_and_timings() -> None:
     assert st.steps_total == 1 and st.last_step_schedule_seconds > 0
     assert st.prefix_cache.enabled and st.prefix_cache.queries_tokens_total == 18
     assert st.model_dump()["kv"]["cached"] == st.kv.cached
+
+
+def test_the_schedule_time_is_the_duration_of_the_schedule_call() -> None:
+    # An interval inside the caller's: not a threshold, so no host is too slow for it.
+    sched, _ = make()
+    sched.add(seq(9))
+    before = time.perf_counter()
+    sched.schedule()
+    took = time.perf_counter() - before
+    assert 0 < scheduler_stats(sched).last_step_schedule_seconds <= took
 
 
 def _count_prefix_walks(sched: Scheduler, monkeypatch: pytest.MonkeyPatch) -> list[int]:
