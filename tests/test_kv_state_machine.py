@@ -301,6 +301,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert all(0 <= t < VOCAB for t in seq.output_token_ids)
             # Every computed position holds this sequence's own KV.
             self.sim.check(seq, seq.num_computed_tokens)
+        # Every decode, then at most one prefill, last: what lets `schedule()` give each
+        # sequence in turn what the budget has left without starving a decode behind it.
+        assert all(s.num_tokens - s.num_computed_tokens == 1 for s in sched.running[:-1])
         # A sequence finished while it waited stays in the queue until it reaches the front.
         waiting = [s for s in sched.waiting if s.status is SequenceStatus.WAITING]
         assert set(self.live) == {s.seq_id for s in [*waiting, *sched.running]} == set(sched.seqs)

@@ -2,11 +2,12 @@
 
 One step, `schedule()`:
 1. Running sequences, oldest admission first, each get their next tokens: one for a decode,
-   a chunk of the prompt (bounded by the per-step token budget, less one token kept back for
-   every decode still to come) for a prefill. A sequence whose tokens find no room, even after
-   evicting cached prefix blocks, preempts the most recently admitted sequence by recompute
-   (its blocks freed, itself requeued at the front of the waiting queue) until it fits; a
-   prefill chunk shrinks to the room there is before preempting anyone. KV never runs out: at
+   a chunk of the prompt (bounded by what the per-step token budget has left) for a prefill;
+   every decode comes before the one prefill that may still be running. A sequence whose
+   tokens find no room, even after evicting cached prefix blocks, preempts the most recently
+   admitted sequence by recompute (its blocks freed, itself requeued at the front of the
+   waiting queue) until it fits; a prefill chunk shrinks to the room there is before
+   preempting anyone. KV never runs out: at
    worst the oldest sequence runs alone, and `add` rejects what cannot fit alone.
 2. Waiting sequences are admitted first come, first served, each from its computed prefix
    (see `KVManager.computed_blocks`), while the budget, `max_num_seqs` and the blocks allow:
@@ -115,24 +116,16 @@ class Scheduler:
         out = SchedulerOutput()
         running, max_seqs = self.running, self.config.max_num_seqs
         budget = self.config.max_num_batched_tokens
-        # One budget token is held back for every decode not yet reached, so a prefill chunk
-        # early in the order cannot starve the decodes behind it.
-        pending = sum(1 for s in running[:max_seqs] if s.num_tokens - s.num_computed_tokens == 1)
+        # Running is every decode, then at most one prefill, last: admission stops at the first
+        # prompt the budget or the blocks cut short, and preemption takes from the tail. So each
+        # sequence in turn may take what the budget has left without starving a decode.
         i = 0
         while i < len(running) and i < max_seqs and budget > 0:
             seq = running[i]
             computed = seq.num_computed_tokens
-            n = remaining = seq.num_tokens - computed
-            if remaining == 1:
-                pending -= 1
-            elif (n := min(remaining, budget - pending)) <= 0:
-                i += 1
-                continue
+            n = min(seq.num_tokens - computed, budget)
             while not (m := self.kv.allocate_slots(seq, n, out.blocks_to_copy)):
                 victim = running.pop()
-                decode = victim.num_tokens - victim.num_computed_tokens == 1
-                if decode and victim is not seq and len(running) < max_seqs:
-                    pending -= 1  # a decode this step would have reached no longer runs
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
