@@ -66,3 +66,11 @@ def test_a_source_without_arrivals_is_left_as_it_is() -> None:
     reading = parse_vllm_metrics("vllm:kv_cache_usage_perc 0.5\n")
     assert reading.requests_arrived_total is None
     assert ArrivalCounter().apply(reading) is reading
+
+
+def test_a_fall_under_the_same_instance_id_is_held_not_a_restart() -> None:
+    """With an instance id on every reading, only a new id restarts the count: an abort's fall
+    under the same id is held, and only the next rise is counted."""
+    arrivals = ArrivalCounter()
+    counted = [arrivals.apply(_vllm(10, r, 0, start=1.0)).requests_arrived_total for r in (3, 2, 3)]
+    assert counted == [13, 13, 14]

@@ -544,9 +544,15 @@ def test_a_server_with_its_radix_cache_off_says_so(disabled: object, enabled: bo
         ),
         # no internal states: the first rank's pool, once per data-parallel rank
         (_info(max_total_num_tokens=5000, dp_size=2), (5000, 5000), None),
-        (_info(max_total_num_tokens=5000, internal_states=[]), (5000,), None),
+        (_info(max_total_num_tokens=5000, internal_states=[], page_size=1), (5000,), 1),
         # an internal state without a capacity: the top-level figure
         (_info(max_total_num_tokens=700, internal_states=[{"memory_usage": {}}]), (700,), None),
+        # internal states of no shape the endpoint documents: the top-level figure too
+        (
+            _info(max_total_num_tokens=700, internal_states=[{"memory_usage": None}, "x"]),
+            (700,),
+            None,
+        ),
     ],
 )  # fmt: skip
 def test_server_info_pool_sizes(body: bytes, pool: tuple[int, ...], page: int | None) -> None:
@@ -671,6 +677,59 @@ def test_a_ratio_the_gauge_disagrees_with_gives_way_to_the_gauge(server: SglangS
     r = parse_sglang_metrics(server.text())
     assert r.occupancy == pytest.approx(0.9)
     assert (r.capacity_blocks, r.used_blocks) == (10000, 9000)
+
+
+@pytest.mark.parametrize(
+    ("used", "gauge", "occupancy"),
+    [
+        (125, 0.13, 0.125),  # half a hundredth off, as the rounding can be: the exact ratio
+        (125, 0.12, 0.125),
+        (122, 0.13, 0.13),  # further than the rounding: the gauge
+        (138, 0.13, 0.13),
+    ],
+)
+def test_the_ratio_is_read_within_the_gauges_rounding_and_no_further(
+    used: int, gauge: float, occupancy: float
+) -> None:
+    """`sglang:token_usage` is rounded to 2 decimals: used / pool is read where it is within
+    half a hundredth of the gauge (the edge included), the gauge where it is further."""
+    text = (
+        f'sglang:token_usage{{tp_rank="0"}} {gauge}\n'
+        f'sglang:num_used_tokens{{tp_rank="0"}} {used}\n'
+        'sglang:max_total_num_tokens{tp_rank="0"} 1000\n'
+    )
+    assert parse_sglang_metrics(text).occupancy == pytest.approx(occupancy)
+
+
+def test_a_pool_read_just_past_full_counts_as_full_beside_another() -> None:
+    """Used tokens a little over the pool (the gauge says 1.0) are a full pool: its blocks are
+    counted once, not its overshoot, in the occupancy of two data-parallel pools."""
+    text = "".join(
+        f'sglang:{name}{{dp_rank="{rank}",tp_rank="{rank}"}} {value}\n'
+        for rank, gauge, used in ((0, 1.0, 1003), (1, 0.5, 500))
+        for name, value in (
+            ("token_usage", gauge),
+            ("num_used_tokens", used),
+            ("max_total_num_tokens", 1000),
+        )
+    )
+    r = parse_sglang_metrics(text)
+    assert (r.occupancy, r.capacity_blocks, r.used_blocks) == (0.75, 2000, 1500)
+
+
+@pytest.mark.parametrize("grammar", ["", 'sglang:num_grammar_queue_reqs{tp_rank="0"} 0\n'])
+def test_arrivals_without_requests_in_the_grammar_queue(grammar: str) -> None:
+    """An absent or empty grammar queue adds no arrival: departed + running + waiting."""
+    text = _USAGE + "sglang:num_requests_total 5\nsglang:num_running_reqs 3\n"
+    r = parse_sglang_metrics(text + "sglang:num_queue_reqs 2\n" + grammar)
+    assert r.requests_arrived_total == 5 + 3 + 2
+
+
+def test_instance_id_is_the_process_start_time_where_exported() -> None:
+    """A server that exports its process start time is told apart by it across restarts."""
+    first = parse_sglang_metrics(_USAGE + "process_start_time_seconds 1700000000.5\n")
+    again = parse_sglang_metrics(_USAGE + "process_start_time_seconds 1700000100.25\n")
+    assert (first.instance_id, again.instance_id) == ("1700000000.5", "1700000100.25")
 
 
 def test_prefix_counters_read_no_cached_series_as_no_hits_yet() -> None:

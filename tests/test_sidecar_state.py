@@ -12,8 +12,8 @@ from synthetic_engine import SyntheticEngine
 from headroom.sidecar.accrual import ArrivalCounter
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.sglang_source import SglangServerInfo, parse_sglang_metrics
-from headroom.sidecar.sources import parse_headroom_stats
-from headroom.sidecar.state import PollState, figures
+from headroom.sidecar.sources import EngineReading, parse_headroom_stats
+from headroom.sidecar.state import PollState, figures, finite_or_none
 
 CFG = SidecarConfig(engine_url="http://127.0.0.1:1", interval=1.0, timeout=0.5, window=10.0,
                     forecast_window=10.0)  # fmt: skip
@@ -66,6 +66,7 @@ def test_stale_reading_is_not_fresh() -> None:
     late = figures(state, CFG, now=4.0 + CFG.stale_after + 0.01)
     assert late.engine_up and not late.fresh  # last poll was fine, but too long ago
     assert late.reading is None and late.eta_seconds is None and late.hit_ratio is None
+    assert (late.forecast_points, late.fit_points) == (0, 0)
 
 
 def test_failed_poll_drops_figures_but_keeps_model_label() -> None:
@@ -397,3 +398,137 @@ def test_sglang_restart_starts_the_stats_log_afresh() -> None:
     # that the stale gauges still show them.
     assert 0 < last.block_seconds <= 1.0 * (PROMPT + 200)
     assert state.sglang_held == 0.0
+
+
+def test_polls_total_counts_every_poll_good_or_bad() -> None:
+    """A failed poll is a poll too: the poller's first-poll log line depends on the count."""
+    eng = SyntheticEngine()
+    state = _state()
+    _poll(state, eng, 0.0)
+    state.record_error("unreachable", "refused")
+    _poll(state, eng, 1.0)
+    assert state.polls_total == 3
+
+
+def test_forecast_fits_the_sample_exactly_a_forecast_window_old() -> None:
+    """The fit spans [now - forecast_window, now], both ends included."""
+    eng = SyntheticEngine(capacity=1000)
+    state = _state()
+    for t in range(11):
+        eng.set_used(100 + 10 * t)
+        _poll(state, eng, float(t))
+    assert figures(state, CFG, now=10.0).forecast_points == 11
+
+
+def _sglang(running: int, waiting: int, used: int, departed: int | None) -> EngineReading:
+    """An SGLang reading of a 1,000-token pool (page 1: a block is a token)."""
+    text = (
+        f"sglang:token_usage {round(used / 1000, 2)}\nsglang:num_used_tokens {used}\n"
+        f"sglang:num_running_reqs {running}\nsglang:num_queue_reqs {waiting}\n"
+    )
+    if departed is not None:
+        text += f"sglang:num_requests_total {departed}\n"
+    return parse_sglang_metrics(text, server_info=SglangServerInfo((1000,), 1))
+
+
+def test_sglang_blocks_held_between_logs_follow_the_requests_that_finish() -> None:
+    """Between two stats logs the blocks held are the log's, in proportion to the requests it
+    reported in flight that have not finished since (counted from the poll before the log); a
+    log with none in flight holds its blocks while arrivals exceed departures, then none."""
+    polls = [
+        # (running, waiting, used, departed) -> (blocks held, arrivals)
+        ((4, 0, 400, 10), (400, 14)),
+        ((1, 1, 200, 10), (200, 14)),  # a new log: 2 in flight, 10 departed before it
+        ((1, 1, 200, 11), (100, 14)),  # one of its 2 has finished since
+        ((1, 0, 100, 11), (100, 14)),  # a new log: 1 in flight
+        ((1, 0, 100, 12), (0, 14)),  # ... finished
+        ((0, 0, 50, 12), (50, 14)),  # a new log: none in flight, 14 arrived > 12 departed
+        ((0, 0, 50, 12), (50, 14)),
+        ((0, 0, 50, 14), (0, 14)),  # all that arrived have departed
+    ]
+    state = PollState(horizon=1e9)
+    for t, (gauges, want) in enumerate(polls):
+        state.record_success(_sglang(*gauges), float(t))
+        assert state.last_reading is not None
+        assert (state.sglang_held, state.last_reading.requests_arrived_total) == want, t
+
+
+def test_sglang_an_idle_server_at_its_first_poll_has_no_arrivals() -> None:
+    """Nothing departed and nothing in flight is 0 arrivals, not a made-up first one."""
+    state = PollState(horizon=1e9)
+    state.record_success(_sglang(0, 0, 0, 0), 0.0)
+    assert state.last_reading is not None and state.last_reading.requests_arrived_total == 0
+
+
+def test_sglang_restart_keeps_the_log_the_new_server_wrote_before_its_counter() -> None:
+    """A log read without the counter after one with it is the new server's: when its counter
+    comes back lower (the restart seen), that log is kept, with the request that finished since
+    no longer holding its blocks."""
+    state = PollState(horizon=1e9)
+    state.record_success(_sglang(2, 0, 200, 10), 0.0)
+    state.record_success(_sglang(2, 0, 200, None), 1.0)  # restarted; no counter yet
+    assert state.record_success(_sglang(2, 0, 200, 1), 2.0)  # its first request finished
+    assert state.last_reading is not None
+    assert (state.sglang_held, state.last_reading.requests_arrived_total) == (100, 2)
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"), [(1.5, 1.5), (0.0, 0.0), (math.inf, None), (math.nan, None), (None, None)]
+)
+def test_finite_or_none_keeps_only_what_json_can_carry(
+    value: float | None, shown: float | None
+) -> None:
+    """`/saturation` is JSON, which has no Inf or NaN: those are shown as null, finite ones kept."""
+    assert finite_or_none(value) == shown
+
+
+def test_integrated_block_seconds_start_again_from_zero_at_a_restart() -> None:
+    """For a source without its own block-seconds the sidecar integrates used blocks over the
+    time between polls, per engine life: a restarted engine's first poll has integrated none."""
+    eng = SyntheticEngine(capacity=1000)
+    eng.set_used(100)
+    state = _state()
+
+    def poll(t: float) -> None:
+        reading = replace(parse_headroom_stats(eng.body()), kv_block_seconds_total=None,
+                          requests_arrived_total=t, requests_departed_total=t)  # fmt: skip
+        state.record_success(reading, t)
+
+    poll(0.0)
+    poll(0.5)  # polls closer than a second: 100 blocks for half a second
+    assert figures(state, CFG, now=0.5).block_seconds_total == pytest.approx(50.0)
+    eng.restart()
+    eng.set_used(100)
+    poll(1.0)
+    assert state.restarts_total == 1
+    assert figures(state, CFG, now=1.0).block_seconds_total == 0.0
+    poll(3.0)
+    assert figures(state, CFG, now=3.0).block_seconds_total == pytest.approx(200.0)
+
+
+def test_sglang_reading_without_the_queue_gauge_is_kept_as_parsed() -> None:
+    """Without both request gauges there is no stats log to read: no arrivals estimate, and
+    the used blocks are integrated as reported."""
+    state = PollState(horizon=1e9)
+    reading = replace(_sglang(2, 0, 200, 10), waiting=None, requests_arrived_total=None)
+    assert not state.record_success(reading, 0.0)
+    assert state.last_reading == reading and state.sglang_held == 200
+
+
+def test_sglang_restart_forgets_the_old_servers_counted_log() -> None:
+    """A log read with the old server's counter is not the new server's: after the counter
+    falls, arrivals are the new server's departures plus its requests in flight."""
+    state = PollState(horizon=1e9)
+    state.record_success(_sglang(2, 0, 200, 10), 0.0)
+    assert state.record_success(_sglang(2, 0, 200, 1), 1.0)  # same gauges, counter fell
+    assert state.last_reading is not None
+    assert (state.sglang_held, state.last_reading.requests_arrived_total) == (200, 3)
+
+
+def test_sglang_first_log_of_an_epoch_counts_departures_from_none() -> None:
+    """At an epoch's first poll, when the log was written is unknown: every departure seen
+    since counts against the requests it reported in flight."""
+    state = PollState(horizon=1e9)
+    state.record_success(_sglang(4, 0, 400, 2), 0.0)
+    state.record_success(_sglang(4, 0, 400, 3), 1.0)  # 3 of its 4 may have finished
+    assert state.sglang_held == 100

@@ -639,6 +639,26 @@ vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.2
             None,
             0.35,
         ),
+        # any positive count is a pool, the smallest included
+        (
+            'block_size="16",engine="0",num_gpu_blocks="1"} 1.0\n'
+            'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1"',
+            1,
+            0.35,
+        ),
+        # the same count on both, but no pool's (0 blocks, or the label before it is set)
+        (
+            'block_size="16",engine="0",num_gpu_blocks="0"} 1.0\n'
+            'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="0"',
+            None,
+            0.35,
+        ),
+        (
+            'block_size="16",engine="0",num_gpu_blocks="None"} 1.0\n'
+            'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="None"',
+            None,
+            0.35,
+        ),
     ],
 )
 def test_engines_pair_with_their_cache_config(
