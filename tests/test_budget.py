@@ -16,12 +16,15 @@ from headroom.contract.budget import (
     GPU_PRESETS,
     MODEL_PRESETS,
     PlanInput,
+    activation_reserve_bytes,
     from_hf_config,
     from_hf_dict,
     gpu_preset,
     kv_bytes_per_block,
     kv_bytes_per_token,
+    kv_cache_dtype,
     kv_heads_per_rank,
+    layers_per_stage,
     max_concurrent_sequences,
     model_preset,
     plan,
@@ -29,6 +32,7 @@ from headroom.contract.budget import (
     reservation_waste,
     sequence_kv_bytes,
     tp_split_error,
+    usable_kv_bytes_per_gpu,
     weights_bytes,
     weights_bytes_per_gpu,
 )
@@ -384,3 +388,261 @@ def test_a_qwen2_config_windows_only_what_transformers_windows(tmp_path: Path) -
     assert from_hf_dict(llama).num_sliding_window_layers == 0
     gemma2 = {**qwen, "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}
     assert from_hf_dict(gemma2).num_sliding_window_layers == 4
+
+
+def test_kv_element_width_follows_the_stored_dtype() -> None:
+    """fp16 KV is as wide as bf16 and fp32 twice that; `auto` reads the compute dtype."""
+    bf16 = kv_bytes_per_token(L70, "bf16")
+    assert kv_bytes_per_token(L70, "fp16") == bf16
+    assert kv_bytes_per_token(L70, "fp32") == 2 * bf16
+    assert kv_cache_dtype("auto", "torch.float16") == "fp16"
+    assert kv_cache_dtype("auto", "bf16") == "bf16"
+    assert kv_cache_dtype("fp8", "torch.bfloat16") == "fp8"
+    with pytest.raises(ValueError, match="KV cannot be stored as 'int4'"):
+        kv_cache_dtype("auto", "int4")
+
+
+def test_mla_int8_pays_one_scale_per_token_and_layer() -> None:
+    """MLA's int8 cache is the one-byte latent plus one fp32 scale for its single shared head."""
+    ds = model_preset("deepseek-v3")
+    assert kv_bytes_per_token(ds, "int8") == 61 * (512 + 64 + 4)
+    assert kv_bytes_per_token(ds, "int8", tp=8) == kv_bytes_per_token(ds, "int8")
+
+
+def test_pipeline_stages_split_layers_and_weights() -> None:
+    """pp stages each hold ceil(layers / pp) layers and 1 / (tp x pp) of the weights."""
+    assert layers_per_stage(L70) == 80 and kv_heads_per_rank(L70) == 8
+    assert weights_bytes_per_gpu(L70) == weights_bytes(L70)
+    assert layers_per_stage(L70, 3) == 27  # the most loaded stage of 27 + 27 + 26
+    assert kv_bytes_per_token(L70, "bf16", tp=4, pp=3) == 27 * 2 * 2 * 128 * 2
+    assert kv_bytes_per_block(L70, 16, "bf16", tp=4, pp=2) == 16 * 40 * 2 * 2 * 128 * 2
+    assert weights_bytes_per_gpu(L70, tp=2, pp=2) == -(-weights_bytes(L70) // 4)
+    assert weights_bytes_per_gpu(L70, tp=4, pp=2) == -(-weights_bytes(L70) // 8)
+    # Every layer windowed: each of 2 stages holds 21 layers of 4,096 tokens.
+    windowed = model_preset("gemma-2-9b").model_copy(update={"num_sliding_window_layers": 42})
+    per_layer = 2 * 8 * 256 * 2
+    assert sequence_kv_bytes(windowed, 8192, pp=2) == per_layer * 21 * 4096
+
+
+def test_parallel_sizes_and_block_size_below_one_are_refused() -> None:
+    """tp, pp and block size of 0 are errors naming the setting, not a 0-division or 0 bytes."""
+    with pytest.raises(ValueError, match="tensor parallel size must be >= 1"):
+        kv_heads_per_rank(L8, 0)
+    with pytest.raises(ValueError, match="pipeline parallel size must be >= 1"):
+        layers_per_stage(L8, 0)
+    with pytest.raises(ValueError, match="block size must be >= 1"):
+        kv_bytes_per_block(L8, 0)
+    assert kv_bytes_per_block(L8, 1) == kv_bytes_per_token(L8)
+
+
+def test_activation_reserve_is_a_gib_plus_four_bf16_prefill_buffers() -> None:
+    """1 GiB + max_num_batched_tokens x (hidden + MLP width / tp) x 2 bytes x 4 buffers."""
+    assert activation_reserve_bytes(L8) == GIB + 8192 * (4096 + 14336) * 2 * 4
+    assert activation_reserve_bytes(L8, 2) == GIB + 8192 * (4096 + 14336 // 2) * 2 * 4
+    assert activation_reserve_bytes(L8, 1, 2048) == GIB + 2048 * (4096 + 14336) * 2 * 4
+    # Without an intermediate size the MLP is taken as 4 x hidden; bytes stay whole.
+    no_mlp = L8.model_copy(update={"intermediate_size": None})
+    assert activation_reserve_bytes(no_mlp, 3) == GIB + 8192 * (4096 + 16384 // 3) * 2 * 4
+    assert isinstance(activation_reserve_bytes(no_mlp, 3), int)
+
+
+def test_usable_kv_is_the_utilized_memory_less_weights_and_reserve() -> None:
+    """Utilization must lie in (0, 1]; what it leaves may go negative to flag a misfit."""
+    assert usable_kv_bytes_per_gpu(100 * GIB, 60 * GIB, 5 * GIB) == 25 * GIB
+    assert usable_kv_bytes_per_gpu(100 * GIB, 60 * GIB, 5 * GIB, 1.0) == 35 * GIB
+    assert usable_kv_bytes_per_gpu(10 * GIB, 9 * GIB, 2 * GIB, 1.0) == -GIB
+    for bad in (0.0, 1.01):
+        with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+            usable_kv_bytes_per_gpu(100 * GIB, 0, 0, bad)
+
+
+def test_capacity_edges_prefix_bounds_and_an_empty_pod() -> None:
+    """A prefix ratio must lie in [0, 1); a pool smaller than the shared prefix holds nothing;
+    a pod that holds no sequence cannot be replicated to cover a peak."""
+    assert max_concurrent_sequences(10, 160, 16, 0.0) == 1
+    assert max_concurrent_sequences(4, 160, 16, 0.5) == 0  # 5 shared blocks do not fit in 4
+    assert max_concurrent_sequences(9, 160, 16) == 0
+    assert max_concurrent_sequences(1, 16, 16) == 1
+    # 50 shared tokens are 3 whole shared blocks: (100 - 3) // (7 - 3), a whole count.
+    assert max_concurrent_sequences(100, 100, 16, 0.5) == 24
+    assert isinstance(max_concurrent_sequences(100, 100, 16, 0.5), int)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="prefix hit ratio"):
+            max_concurrent_sequences(100, 160, 16, bad)
+    assert replicas_needed(1, 1) == 1 and replicas_needed(0, 5) == 1
+    assert replicas_needed(10, 5) == 2 and replicas_needed(11, 5) == 3
+    with pytest.raises(ValueError, match="holds no sequence"):
+        replicas_needed(1, 0)
+
+
+def test_reservation_waste_of_no_sequences_is_none_and_empty_ones_are_refused() -> None:
+    """No sequences waste nothing; a zero-length sequence is outside (0, max_model_len]."""
+    assert reservation_waste([], 2048, 16) == (0.0, 0.0)
+    assert reservation_waste([2048], 2048, 16) == (0.0, 0.0)
+    assert reservation_waste([1], 16, 16) == (1 - 1 / 16, 1 - 1 / 16)
+    with pytest.raises(ValueError, match="outside"):
+        reservation_waste([0], 2048, 16)
+
+
+def l8_plan(**kw: object) -> PlanInput:
+    """Llama-3.1-8B, no activation reserve, the whole GPU and a pool of exactly 128 blocks:
+    two 1,024-token sequences."""
+    args: dict[str, object] = {
+        "model": L8,
+        "gpu_memory_bytes": weights_bytes(L8) + 128 * kv_bytes_per_block(L8, 16),
+        "gpu_memory_utilization": 1.0,
+        "activation_reserve_bytes": 0,
+        "concurrency": 1,
+        "context": 1024,
+    }
+    args.update(kw)
+    return PlanInput.model_validate(args)
+
+
+def test_plan_input_defaults_are_vllms() -> None:
+    """Unset knobs take vLLM 0.11's defaults: block 16, 90% of memory, 256 seqs, 8192 tokens."""
+    inp = PlanInput(model=L8, gpu_memory_bytes=80 * GIB, concurrency=1, context=1)
+    assert (inp.tp, inp.pp, inp.pod_gpus, inp.block_size) == (1, 1, 1, 16)
+    assert (inp.gpu_memory_utilization, inp.max_num_seqs, inp.max_num_batched_tokens) == (
+        0.9,
+        256,
+        8192,
+    )
+    assert (inp.prefix_hit, inp.reserved_blocks, inp.activation_reserve_bytes) == (0.0, 0, None)
+    assert inp.kv_dtype == "auto" and inp.resolved_kv_dtype == "bf16"
+    with pytest.raises(ValueError, match="frozen"):
+        inp.tp = 2  # type: ignore[misc]
+    with pytest.raises(ValueError, match="Extra inputs"):
+        PlanInput(model=L8, gpu_memory_bytes=1, concurrency=1, context=1, pp=2)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    ("field", "edge", "past"),
+    [
+        ("gpu_memory_bytes", 1, 0),
+        ("tp", 1, 0),
+        ("tp", 64, 65),
+        ("gpus_per_pod", 1, 0),
+        ("gpus_per_pod", 64, 65),
+        ("concurrency", 1, 0),
+        ("concurrency", 10_000_000, 10_000_001),
+        ("context", 1, 0),
+        ("context", 10_000_000, 10_000_001),
+        ("prefix_hit", 0.0, -0.01),
+        ("prefix_hit", 0.99, 1.0),
+        ("block_size", 1, 0),
+        ("block_size", 1024, 1025),
+        ("gpu_memory_utilization", 0.01, 0.0),
+        ("gpu_memory_utilization", 1.0, 1.01),
+        ("max_num_seqs", 1, 0),
+        ("max_num_batched_tokens", 1, 0),
+        ("activation_reserve_bytes", 0, -1),
+        ("reserved_blocks", 0, -1),
+        ("reserved_blocks", 1024, 1025),
+    ],
+)
+def test_plan_input_bounds_take_the_edge_and_refuse_past_it(
+    field: str, edge: object, past: object
+) -> None:
+    """Each bound sits where the CRD's does: the edge is taken, one step past names the field."""
+    base = {"model": L8, "gpu_memory_bytes": 80 * GIB, "concurrency": 1, "context": 1}
+    pod = {"gpus_per_pod": edge} if field == "tp" else {}
+    assert getattr(PlanInput.model_validate({**base, **pod, field: edge}), field) == edge
+    with pytest.raises(ValueError, match=rf"\n{field}\n  Input should be"):
+        PlanInput.model_validate({**base, field: past})
+
+
+def test_plan_under_pipeline_parallelism_prices_one_stage_per_gpu() -> None:
+    """gpus_per_pod = tp x pp: each GPU holds half the layers and an eighth of the weights."""
+    inp = h100_plan(gpus_per_pod=8, max_num_seqs=10**6)
+    assert inp.pp == 2 and isinstance(inp.pp, int)
+    p = plan(inp)
+    assert (p.tp, p.pp, p.gpus_per_pod) == (4, 2, 8)
+    assert p.kv_bytes_per_token == 327_680
+    assert p.kv_bytes_per_token_per_gpu == 327_680 // 8
+    assert p.weights_bytes_per_gpu == -(-weights_bytes(L70) // 8)
+    reserve = GIB + 8192 * (8192 + 28672 // 4) * 2 * 4
+    assert p.activation_reserve_bytes_per_gpu == reserve
+    usable = int(gpu_preset("h100").memory_bytes * 0.9) - p.weights_bytes_per_gpu - reserve
+    assert p.kv_bytes_per_gpu == usable
+    assert p.kv_blocks_per_pod == usable // (16 * 40_960)
+    assert p.kv_tokens_per_pod == 16 * p.kv_blocks_per_pod
+    assert p.sequences_per_pod == p.kv_blocks_per_pod // 256 and p.binding == "kv-cache"
+    assert p.gpus_total == 8 * (p.replicas or 0) and p.replicas == 1
+    assert p.kv_bytes_for_peak == 128 * 4096 * 327_680
+
+
+def test_plan_binding_at_each_boundary() -> None:
+    """Exactly at a limit still fits: context = max positions, seqs = max_num_seqs, a pool
+    of exactly one sequence; no KV byte left at all is the weights' fault."""
+    at_max = plan(l8_plan(context=131_072, gpu_memory_bytes=10**12))
+    assert at_max.feasible and at_max.binding == "kv-cache"
+    assert plan(l8_plan(context=131_073)).binding == "context"
+    exact = plan(l8_plan(max_num_seqs=2))
+    assert (exact.binding, exact.sequences_per_pod, exact.replicas) == ("kv-cache", 2, 1)
+    capped = plan(l8_plan(max_num_seqs=1, concurrency=3))
+    assert (capped.binding, capped.sequences_per_pod, capped.replicas) == ("max-num-seqs", 1, 3)
+    one = plan(l8_plan(context=2048))
+    assert one.feasible and (one.sequences_per_pod, one.replicas) == (1, 1)
+    assert plan(l8_plan(context=2049)).feasible is False
+    no_kv = plan(l8_plan(gpu_memory_bytes=weights_bytes(L8)))
+    assert (no_kv.feasible, no_kv.binding, no_kv.kv_bytes_per_gpu) == (False, "weights", 0)
+    assert no_kv.kv_blocks_per_pod == 0 and no_kv.replicas is None and no_kv.gpus_total is None
+    under = plan(l8_plan(gpu_memory_bytes=weights_bytes(L8) - 1))
+    assert (under.binding, under.kv_bytes_per_gpu, under.kv_blocks_per_pod) == ("weights", 0, 0)
+    one_byte = plan(l8_plan(gpu_memory_bytes=weights_bytes(L8) + 1))
+    assert (one_byte.binding, one_byte.kv_bytes_per_gpu, one_byte.kv_blocks_per_pod) == (
+        "kv-cache",
+        1,
+        0,
+    )
+
+
+def test_infeasible_reasons_state_the_figures_a_user_acts_on() -> None:
+    """The weights and KV refusals print the GiB that do not fit, and the engine's own blocks."""
+    weights = plan(l8_plan(gpu_memory_bytes=16 * GIB, gpu_memory_utilization=0.5,
+                           activation_reserve_bytes=GIB, context=10))  # fmt: skip
+    assert weights.reason == (
+        "weights 15.0 GiB/GPU + reserve 1.0 GiB exceed 50% of 16.0 GiB (8.0 GiB); "
+        "use more GPUs per pod (tp) or a smaller weight dtype"
+    )
+    memory = weights_bytes_per_gpu(L8, 2) + GIB + GIB // 4
+    kv = plan(l8_plan(tp=2, gpu_memory_bytes=memory, activation_reserve_bytes=GIB, context=8192))
+    assert (kv.feasible, kv.binding, kv.alternatives) == (False, "kv-cache", [])
+    assert kv.reason == (
+        "one 8192-token sequence needs 0.50 GiB of KV per GPU but only 0.25 GiB is left after "
+        "weights 7.5 GiB and reserve 1.0 GiB"
+    )
+    held = plan(l8_plan(gpu_memory_bytes=weights_bytes(L8) + 64 * kv_bytes_per_block(L8, 16),
+                        reserved_blocks=1))  # fmt: skip
+    assert held.reason is not None and held.reason.endswith(
+        " (64 blocks, 1 of them the engine's own)"
+    )
+    assert held.kv_blocks_per_pod == 64 and held.sequences_per_pod == 0
+    # The engine's own blocks can take the whole pool: not even a one-block sequence fits.
+    for reserved in (128, 200):
+        all_held = plan(l8_plan(reserved_blocks=reserved, context=16))
+        assert (all_held.feasible, all_held.sequences_per_pod) == (False, 0), reserved
+
+
+def test_alternatives_offer_only_changes_not_already_made() -> None:
+    """fp8 KV is offered over a wider cache, 50% prefix hit over none; both obey max_num_seqs."""
+    base = plan(l8_plan(concurrency=5))
+    alts = {a.change: (a.sequences_per_pod, a.replicas) for a in base.alternatives}
+    # fp8 halves a token: 4 sequences where 2 fit; 32 shared blocks leave 96, 32 a sequence.
+    assert alts == {"fp8 KV": (4, 2), "prefix hit 50%": (3, 2)}
+    capped = plan(l8_plan(concurrency=5, max_num_seqs=2))
+    assert {a.sequences_per_pod for a in capped.alternatives} == {2}
+    assert [a.change for a in plan(l8_plan(kv_dtype="fp8")).alternatives] == ["prefix hit 50%"]
+    assert [a.change for a in plan(l8_plan(kv_dtype="int8")).alternatives] == ["prefix hit 50%"]
+    assert [a.change for a in plan(l8_plan(prefix_hit=0.25)).alternatives] == ["fp8 KV"]
+    assert plan(l8_plan(kv_dtype="fp8", prefix_hit=0.25)).alternatives == []
+
+
+def test_auto_kv_follows_an_fp16_checkpoint_and_explicit_settings_win() -> None:
+    """`auto` stores KV as fp16 for fp16 weights, bf16 otherwise; a named dtype is kept."""
+    fp16 = L8.model_copy(update={"weight_dtype": "fp16"})
+    assert l8_plan(model=fp16).resolved_kv_dtype == "fp16"
+    assert plan(l8_plan(model=fp16)).kv_dtype == "fp16"
+    assert l8_plan(model=fp16, kv_dtype="fp8").resolved_kv_dtype == "fp8"
+    assert l8_plan(kv_dtype="int8").resolved_kv_dtype == "int8"

@@ -207,6 +207,8 @@ def test_deepseek_v32_is_priced_as_vllms_fp8_ds_mla_plus_its_indexer(
     assert v32.indexer_head_dim == 128
     assert kv_bytes_per_token(v32, "fp8") == 61 * (656 + 132)
     assert kv_bytes_per_token(v32, "bf16") == 61 * (1152 + 132)
+    # Whole bytes: a float here would leak into every figure derived from it.
+    assert all(isinstance(kv_bytes_per_token(v32, kv), int) for kv in ("fp8", "bf16"))
     assert sequence_kv_bytes(v32, 1000, "fp8", tp=8) == 1000 * 61 * 788  # replicated per rank
     cfg = write(tmp_path, "v32", DEEPSEEK_V32)
     common = ["--model-config", str(cfg), "--gpu", "h200-141gb", "--tp", "8",
