@@ -129,13 +129,16 @@ def kv_bytes_per_block(
 def sequence_kv_bytes(
     arch: ModelArch, context: int, kv_dtype: KVCacheDtype = "bf16", tp: int = 1, pp: int = 1
 ) -> int:
-    """KV bytes of one sequence of `context` tokens, capping sliding-window layers at the
-    window (what a window-aware engine must hold)."""
+    """KV bytes of one sequence of `context` tokens on the busiest GPU, capping sliding-window
+    layers at the window (what a window-aware engine must hold)."""
     per_layer = _per_layer_token_bytes(arch, kv_dtype, tp)
     layers = layers_per_stage(arch, pp)
-    sliding = math.ceil(arch.num_sliding_window_layers / pp) if arch.sliding_window else 0
+    windowed = arch.num_sliding_window_layers if arch.sliding_window else 0
+    # Which layers a stage gets is not recorded (Gemma 2 windows every other one, Qwen2 its
+    # top ones), so the busiest stage holds as many full-attention layers as there are.
+    full = min(layers, arch.num_layers - windowed)
     window = min(context, arch.sliding_window or context)
-    return per_layer * ((layers - sliding) * context + sliding * window)
+    return per_layer * (full * context + (layers - full) * window)
 
 
 def weights_bytes(arch: ModelArch) -> int:
