@@ -665,3 +665,28 @@ def test_sglang_s_context_length_serves_max_model_len_within_the_model_s_positio
 
     assert length(8192) == 8192 + SGLANG_CONTEXT_SLACK == 8199
     assert length(131_072) == length(131_070) == 131_072  # llama-3.1-8b's positions
+
+
+@pytest.mark.parametrize(("setting", "flag"), [("auto", "fp8_e4m3"), ("fp8", "fp8_e4m3")])
+def test_sglang_runs_deepseek_v32_in_the_kv_dtype_it_was_priced_at(setting: str, flag: str) -> None:
+    """V3.2's auto is priced as fp8 (vLLM's fp8_ds_mla, 788 B a token and layer); SGLang's own
+    auto caches it in bf16 below SM 10 (1,284 B), so its pool would not hold what was planned:
+    SGLang is told fp8. A model without the indexer keeps auto."""
+    v32 = {
+        "numLayers": 61, "numAttentionHeads": 128, "numKVHeads": 128, "headDim": 192,
+        "hiddenSize": 7168, "vocabSize": 129280, "parameterCount": 671_000_000_000,
+        "maxPositionEmbeddings": 163840, "kvLoraRank": 512, "qkRopeHeadDim": 64,
+        "indexHeadDim": 128, "weightDtype": "fp8", "path": "/models/v32",
+    }  # fmt: skip
+    s = spec(
+        {"runtime": "sglang", "kvCacheDtype": setting},
+        model=v32,
+        gpu={"type": "h200-141gb", "countPerPod": 8},
+    )
+    sizing = size(s)
+    assert sizing.plan.kv_bytes_per_token == 61 * 788
+    args = sglang_command(s, sizing, "v32").args
+    assert args[args.index("--kv-cache-dtype") + 1] == flag
+    plain = spec({"runtime": "sglang"})
+    args = sglang_command(plain, size(plain), "chat").args
+    assert args[args.index("--kv-cache-dtype") + 1] == "auto"

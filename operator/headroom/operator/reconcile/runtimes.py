@@ -205,7 +205,10 @@ def sglang_command(spec: InferenceDeploymentSpec, sizing: Sizing, name: str) -> 
         "--page-size",
         str(e.block_size),
         "--kv-cache-dtype",
-        SGLANG_KV_DTYPE[e.kv_cache_dtype],  # the CRD refuses int8
+        # What the plan priced (the CRD refuses int8). DeepSeek-V3.2's auto is priced as fp8,
+        # vLLM's choice; SGLang's own auto picks bf16 for it below SM 10 (1,284 B a token and
+        # layer against the 788 priced), so it is told fp8.
+        SGLANG_KV_DTYPE["fp8" if p.kv_dtype == "fp8" else e.kv_cache_dtype],
         "--context-length",
         str(sglang_context_length(spec, sizing)),
         "--max-running-requests",
