@@ -914,6 +914,12 @@ def test_silent_ready_pods_carry_the_reporting_pods_average_queue_too() -> None:
     assert one.figures.waiting == 20 and every.figures.waiting == 80
 
 
+def test_a_draining_pods_queue_is_demand_as_its_kv_is() -> None:
+    """A pod being removed still holds 500 blocks and 10 requests queue on it: both count."""
+    d = run(2, [pod("a", 0.5), pod("x", 0.5, waiting=10, terminating=True)])
+    assert d.figures.present_blocks == pytest.approx(1000 + 10 * 50)
+
+
 def test_the_demand_and_kv_series_keep_exactly_the_growth_window() -> None:
     """growth_window_seconds (180): points from 180 s ago on are kept and fitted, older ones
     go; the KV-in-use series, whose scatter widens the band, alike."""

@@ -487,8 +487,10 @@ def _measure(inp: Inputs, pods: _Pods, mem: Memory) -> _Demand:
     running = sum(s.running for s in samples) * scale + sum(s.running for s in draining)
     per_request = used / running if running >= 1 else p.blocks_per_sequence
     waiting = sum(s.waiting for s in samples)  # as reported: the figure status shows
-    # Silent ready pods carry the average queue too, or a partial scrape undersizes a backlog.
-    present = used + waiting * scale * per_request
+    # Silent ready pods carry the average queue too, or a partial scrape undersizes a backlog;
+    # a draining pod's queue, like its KV, is still demand.
+    queued = waiting * scale + sum(s.waiting for s in draining)
+    present = used + queued * per_request
 
     parts, counters, pod_rates = _tick_rates(pods, mem, now, p)
     # Demand counters from every fresh pod, or none: a mix would undercount the silent ones.
