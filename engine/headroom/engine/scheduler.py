@@ -117,8 +117,9 @@ class Scheduler:
         running, max_seqs = self.running, self.config.max_num_seqs
         budget = self.config.max_num_batched_tokens
         # Running is every decode, then at most one prefill, last: admission stops at the first
-        # prompt the budget or the blocks cut short, and preemption takes from the tail. So each
-        # sequence in turn may take what the budget has left without starving a decode.
+        # prompt the budget cuts short, a prefill chunk the blocks cut short leaves none for an
+        # admission, and preemption takes from the tail. So each sequence in turn may take what
+        # the budget has left without starving a decode.
         i = 0
         while i < len(running) and i < max_seqs and budget > 0:
             seq = running[i]
