@@ -12,7 +12,8 @@ runs and the scaling loop's pod capacity is the engine's:
 
 The command is spelled out for the stock images rather than left to their entrypoints, which
 changed across releases. kvCacheDtype fp8 is vLLM's `fp8` (e4m3 on CUDA) and SGLang's
-`fp8_e4m3`; int8 exists only in headroom's engine, and the CRD refuses it for the others.
+`fp8_e4m3` (DeepSeek-V3.2's auto too: it is priced as fp8, which SGLang's own auto is not below
+SM 10); int8 exists only in headroom's engine, and the CRD refuses it for the others.
 
 Every engine knob the budget reads (block size, KV dtype, prefix caching, max sequences, batched
 tokens, max model length, parallelism, memory fraction) is passed, so the engine runs the
