@@ -7,8 +7,8 @@ One step, `schedule()`:
    tokens find no room, even after evicting cached prefix blocks, preempts the most recently
    admitted sequence by recompute (its blocks freed, itself requeued at the front of the
    waiting queue) until it fits; a prefill chunk shrinks to the room there is before
-   preempting anyone. KV never runs out: at
-   worst the oldest sequence runs alone, and `add` rejects what cannot fit alone.
+   preempting anyone. KV never runs out: at worst the oldest sequence runs alone, and `add`
+   rejects what cannot fit alone.
 2. Waiting sequences are admitted first come, first served, each from its computed prefix
    (see `KVManager.computed_blocks`), while the budget, `max_num_seqs` and the blocks allow:
    `headroom.contract.admission.fits`, which keeps `watermark` of the pool for running decodes.

@@ -604,9 +604,9 @@ def _tick_rates(
     better then (Prometheus reads such a fall as a reset to zero and adds the whole counter),
     and the demand series holds its last point over the gap instead. A reading older than the
     last by more than an HA pair's lag (`MAX_HA_LAG_SECONDS`, or a stale sample's age if less:
-    the last was dated ahead) and a rate no pod could do
-    (`_possible`) also give no rate, and are the new baseline: one bad answer then costs that
-    pod one or two decisions' rates, not minutes of a forecast built on it."""
+    the last was dated ahead) and a rate no pod could do (`_possible`) also give no rate, and
+    are the new baseline: one bad answer then costs that pod one or two decisions' rates, not
+    minutes of a forecast built on it."""
     last, last_rates = dict(mem.counters), dict(mem.rates)
     longest = max(MAX_TICK_SPAN_SECONDS, 2 * policy.interval_seconds)
     # An HA Prometheus pair's other replica lags by a scrape or so; a reading older than
