@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from synthetic_engine import SyntheticEngine
 
+from headroom.contract.demand import CounterSample, DemandRates
 from headroom.contract.report import SaturationReport
 from headroom.operator.scaling import metrics_sources
+from headroom.operator.scaling.decide import PodSample
 from headroom.operator.scaling.metrics_sources import (
     MetricsError,
     PodInfo,
@@ -34,6 +37,7 @@ from headroom.operator.scaling.metrics_sources import (
     pod_info,
     promql,
     rate_window_seconds,
+    read_capped,
     sample_from_report,
     usable,
 )
@@ -268,9 +272,11 @@ def test_a_prometheus_sample_is_timed_by_its_age_on_the_operator_s_clock() -> No
     assert alone.sampled_at == 995.0 and alone.counters is not None and alone.counters.t == 995.0
 
 
-async def test_a_sidecar_answering_for_another_pod_or_deployment_is_not_this_pods() -> None:
-    # An evicted pod's IP goes to a new pod, perhaps another deployment's: its KV is not ours.
-    answers = iter([report(pod="other-7f9"), report(inferencedeployment="other"), report()])
+async def test_a_sidecar_naming_another_pod_namespace_or_deployment_is_not_this_pods() -> None:
+    # An evicted pod's IP goes to a new pod, perhaps another deployment's or another
+    # namespace's (the same names there): its KV is not ours.
+    answers = iter([report(pod="other-7f9"), report(inferencedeployment="other"),
+                    report(namespace="team-b"), report()])  # fmt: skip
 
     async def reused(_: web.Request) -> web.Response:
         return web.Response(body=next(answers).model_dump_json(), content_type="application/json")
@@ -280,6 +286,7 @@ async def test_a_sidecar_answering_for_another_pod_or_deployment_is_not_this_pod
     async with TestServer(app, host="127.0.0.1") as srv, aiohttp.ClientSession() as http:
         src = SidecarSource(http, port=srv.port)
         pod = [PodInfo("chat-0", "127.0.0.1", True, 0.0)]
+        assert await src.sample(TARGET, pod) == {}
         assert await src.sample(TARGET, pod) == {}
         assert await src.sample(TARGET, pod) == {}
         assert set(await src.sample(TARGET, pod)) == {"chat-0"}
@@ -569,6 +576,162 @@ def test_a_rate_window_of_4x_the_scrape_interval_gets_rates_where_1m_gets_none(
     assert _rates_come_back("1m", "15s", tmp_path)
     assert not _rates_come_back("1m", "60s", tmp_path)
     assert _rates_come_back("4m", "60s", tmp_path)
+
+
+# ------------------------------------------------------------------- boundaries of usable()
+
+
+def pod_sample(**kw: Any) -> PodSample:
+    """A sample every check passes, with `kw` changed."""
+    base: dict[str, Any] = dict(occupancy=0.42, sampled_at=1000.0, used_blocks=420,
+                                capacity_blocks=1000)  # fmt: skip
+    return PodSample(**{**base, **kw})
+
+
+def test_an_idle_pod_s_zero_rates_are_demand_and_a_day_s_window_is_a_sidecar_s() -> None:
+    """No arrivals over the window is a rate (the idle pod's 0), not a missing one, and the
+    sidecar's longest --window (86,400 s) is a window: neither may drop the pod's demand."""
+    idle = DemandRates(0.0, 0.0, 0.0, window_seconds=60.0)
+    day = DemandRates(1.0, 1.0, 10.0, window_seconds=86400.0)
+    for demand in (idle, day):
+        s = usable(pod_sample(demand=demand))
+        assert s is not None and s.demand == demand, demand
+    s = usable(pod_sample(demand=replace(day, window_seconds=86400.5)))
+    assert s is not None and s.demand is None
+
+
+def test_occupancy_a_little_over_full_is_rounding_and_reads_as_full() -> None:
+    """Up to 1.05 is an engine's rounding, read as a full pool; past it, or blocks 0.1 off the
+    occupancy, is no KV pool and the pod is silent."""
+    full = usable(pod_sample(occupancy=1.05, used_blocks=1050))
+    assert full is not None and full.occupancy == 1.0 and full.used_blocks == 1050
+    assert usable(pod_sample(occupancy=1.2, used_blocks=1200)) is None
+    assert usable(pod_sample(occupancy=1.2, used_blocks=None, capacity_blocks=None)) is None
+    assert usable(pod_sample(occupancy=0.42, used_blocks=520)) is None
+
+
+def test_an_eta_of_zero_is_a_forecast_of_a_full_pool_now_not_none() -> None:
+    """A pool already at the wall has ETA 0: a forecast (the most urgent one), not "no
+    forecast" and not "not growing"."""
+    s = usable(pod_sample(eta_seconds=0.0, forecast_ready=True))
+    assert s is not None and s.eta_seconds == 0.0 and s.forecast_ready
+    soon = usable(pod_sample(eta_seconds=0.5, forecast_ready=True))
+    assert soon is not None and soon.eta_seconds == 0.5 and soon.forecast_ready
+
+
+@pytest.mark.parametrize(("hit", "kept"), [(0.0, 0.0), (0.3, 0.3), (1.0, 1.0), (1.5, None),
+                                           (-0.1, None)])  # fmt: skip
+def test_a_hit_ratio_is_kept_within_0_to_1(hit: float, kept: float | None) -> None:
+    """A prefix-cache hit ratio is a share: 0 and 1 (no hits, all hits) are kept, outside is
+    dropped (the pod stays usable)."""
+    s = usable(pod_sample(hit_ratio=hit))
+    assert s is not None and s.hit_ratio == kept
+
+
+def test_counters_no_engine_could_reach_are_dropped_and_the_pod_kept() -> None:
+    """Cumulative counters from 0 (a fresh engine) to 1e18 are an engine's; past 1e18, or
+    below 0, an exporter's: no counters, so no rate from them, but the occupancy still counts."""
+    ok = CounterSample(t=1000.0, arrived=7.0, departed=5.0, block_seconds=90.0)
+    fresh = replace(ok, arrived=0.0, departed=0.0, block_seconds=0.0)
+    for good in (ok, fresh, replace(ok, block_seconds=1e18)):
+        s = usable(pod_sample(counters=good))
+        assert s is not None and s.counters == good, good
+    for bad in (replace(ok, block_seconds=1e19), replace(ok, arrived=-1.0)):
+        s = usable(pod_sample(counters=bad))
+        assert s is not None and s.counters is None, bad
+
+
+@pytest.mark.parametrize("at", [math.nan, math.inf])
+def test_a_sample_with_no_time_is_no_sample(at: float) -> None:
+    """No sample, or one whose time is not a number, is a silent pod (never a crash)."""
+    assert usable(None) is None
+    assert usable(pod_sample(sampled_at=at)) is None
+
+
+def test_a_report_without_optional_figures_reads_as_none_and_now() -> None:
+    """An engine that exports no queue or preemption figures (the contract's None) reads as
+    0 waiting, 0 running, 0 preemptions a second, not as load; no age is a reading at the
+    report's time; rates with no window named keep the contract's 0 ("no window")."""
+    s = sample_from_report(report(waiting=None, running=None, preemption_rate_per_second=None))
+    assert s is not None and (s.waiting, s.running, s.preemption_rate) == (0, 0, 0.0)
+    rates = {"arrival_rate_per_second": 1.0, "departure_rate_per_second": 1.0,
+             "kv_block_seconds_per_second": 10.0}  # fmt: skip
+    s = sample_from_report(report(age_seconds=None, demand_window_seconds=None, **rates))
+    assert s is not None and s.sampled_at == 1000.0
+    assert s.demand is not None and s.demand.window_seconds == 0.0
+
+
+async def test_an_answer_of_exactly_the_limit_is_read_whole() -> None:
+    """The cap refuses what is past `limit` bytes, not an answer that is exactly that long."""
+
+    class Content:
+        async def iter_chunked(self, _: int) -> AsyncIterator[bytes]:
+            for chunk in (b"a" * 6, b"b" * 4):
+                yield chunk
+
+    class Resp:
+        content_length = None
+        content = Content()
+
+    assert await read_capped(Resp(), 10) == b"a" * 6 + b"b" * 4  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="over 9 bytes"):
+        await read_capped(Resp(), 9)  # type: ignore[arg-type]
+
+
+def test_rate_windows_are_1s_to_1h_inclusive() -> None:
+    """The documented range's both ends are windows; days, weeks and years are over an hour,
+    however many."""
+    assert (rate_window_seconds("1s"), rate_window_seconds("3600s")) == (1.0, 3600.0)
+    for bad in ("1d", "1w", "20000w", "1y", "300y"):
+        with pytest.raises(ValueError):
+            rate_window_seconds(bad)
+
+
+def _answer(figures: dict[str, float], at: float = 1000.0) -> dict[str, Any]:
+    result = [vec("a", q, str(v), at) for q, v in figures.items()]
+    return {"status": "success", "data": {"resultType": "vector", "result": result}}
+
+
+def test_a_prometheus_pod_without_an_up_series_is_not_up_and_has_no_restarts() -> None:
+    """No `up` series is no engine seen up (not up by default), no queue series none queued;
+    no restarts series is epoch 0, and one says the epoch; without a rate window named the
+    rates are over the default 1m."""
+    totals = {"arrived_total": 7.0, "departed_total": 5.0, "block_seconds_total": 90.0}
+    rates = {"arrivals": 1.0, "departures": 1.0, "block_seconds": 9.0}
+    a = parse_prometheus(_answer({"occupancy": 0.5, **totals, **rates}))["a"]
+    assert not a.engine_up and (a.waiting, a.running) == (0, 0)
+    assert a.counters is not None and a.counters.epoch == 0
+    assert a.demand is not None and a.demand.window_seconds == 60.0
+    b = parse_prometheus(_answer({"occupancy": 0.5, "up": 1, "restarts": 2, **totals}))["a"]
+    assert b.engine_up and b.counters is not None and b.counters.epoch == 2
+
+
+def test_a_scrape_as_old_as_the_query_is_timed_when_the_answer_came() -> None:
+    """Scraped at the query's evaluation time: 0 s old, timed at `received_at` itself."""
+    doc = _answer({"occupancy": 0.5, "up": 1, "time": 1000.0})
+    assert parse_prometheus(doc, 60.0, received_at=5000.0)["a"].sampled_at == 5000.0
+    doc = _answer({"occupancy": 0.5, "up": 1, "time": 999.5})
+    assert parse_prometheus(doc, 60.0, received_at=5000.0)["a"].sampled_at == 4999.5
+
+
+def test_the_same_scrape_read_again_gives_the_same_counters_time_included() -> None:
+    """`seen`: a scrape read by two decisions keeps its first reading's counters (their time
+    on the operator's clock with them), a new scrape gets its own; a pod with no counters is
+    remembered with none and does not break the next read."""
+    totals = {"arrived_total": 7.0, "departed_total": 5.0, "block_seconds_total": 90.0}
+    seen: dict[str, tuple[float, CounterSample]] = {}
+    scrape = _answer({"occupancy": 0.5, "up": 1, "time": 995.0, **totals})
+    first = parse_prometheus(scrape, 60.0, 5000.0, 7000.0, seen)["a"].counters
+    again = parse_prometheus(scrape, 60.0, 5015.0, 7015.0, seen)["a"].counters
+    assert first is not None and first.t == 6995.0 and again == first
+    assert seen == {"a": (995.0, first)}
+    later = _answer({"occupancy": 0.5, "up": 1, "time": 1010.0, **totals}, at=1015.0)
+    third = parse_prometheus(later, 60.0, 5030.0, 7030.0, seen)["a"].counters
+    assert third is not None and third.t == 7025.0
+    bare = _answer({"occupancy": 0.5, "up": 1, "time": 1010.0})
+    for _ in range(2):
+        got = parse_prometheus(bare, 60.0, 5045.0, 7045.0, seen)
+        assert got["a"].counters is None and seen == {}
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -274,11 +274,14 @@ class SidecarSource:
             report = SaturationReport.model_validate_json(body)
         except (aiohttp.ClientError, TimeoutError, ValidationError, ValueError, OSError):
             return pod.name, None  # a silent pod: decide() holds rather than guess
-        # A pod IP is reused once its pod is gone: a sidecar that names another pod or
-        # deployment is not this pod's.
-        if (report.pod is not None and report.pod != pod.name) or (
-            report.inferencedeployment is not None and report.inferencedeployment != target.name
-        ):
+        # A pod IP is reused once its pod is gone: a sidecar that names another pod,
+        # namespace or deployment is not this pod's.
+        named = (
+            (report.pod, pod.name),
+            (report.namespace, target.namespace),
+            (report.inferencedeployment, target.name),
+        )
+        if any(said is not None and said != want for said, want in named):
             return pod.name, None
         return pod.name, usable(sample_from_report(report, received_at, steady_at))
 
