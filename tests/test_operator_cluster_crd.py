@@ -136,6 +136,12 @@ CEL_CASES = [
     ("headroom-runtime-not-the-small-image",
      {**VALID, "engine": {"image": "ghcr.io/headroom-dev/headroom:0.1.0"}},
      rule(EngineSpec, "the small image")),
+    ("headroom-runtime-not-the-small-image-by-digest",
+     {**VALID, "engine": {"image": "ghcr.io/headroom-dev/headroom@sha256:" + "0" * 64}},
+     rule(EngineSpec, "the small image")),
+    ("headroom-runtime-not-the-small-image-bare",
+     {**VALID, "engine": {"image": "ghcr.io/headroom-dev/headroom"}},
+     rule(EngineSpec, "the small image")),
     # What the engines cannot run: the operator's sizing refuses these (a SpecError).
     ("stock-runtime-default-path", {**VALID, "engine": {"runtime": "vllm"}},
      rule(InferenceDeploymentSpec, "needs model.path")),
@@ -240,6 +246,9 @@ ACCEPTED_CASES = [
     ("stock-runtime-tp-replicates-kv-heads",
      {**VALID, "model": {**ARCH, "path": "/m"}, "gpu": {"type": "h100", "countPerPod": 4},
       "engine": {"runtime": "vllm"}}),
+    # The engine image shares the small one's prefix; it is not the small image.
+    ("headroom-engine-image-by-digest",
+     {**VALID, "engine": {"image": "ghcr.io/headroom-dev/headroom-engine@sha256:" + "0" * 64}}),
 ]  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from headroom.operator.crd.models import (
     EngineSpec,
     GPUSpec,
     InferenceDeploymentSpec,
+    KVStatus,
     ModelSpec,
     ScalingSpec,
     TrafficSpec,
@@ -246,6 +247,9 @@ ARCH = {
 
 PREFIX_253 = "a" * 61 + "." + ".".join(["b" * 63] * 3)  # a DNS subdomain, the longest
 assert len(PREFIX_253) == 253
+# The longest domain an extended resource name can have (`requests.` + it is a qualified name).
+DOMAIN_244 = ".".join(["a" * 61] + ["b" * 60] * 3)
+assert len(DOMAIN_244) == 244
 
 # (id, spec, what the error says) the operator's models refuse; the API server refuses them too
 # (tests/test_operator_cluster_crd.py).
@@ -261,6 +265,8 @@ MODEL_REFUSES = [
      "at most 64 items"),
     ("gpu-resource-trailing-newline",
      {**BASE, "gpu": {"type": "h100", "resourceName": "nvidia.com/gpu\n"}}, "extended resource"),
+    ("gpu-resource-domain-over-244",
+     {**BASE, "gpu": {"type": "h100", "resourceName": DOMAIN_244 + "a/gpu"}}, "extended resource"),
     ("parameter-count-over-1e15", {**BASE, "model": {**ARCH, "parameterCount": 10**15 + 1}},
      "less than or equal to 1000000000000000"),
     ("sliding-window-over-1e8", {**BASE, "model": {**ARCH, "slidingWindow": 100_000_001}},
@@ -288,6 +294,9 @@ MODEL_ACCEPTS = [
          **{f"k{i}": "v" for i in range(63)}, PREFIX_253 + "/g": "x"}}}),
     ("bounds", {**BASE, "model": {**ARCH, "parameterCount": 10**15, "slidingWindow": 100_000_000},
                 "gpu": {"memoryGiB": 1}, "scaling": {"forecastQuantile": 0.5}}),
+    ("gpu-resource-domain-244",
+     {**BASE, "gpu": {"type": "h100", "resourceName": DOMAIN_244 + "/gpu"}}),
+    ("max-model-len-equals-context", {**BASE, "engine": {"maxModelLen": 4096}}),
 ]  # fmt: skip
 
 
@@ -346,6 +355,9 @@ SIZING_OK = [
     ("tp-replicates-kv-heads",
      {**BASE, "model": {**ARCH, "path": "/m"}, "gpu": {"type": "h100", "countPerPod": 4},
       "engine": {"runtime": "vllm"}}),
+    ("tp-splits-kv-heads",
+     {**BASE, "model": {**ARCH, "numAttentionHeads": 8, "numKVHeads": 4, "path": "/m"},
+      "gpu": {"type": "h100", "countPerPod": 2}, "engine": {"runtime": "vllm"}}),
     ("mla-tp", {**BASE, "model": {**ARCH, "numAttentionHeads": 8, "numKVHeads": 8,
                                   "kvLoraRank": 64, "qkRopeHeadDim": 16, "path": "/m"},
                 "gpu": {"type": "h100", "countPerPod": 8}, "engine": {"runtime": "vllm"}}),
@@ -376,3 +388,13 @@ def test_every_sizing_rule_has_a_case() -> None:
     for model in (ModelSpec, GPUSpec, EngineSpec, ScalingSpec, InferenceDeploymentSpec):
         for r in model.__rules__:
             assert r.in_model or id(r) in covered, r.message
+
+
+def test_a_status_merge_patch_uses_the_crds_names_and_nulls_what_is_unset() -> None:
+    """status.kv is written as a merge patch: camelCase keys the status schema knows (the API
+    server prunes any other), and null for an unset field so a stale value is deleted."""
+    patch = KVStatus(occupancy=0.5, eta_seconds=30).merge_patch()
+    props = status_schema()["properties"]["kv"]["properties"]
+    assert set(patch) == set(props)
+    assert patch["occupancy"] == 0.5 and patch["etaSeconds"] == 30
+    assert "hitRatio" in patch and patch["hitRatio"] is None

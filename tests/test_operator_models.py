@@ -67,9 +67,17 @@ INVALID = [
     ("scale-out-above-one", with_("scaling", {"scaleOutOccupancy": 1.2}), "less than or equal"),
     ("hysteresis-too-big", with_("scaling", {"targetOccupancy": 0.3, "scaleInHysteresis": 0.4}),
      "smaller than scaling.targetOccupancy"),
+    # Strict: a target at the scale-out line leaves no room below it, and a hysteresis equal to
+    # the target makes the scale-in line zero.
+    ("target-equals-scale-out", with_("scaling", {"targetOccupancy": 0.95}),
+     "must be below scaling.scaleOutOccupancy"),
+    ("hysteresis-equals-target",
+     with_("scaling", {"targetOccupancy": 0.3, "scaleInHysteresis": 0.3}),
+     "smaller than scaling.targetOccupancy"),
     ("max-model-len-below-context", with_("engine", {"maxModelLen": 1024}),
      "at least traffic.contextTokens"),
     ("unknown-preset", with_("model.preset", "llama-9"), "unknown model"),
+    ("unknown-gpu", with_("gpu.type", "h100-90gb"), "unknown GPU 'h100-90gb'"),
     ("unknown-field", with_("engine.blokSize", 16), "Extra inputs"),
     ("bad-kv-dtype", with_("engine.kvCacheDtype", "fp4"), "auto"),
     ("zero-concurrency", with_("traffic.peakConcurrency", 0), "greater than or equal to 1"),
@@ -109,6 +117,8 @@ INVALID = [
     ("cpu-not-a-quantity", with_("engine.cpu", "four"), "should match pattern"),
     ("memory-negative", with_("engine.memory", "-1Gi"), "should match pattern"),
     ("memory-negative-number", with_("engine.memory", -5), "should match pattern"),
+    # The CRD's maxLength for a quantity is 32, and the model's must be the same.
+    ("memory-over-32-characters", with_("engine.memory", "1" * 33), "at most 32 characters"),
     ("gpu-resource-memory", with_("gpu.resourceName", "memory"),
      "gpu.resourceName must be an extended resource"),
     ("gpu-resource-cpu", with_("gpu.resourceName", "cpu"),
@@ -128,6 +138,26 @@ INVALID = [
     ("vllm-headroom-image",
      with_("engine", {"runtime": "vllm", "image": "ghcr.io/headroom-dev/headroom:0.2.0"}),
      "have no vLLM or SGLang server"),
+    # The small image (operator and sidecar) has no torch: the headroom engine cannot run in it.
+    ("headroom-small-image", with_("engine.image", "ghcr.io/headroom-dev/headroom:0.1.0"),
+     "is the small image"),
+    # By digest or bare, it is the same image.
+    ("headroom-small-image-digest",
+     with_("engine.image", "ghcr.io/headroom-dev/headroom@sha256:" + "0" * 64),
+     "is the small image"),
+    ("headroom-small-image-bare", with_("engine.image", "ghcr.io/headroom-dev/headroom"),
+     "is the small image"),
+    ("sliding-layers-over-num-layers",
+     {**VALID, "model": {**CUSTOM_ARCH, "slidingWindow": 4096, "numSlidingWindowLayers": 3}},
+     "cannot exceed model.numLayers"),
+    # The Deployment's secretKeyRef refuses these keys, so nothing would deploy.
+    ("api-key-secret-key-dot", with_("engine.apiKeySecret", {"name": "keys", "key": "."}),
+     "must not be '.' or start with '..'"),
+    ("api-key-secret-key-dotdot",
+     with_("engine.apiKeySecret", {"name": "keys", "key": "..data"}),
+     "must not be '.' or start with '..'"),
+    # int-or-string: the API server refuses a fractional number, so the model does too.
+    ("cpu-fractional-number", with_("engine.cpu", 1.5), "valid string"),
 ]  # fmt: skip
 
 
@@ -191,6 +221,7 @@ def test_the_three_examples_exist() -> None:
         {"runtime": "headroom", "kvCacheDtype": "int8", "attentionBackend": "cuda"},
         {"runtime": "vllm", "maxNumBatchedTokens": 256, "maxNumSeqs": 256},
         {"runtime": "headroom", "maxNumBatchedTokens": 64, "maxNumSeqs": 256, "blockSize": 8},
+        {"runtime": "headroom", "image": "ghcr.io/headroom-dev/headroom-engine:0.2.0"},
     ],
     ids=[
         "vllm-fp8",
@@ -199,6 +230,7 @@ def test_the_three_examples_exist() -> None:
         "headroom-int8",
         "vllm-batched-equal-seqs",
         "headroom-any-batch",
+        "headroom-engine-image",
     ],
 )
 def test_runtime_accepts_what_it_runs(engine: dict[str, Any]) -> None:
@@ -217,6 +249,7 @@ def test_runtime_defaults_to_headroom_and_image_to_the_runtimes() -> None:
     [
         ("memory", "32Gi", "32Gi"), ("memory", "1.5Ti", "1.5Ti"), ("memory", "4e9", "4e9"),
         ("memory", "512M", "512M"), ("cpu", "500m", "500m"), ("cpu", 4, "4"), ("cpu", "2.5", "2.5"),
+        ("memory", "1" * 32, "1" * 32),
     ],
 )  # fmt: skip
 def test_cpu_and_memory_take_kubernetes_quantities(field: str, value: Any, wire: str) -> None:
@@ -306,3 +339,26 @@ def test_a_prometheus_url_is_a_base_url_and_nothing_more(url: str, ok: bool) -> 
     else:
         with pytest.raises(ValidationError, match="prometheusURL"):
             InferenceDeploymentSpec.model_validate(raw)
+
+
+def test_sliding_window_layers_may_be_every_layer() -> None:
+    """numSlidingWindowLayers equal to numLayers is valid (Mistral-style: every layer slides)."""
+    model = {**CUSTOM_ARCH, "slidingWindow": 4096, "numSlidingWindowLayers": 2}
+    spec = InferenceDeploymentSpec.model_validate({**VALID, "model": model})
+    assert spec.model.num_sliding_window_layers == spec.model.num_layers == 2
+
+
+@pytest.mark.parametrize("key", ["api-key", ".env", "a..b", "token.txt"])
+def test_api_key_secret_keys_with_dots_inside_are_accepted(key: str) -> None:
+    """Only '.' and a leading '..' are refused: other dotted keys are valid Secret keys."""
+    raw = with_("engine.apiKeySecret", {"name": "keys", "key": key})
+    spec = InferenceDeploymentSpec.model_validate(raw)
+    assert spec.engine.api_key_secret is not None and spec.engine.api_key_secret.key == key
+
+
+def test_min_replicas_may_equal_max_replicas() -> None:
+    """A fixed size (minReplicas == maxReplicas) is valid: the rule is min <= max, not min < max."""
+    spec = InferenceDeploymentSpec.model_validate(
+        with_("scaling", {"minReplicas": 3, "maxReplicas": 3})
+    )
+    assert spec.scaling.min_replicas == spec.scaling.max_replicas == 3

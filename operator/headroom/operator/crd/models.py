@@ -9,7 +9,14 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BeforeValidator, Field, JsonValue, WithJsonSchema, field_validator
+from pydantic import (
+    BeforeValidator,
+    Field,
+    JsonValue,
+    StringConstraints,
+    WithJsonSchema,
+    field_validator,
+)
 
 from headroom.contract.budget import GPU_PRESETS, MODEL_PRESETS, KVCacheDtype
 from headroom.contract.budget.arch import MAX_PARAMETERS
@@ -119,8 +126,10 @@ def _integer_quantity(value: Any) -> Any:
 
 Quantity = Annotated[
     str,
+    # StringConstraints, not Field: after a BeforeValidator, Field's max_length is checked as
+    # a generic length ("at most 32 items"), not a string's.
+    StringConstraints(max_length=32, pattern=QUANTITY_PATTERN),
     BeforeValidator(_integer_quantity),
-    Field(max_length=32, pattern=QUANTITY_PATTERN),
     WithJsonSchema(
         {
             "x-kubernetes-int-or-string": True,
@@ -463,9 +472,11 @@ class EngineSpec(CRDModel):
             field_path=".image",
         ),
         Rule(
+            # The repository bare, by tag or by digest is the same small image.
             cel=(
                 "self.runtime != 'headroom' || !has(self.image) || "
-                f"!self.image.startsWith('{_HEADROOM_REPO}:')"
+                f"!(self.image == '{_HEADROOM_REPO}' || self.image.startsWith('{_HEADROOM_REPO}:')"
+                f" || self.image.startsWith('{_HEADROOM_REPO}@'))"
             ),
             message=(
                 f"engine.image {_HEADROOM_REPO} is the small image (operator and sidecar, no "
@@ -475,7 +486,10 @@ class EngineSpec(CRDModel):
             check=lambda e: (
                 e.runtime != "headroom"
                 or e.image is None
-                or not e.image.startswith(f"{_HEADROOM_REPO}:")
+                or not (
+                    e.image == _HEADROOM_REPO
+                    or e.image.startswith((f"{_HEADROOM_REPO}:", f"{_HEADROOM_REPO}@"))
+                )
             ),
             field_path=".image",
         ),
