@@ -254,6 +254,22 @@ def test_vllm_plans_mla_with_the_block_size_it_forces(gpu: str, block_size: int,
     assert llama[2] == block_size  # not MLA: the spec's block size
 
 
+def test_vllm_with_mla_needs_the_gpu_type_to_know_its_block_size() -> None:
+    """gpu.memoryGiB alone does not say Hopper or Blackwell (64- or 128-token MLA blocks): the
+    override would be twice or half the planned bytes, so the spec is refused; the type beside
+    the memory plans Blackwell's 128."""
+    model = {"preset": "deepseek-v3", "path": "/models/dsv3"}
+    with pytest.raises(SpecError, match=r"needs gpu\.type, not gpu\.memoryGiB alone"):
+        size(spec({"runtime": "vllm"}, model=model, gpu={"memoryGiB": 179, "countPerPod": 8}))
+    both = spec({"runtime": "vllm"}, model=model,
+                gpu={"type": "b200-192gb", "memoryGiB": 179, "countPerPod": 8})  # fmt: skip
+    assert pool(both)[2] == 128
+    # Neither SGLang (its page size is the spec's) nor a model without MLA needs it.
+    assert pool(spec({"runtime": "sglang"}, model=model,
+                     gpu={"memoryGiB": 179, "countPerPod": 8}))[2] == 16  # fmt: skip
+    assert pool(spec({"runtime": "vllm"}, gpu={"memoryGiB": 80}))[2] == 16
+
+
 def test_sglang_page_size_matches_the_engine() -> None:
     s = spec({"runtime": "sglang", "blockSize": 32})
     c = containers(deployment(OWNER, s, size(s), replicas=1))
@@ -690,3 +706,19 @@ def test_sglang_runs_deepseek_v32_in_the_kv_dtype_it_was_priced_at(setting: str,
     plain = spec({"runtime": "sglang"})
     args = sglang_command(plain, size(plain), "chat").args
     assert args[args.index("--kv-cache-dtype") + 1] == "auto"
+
+
+@pytest.mark.parametrize(("sliding", "unified"), [(0, False), (1, True), (3, True), (4, False)])
+def test_vllm_unifies_any_mix_of_sliding_and_full_layers(sliding: int, unified: bool) -> None:
+    """Even one sliding-window layer among full ones (or one full among sliding) makes vLLM two
+    KV groups; only all of one kind is a single group already."""
+    model: dict[str, Any] = {
+        "numLayers": 4, "numAttentionHeads": 8, "numKVHeads": 2, "headDim": 64,
+        "hiddenSize": 512, "vocabSize": 1000, "parameterCount": 10_000_000,
+        "maxPositionEmbeddings": 8192, "path": "/models/m",
+    }  # fmt: skip
+    if sliding:
+        model |= {"slidingWindow": 1024, "numSlidingWindowLayers": sliding}
+    s = spec({"runtime": "vllm"}, model=model)
+    args = vllm_command(s, size(s), "chat").args
+    assert ("--disable-hybrid-kv-cache-manager" in args) is unified

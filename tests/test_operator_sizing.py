@@ -9,11 +9,12 @@ import pytest
 
 from headroom.contract import plan_cli
 from headroom.contract.budget import GIB, plan
-from headroom.operator.crd.models import InferenceDeploymentSpec
+from headroom.operator.crd.models import InferenceDeploymentSpec, ModelSpec
 from headroom.operator.reconcile.sizing import (
     SpecError,
     blocks_per_sequence,
     budget,
+    model_arch,
     plan_input,
     served_model_name,
     size,
@@ -203,3 +204,97 @@ def test_infeasible_weights_on_the_headroom_engine_point_at_a_stock_runtime() ->
     # A stock runtime on one GPU: more GPUs per pod is the advice as it stands.
     stock = size(spec(model={"preset": "llama-3.1-70b", "path": "/m"}, engine={"runtime": "vllm"}))
     assert stock.reason is not None and "engine.runtime" not in stock.reason
+
+
+def test_a_context_past_the_model_s_positions_does_not_point_at_more_gpus() -> None:
+    """No runtime or GPU count lifts a context past max_position_embeddings: the headroom
+    engine's "several GPUs per pod" advice is left out there."""
+    sizing = size(spec(traffic={"peakConcurrency": 4, "contextTokens": 200_000}))
+    assert not sizing.feasible and sizing.plan.binding == "context"
+    assert sizing.reason is not None and "max_position_embeddings 131072" in sizing.reason
+    assert "several GPUs" not in sizing.reason
+
+
+def test_a_preset_s_weight_dtype_override_is_priced() -> None:
+    """model.weightDtype on a preset replaces the preset's: fp8 weights are half of bf16's."""
+    fp8_spec = spec(model={"preset": "llama-3.1-8b", "weightDtype": "fp8"})
+    fp8, bf16 = size(fp8_spec), size(spec())
+    assert plan_input(fp8_spec).model.weight_dtype == "fp8"
+    assert fp8.plan.weights_bytes_per_gpu * 2 == bf16.plan.weights_bytes_per_gpu
+    assert fp8.plan.kv_blocks_per_pod > bf16.plan.kv_blocks_per_pod
+
+
+def test_an_infeasible_sizing_still_counts_one_pod() -> None:
+    """Sizing.replicas is 1 when the plan has none, so callers need not special-case it."""
+    s = size(spec(model={"preset": "llama-3.1-70b"}))
+    assert not s.feasible and s.plan.replicas is None and s.replicas == 1
+    feasible = size(spec())
+    assert feasible.replicas == feasible.plan.replicas == 4
+
+
+def test_blocks_per_sequence_without_prefix_caching_and_its_floor() -> None:
+    """Without prefix caching a request claims all its blocks; with any hit, at least one."""
+    hit = {"peakConcurrency": 400, "contextTokens": 4096, "prefixHitRatio": 0.5}
+    off = spec(traffic=hit, engine={"prefixCaching": False})
+    assert blocks_per_sequence(off, 16) == 256
+    one = spec(traffic={"peakConcurrency": 8, "contextTokens": 16, "prefixHitRatio": 0.5})
+    assert blocks_per_sequence(one, 16) == 1.0  # half a block's worth still takes one
+
+
+def test_summary_states_the_kv_per_gpu_in_gib() -> None:
+    """The describe line's figures are the plan's, in GiB where it says GiB."""
+    s = size(spec())
+    p = s.plan
+    assert f"{p.kv_bytes_per_gpu / GIB:.1f} GiB KV per GPU" in summary(s)
+    assert f"= {p.kv_blocks_per_pod:,} blocks of 16 tokens per pod" in summary(s)
+
+
+def _sized_with_pool(blocks: int, max_model_len: int, runtime: str = "vllm") -> Any:
+    """A runtime sized (contextTokens 4096) on the least GPU memory that plans `blocks` blocks."""
+
+    def sizing(gib: float) -> Any:
+        return size(spec(model={"preset": "llama-3.1-8b", "path": "/m"},
+                         gpu={"memoryGiB": gib},
+                         engine={"runtime": runtime, "prefixCaching": False,
+                                 "maxModelLen": max_model_len}))  # fmt: skip
+
+    lo, hi = 16.0, 64.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if sizing(mid).plan.kv_blocks_per_pod >= blocks else (mid, hi)
+    s = sizing(hi)
+    assert s.plan.kv_blocks_per_pod == blocks and s.plan.feasible
+    return s
+
+
+def test_max_model_len_past_the_pool_counts_vllm_s_null_block() -> None:
+    """engine.maxModelLen above contextTokens: the plan fits, but vLLM's pool of N blocks gives
+    sequences N - 1, so a maxModelLen of exactly N blocks cannot run there (SGLang's can), and
+    the reason states the one sequence's KV in GiB and the engine's own block."""
+    need = 131072 // 16
+    on_vllm = _sized_with_pool(need, 131072)
+    assert not on_vllm.feasible and on_vllm.reason is not None
+    p = on_vllm.plan
+    assert on_vllm.reason == (
+        "one 131072-token sequence (engine.maxModelLen) needs 16.00 GiB of KV per GPU but only "
+        f"{p.kv_bytes_per_gpu / GIB:.2f} GiB is left after weights "
+        f"{p.weights_bytes_per_gpu / GIB:.1f} GiB and reserve "
+        f"{p.activation_reserve_bytes_per_gpu / GIB:.1f} GiB; lower maxModelLen or add GPUs per "
+        f"pod ({need:,} blocks, 1 of them the engine's own)"
+    )
+    assert "16.00 GiB is left after weights 15.0 GiB" in on_vllm.reason  # 8192 blocks x 2 MiB
+    assert budget(on_vllm).sized_replicas is None
+    assert _sized_with_pool(need, 131072, "sglang").feasible
+    # One block fewer in maxModelLen fits beside the null block.
+    assert _sized_with_pool(need, 131072 - 16).feasible
+
+
+def test_an_architecture_the_budget_refuses_is_a_spec_error() -> None:
+    """Should the CRD's bounds drift from ModelArch's, the spec is refused with the field named,
+    never with an uncaught ValidationError (parse() promises an error, not an exception)."""
+    model = ModelSpec.model_construct(
+        num_layers=2000, num_attention_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64,
+        vocab_size=256, parameter_count=100_000,
+    )  # fmt: skip
+    with pytest.raises(SpecError, match=r"^model architecture: num_layers: .*1024"):
+        model_arch(model, 256)

@@ -93,8 +93,17 @@ def _engine_block_size(spec: InferenceDeploymentSpec, arch: ModelArch) -> int:
     size = spec.engine.block_size
     if spec.engine.runtime != "vllm" or arch.kv_lora_rank is None:
         return size
+    if spec.gpu.type is None:
+        # Priced in the wrong size, --num-gpu-blocks-override would allocate half or twice the
+        # planned bytes: the GPU's generation must be known.
+        raise SpecError(
+            "engine.runtime vllm with an MLA model (DeepSeek V2/V3, model.kvLoraRank) needs "
+            "gpu.type, not gpu.memoryGiB alone: vLLM runs MLA's KV in blocks of "
+            f"{VLLM_MLA_BLOCK_SIZE} tokens before Blackwell and {VLLM_MLA_BLOCK_SIZE_BLACKWELL} "
+            "on it, and the plan prices the size it runs (gpu.memoryGiB may stay beside gpu.type)"
+        )
     try:
-        blackwell = spec.gpu.type is not None and gpu_preset(spec.gpu.type).name in _BLACKWELL_GPUS
+        blackwell = gpu_preset(spec.gpu.type).name in _BLACKWELL_GPUS
     except UnknownPreset:
         blackwell = False
     return VLLM_MLA_BLOCK_SIZE_BLACKWELL if blackwell else VLLM_MLA_BLOCK_SIZE
@@ -167,8 +176,9 @@ def size(spec: InferenceDeploymentSpec) -> Sizing:
     result = plan(inp)
     mml = max_model_len(spec)
     reason = result.reason
-    if reason is not None and spec.engine.runtime == "headroom":
-        # The spec holds it to one GPU a pod: more GPUs is a runtime change.
+    if reason is not None and spec.engine.runtime == "headroom" and result.binding != "context":
+        # The spec holds it to one GPU a pod: more GPUs is a runtime change (none lifts a
+        # context past the model's positions).
         reason += (
             "; the headroom engine runs on one GPU: several GPUs per pod need engine.runtime "
             "vllm or sglang"
