@@ -100,3 +100,30 @@ def test_ready_is_left_to_the_reconcile_when_it_is_not_the_deployments_to_say(
     held: dict[str, Any],
 ) -> None:
     assert readiness(held, deployment(1, total=1, updated=1, ready=1), now=200.0) is None
+
+
+@pytest.mark.parametrize(
+    ("dep", "expected"),
+    [
+        # Scaled to zero by hand: no replica serves, so it is not Ready.
+        (
+            {"metadata": {"generation": 2}, "spec": {"replicas": 0},
+             "status": {"observedGeneration": 2}},
+            ("False", "ReplicasNotReady", "0/0 replicas ready", 0, 0),
+        ),
+        # The API server leaves zero counts out, and spec.replicas defaults to 1: a rollout
+        # whose new pod is not created yet reports neither updatedReplicas nor readyReplicas.
+        (
+            {"metadata": {"generation": 2}, "spec": {},
+             "status": {"observedGeneration": 2, "replicas": 1}},
+            ("False", "RollingOut",
+             "0/1 replicas on the current spec, 1 of the previous one left; 0 ready", 1, 0),
+        ),
+    ],
+    ids=["scaled-to-zero", "counts-left-out"],
+)  # fmt: skip
+def test_counts_the_api_server_leaves_out_read_as_its_defaults(
+    dep: dict[str, Any], expected: tuple[str, str, str, int, int]
+) -> None:
+    """An absent count is Kubernetes' default (replicas 1, the rest 0), and none is not Ready."""
+    assert figures(dep) == expected

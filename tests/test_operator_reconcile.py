@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -856,3 +858,50 @@ async def test_a_refused_scale_is_reported_by_the_tick_not_raised() -> None:
     assert cond(st, "ScalingLimited")["reason"] == "ScaleFailed"
     assert "lastDecisions" in st and not any(r["applied"] for r in st["lastDecisions"])
     assert res.memory.last_up is None
+
+
+def _applied(kube: FakeKube, kind: str) -> dict[str, Any]:
+    (obj,) = [o for k, _, o in kube.applies if k == kind]
+    return obj
+
+
+def test_a_rollout_or_a_node_drain_takes_one_pod_out_at_most() -> None:
+    """A new pod is surged in before an old one leaves, and evictions go one pod at a time."""
+    kube = FakeKube()
+    reconcile(kube, body(SPEC), NOW)
+    strategy = _applied(kube, "Deployment")["spec"]["strategy"]
+    assert strategy == {"type": "RollingUpdate",
+                        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}  # fmt: skip
+    assert _applied(kube, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+
+
+@pytest.mark.parametrize(("interval", "scrape"), [(5, "5s"), (60, "15s")])
+def test_the_sidecars_are_scraped_at_the_decision_period_or_every_15s(
+    interval: int, scrape: str
+) -> None:
+    """The ServiceMonitor scrapes as often as the loop decides, at most 15 s apart, and keeps
+    the namespace/pod/inferencedeployment labels the sidecar sets."""
+    kube = FakeKube(monitoring=frozenset({"ServiceMonitor"}))
+    reconcile(kube, body({**SPEC, "scaling": {"intervalSeconds": interval}}), NOW)
+    (endpoint,) = _applied(kube, "ServiceMonitor")["spec"]["endpoints"]
+    assert (endpoint["interval"], endpoint["honorLabels"]) == (scrape, True)
+
+
+def test_the_pod_runs_as_the_image_s_user_without_api_credentials() -> None:
+    """The pod runs as the uid the Dockerfile creates, mounts no service account token and no
+    service env, and cannot write the model volume."""
+    kube = FakeKube()
+    model = {"preset": "llama-3.1-8b", "path": "/models/l8b", "volumeClaimName": "w"}
+    reconcile(kube, body({**SPEC, "model": model}), NOW)
+    pod = _applied(kube, "Deployment")["spec"]["template"]["spec"]
+    dockerfile = (Path(__file__).resolve().parents[1] / "Dockerfile").read_text()
+    users = set(re.findall(r"^USER (\d+):(\d+)$", dockerfile, re.M))
+    assert len(users) == 1, users
+    ((uid, gid),) = users
+    sc = pod["securityContext"]
+    assert (sc["runAsUser"], sc["runAsGroup"], sc["fsGroup"]) == (int(uid), int(gid), int(gid))
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["enableServiceLinks"] is False
+    (engine,) = [c for c in pod["containers"] if c["name"] == "engine"]
+    (models,) = [m for m in engine["volumeMounts"] if m["name"] == "models"]
+    assert models["readOnly"] is True
