@@ -242,6 +242,46 @@ def test_device_errors_are_recognised() -> None:
     assert not health.healthy and "device error" in (health.reason or "")
 
 
+def test_a_run_of_failures_is_consecutive_steps_and_a_success_ends_it() -> None:
+    """A success between failures resets the run: only max_consecutive_failures failed steps in
+    a row (3 by default) turn the engine unhealthy; the total still counts every one."""
+    health = EngineHealth()
+    for _ in range(5):
+        assert not health.record_failure(RuntimeError("bad batch"))
+        assert not health.record_failure(RuntimeError("bad batch"))
+        health.record_success()
+        assert health.consecutive_failures == 0
+    assert health.healthy and health.failed_steps_total == 10
+    assert not health.record_failure(RuntimeError("bad batch"))
+    assert not health.record_failure(RuntimeError("bad batch"))
+    assert health.record_failure(RuntimeError("bad batch"))
+    assert "3 consecutive model steps failed" in (health.reason or "")
+    assert not health.record_failure(RuntimeError("later"))  # already unhealthy: no new verdict
+    assert health.failed_steps_total == 14
+
+
+def test_max_consecutive_failures_is_at_least_one() -> None:
+    """1 is the strictest setting (any failed step restarts the pod); 0 would mean unhealthy
+    before any step, so it is refused."""
+    health = EngineHealth(max_consecutive_failures=1)
+    assert health.record_failure(RuntimeError("bad batch")) and not health.healthy
+    with pytest.raises(ValueError, match="max_consecutive_failures"):
+        EngineHealth(max_consecutive_failures=0)
+
+
+def test_a_step_is_stuck_only_once_it_runs_longer_than_the_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Exactly step_timeout_s of running is not yet stuck; longer is."""
+    import headroom.engine.health as health_module
+
+    monkeypatch.setattr(health_module.time, "monotonic", lambda: 1000.0)
+    health = EngineHealth(step_timeout_s=60)
+    health.step_started(4)
+    assert health.stuck_step(now=1060.0) is None and health.healthy
+    assert "model step 4 stuck" in (health.stuck_step(now=1060.5) or "")
+
+
 async def test_server_maps_failures_and_an_unhealthy_engine_fails_its_probes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -10,7 +10,14 @@ from headroom.engine.config import EngineConfig
 from headroom.engine.engine import Engine
 from headroom.engine.errors import RequestRejected
 from headroom.engine.outputs import RequestOutput
-from headroom.engine.sampling import SamplingParams, sample_token
+from headroom.engine.quant import dequantize, quantize
+from headroom.engine.sampling import (
+    SAMPLING_EPS,
+    SamplingParams,
+    completion_seed,
+    make_generator,
+    sample_token,
+)
 from headroom.engine.server.budget_report import budget_report
 
 PROMPTS = ["The quick brown fox", "Hello", "a b c d e f g h i j k l m n o p", "zz"]
@@ -70,6 +77,83 @@ def test_values_that_underflow_fp32_sample_the_top_token_not_nan() -> None:
     ):
         assert {sample_token(logits, params, gen) for _ in range(50)} == {1}, params
     assert SamplingParams(temperature=5e-6).greedy and not SamplingParams(temperature=1e-4).greedy
+
+
+def test_the_documented_ranges_are_inclusive_at_their_ends() -> None:
+    """n up to 128, temperature up to 100 and top_k -1 (off, as in vLLM) are accepted; one past
+    each is not."""
+    SamplingParams(n=128, temperature=100.0, top_k=-1, stop_token_ids=[0])
+    for bad in ({"n": 129}, {"temperature": 101.0}):
+        with pytest.raises(ValidationError):
+            SamplingParams(**bad)
+
+
+def test_the_defaults_are_openais_and_params_are_frozen() -> None:
+    """Unset fields sample as the OpenAI API does (16 tokens at temperature 1, no filters);
+    one params object is shared by every prompt of a batch, so it cannot be changed."""
+    params = SamplingParams()
+    assert (params.n, params.max_tokens, params.temperature, params.top_p, params.top_k) == (
+        1,
+        16,
+        1.0,
+        1.0,
+        0,
+    )
+    assert not params.ignore_eos and not params.greedy
+    with pytest.raises(ValidationError, match="frozen"):
+        params.max_tokens = 4  # type: ignore[misc]
+
+
+def test_every_seed_gives_a_valid_and_distinct_stream() -> None:
+    """`seed` is any int (negative and past 64 bits included) and each maps to a valid
+    generator seed; nearby seeds and a request's completions sample differently."""
+    for seed in (-1, -(2**70), 2**80 + 5, 0):
+        assert 0 <= completion_seed(seed, 3) < 2**63
+        make_generator(completion_seed(seed, 3))
+    seeds = {completion_seed(s, i) for s in range(16) for i in range(8)}
+    assert len(seeds) == 16 * 8
+    draws = {tuple(torch.rand(4, generator=make_generator(s)).tolist()) for s in seeds}
+    assert len(draws) == len(seeds)
+
+
+def test_greedy_is_below_sampling_eps_only() -> None:
+    """A temperature of exactly SAMPLING_EPS (1e-5, vLLM's) still samples; below it is greedy."""
+    assert SAMPLING_EPS == 1e-5
+    assert not SamplingParams(temperature=SAMPLING_EPS).greedy
+    assert SamplingParams(temperature=SAMPLING_EPS * 0.99).greedy
+
+
+def test_temperature_divides_the_logits() -> None:
+    """A high temperature flattens the distribution, a low one sharpens it."""
+    logits = torch.tensor([0.0, -10.0])  # p(1) ~ 5e-5 at temperature 1
+    gen = torch.Generator().manual_seed(0)
+    hot = [sample_token(logits, SamplingParams(temperature=100.0), gen) for _ in range(200)]
+    assert 50 < sum(hot) < 150  # ~0.48 of the draws at temperature 100
+    logits = torch.tensor([0.0, -0.1])
+    cold = {sample_token(logits, SamplingParams(temperature=0.01), gen) for _ in range(200)}
+    assert cold == {0}  # logits / 0.01: p(1) ~ 5e-5
+
+
+def test_top_p_keeps_the_smallest_prefix_whose_mass_reaches_it() -> None:
+    """A token is dropped once the mass before it already reaches top_p, equality included:
+    0.5 of mass reaches a top_p of 0.5, so the top token alone is kept."""
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.25]))  # exact in fp32
+    gen = torch.Generator().manual_seed(0)
+    assert {sample_token(logits, SamplingParams(top_p=0.5), gen) for _ in range(200)} == {0}
+    wider = {sample_token(logits, SamplingParams(top_p=0.7501), gen) for _ in range(300)}
+    assert wider == {0, 1, 2}  # 0.75 before the last token falls short of 0.7501
+
+
+def test_top_k_minus_one_is_off() -> None:
+    """top_k -1, like 0, keeps the whole vocabulary."""
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    gen = torch.Generator().manual_seed(0)
+    assert {sample_token(logits, SamplingParams(top_k=-1), gen) for _ in range(300)} == {
+        0,
+        1,
+        2,
+        3,
+    }
 
 
 def test_stop_token_ids_are_capped() -> None:
@@ -181,6 +265,15 @@ def test_abort_frees_blocks_and_reports(engine: Engine) -> None:
     assert engine.abort("abort-me") is None
 
 
+def test_a_request_aborted_before_its_first_step_reports_nothing_cached(engine: Engine) -> None:
+    """Aborted while queued: no tokens, and no prompt tokens counted as served from cache."""
+    engine.add_request("queued", PROMPTS[0], SamplingParams(max_tokens=4))
+    final = engine.abort("queued")
+    assert final is not None and final.finished and final.first_token_time is None
+    assert final.num_cached_tokens == 0
+    assert [c.token_ids for c in final.outputs] == [[]]
+
+
 def test_rejections_name_the_problem(engine: Engine) -> None:
     with pytest.raises(RequestRejected, match="exceeds max_model_len 1024") as info:
         engine.add_request("long", [1] * 1000, SamplingParams(max_tokens=100))
@@ -266,6 +359,33 @@ def test_copy_on_write_keeps_n_greedy_completions_exact(
     forked = eng.generate([prompt], params.model_copy(update={"n": 3}))[0]
     assert any(copies), "appending to a shared partial block must copy it first"
     assert all(c.token_ids == single for c in forked.outputs)
+
+
+def test_fp8_kv_is_stored_over_its_per_head_scale() -> None:
+    """fp8 stores x / scale (one scale per kv head) and reads back stored * scale in fp32:
+    values on the e4m3 grid round-trip exactly, and ones past 448 x scale saturate."""
+    scale = torch.tensor([0.5, 4.0])
+    grid = torch.tensor([1.0, -3.0, 96.0, 448.0])
+    x = (scale[:, None] * grid)[None]  # [tokens 1, kv heads 2, head_dim 4]
+    stored, per_token = quantize(x, "fp8", scale)
+    assert stored.dtype == torch.float8_e4m3fn and per_token is None
+    assert torch.equal(stored.float(), grid.expand(1, 2, 4))
+    back = dequantize(stored, "fp8", scale)
+    assert back.dtype == torch.float32 and torch.equal(back, x)
+    far = dequantize(quantize(x * 10, "fp8", scale)[0], "fp8", scale)
+    assert torch.equal(far.abs().amax(-1), 448 * scale[None])
+
+
+def test_int8_kv_scales_each_token_and_head_by_its_absmax() -> None:
+    """int8: scale = absmax / 127 per (token, kv head), so each row's largest value is +-127
+    and the round trip is within half a step; an all-zero row stays zero (no 0 / 0)."""
+    x = torch.tensor([[[0.5, -2.54, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]])
+    stored, scales = quantize(x, "int8")
+    assert stored.dtype == torch.int8 and scales is not None
+    assert torch.allclose(scales, torch.tensor([[2.54 / 127, 0.0]]))
+    assert stored[0, 0].tolist() == [25, -127, 50, 0] and stored[0, 1].tolist() == [0] * 4
+    back = dequantize(stored, "int8", scales)
+    assert (back - x).abs().max() <= 2.54 / 127 / 2 + 1e-6 and not back[0, 1].any()
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "int8"])

@@ -189,3 +189,47 @@ def test_streaming_beside_a_long_stop_string_never_leaks_part_of_a_short_one() -
         streamed += out.text
         assert "hello there, friend ".startswith(streamed)
     assert streamed == "hello there, friend " and out.finish_reason == "stop"
+
+
+def _stream(deltas: list[str], params: SamplingParams) -> list[str]:
+    """The text of each output while `deltas` arrive, none of them ending the completion."""
+    req = Request("r", [0], params, 0.0)
+    comp = _comp()
+    req.completions.append(comp)
+    outs = []
+    for d in deltas:
+        assert not _append_text(comp, d, params)
+        outs.append(req.output([comp], req.finished).outputs[0].text)
+    return outs
+
+
+def test_only_the_last_max_stop_len_minus_one_characters_are_held_back() -> None:
+    """Text that can no longer begin a stop string streams as soon as it arrives: a delta holds
+    back exactly the last len(longest stop) - 1 characters, never what it already released."""
+    params = SamplingParams(max_tokens=64, stop=["<end>", "!!"])
+    outs = _stream(["abc", "defg", "h", "", "ijklmnop"], params)
+    assert outs == ["", "abc", "d", "", "efghijkl"]  # held: abc, defg, efgh, efgh, mnop
+    assert "".join(outs) == "abcdefghijklmnop"[:-4]
+
+
+def test_without_stop_strings_every_delta_streams_whole() -> None:
+    """No stop string: nothing is held back, each output carries all its new text at once."""
+    outs = _stream(["a", "bc", "def"], SamplingParams(max_tokens=64))
+    assert outs == ["a", "bc", "def"]
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_eos_ends_a_completion_unless_ignore_eos(ignore_eos: bool) -> None:
+    """EOS stops with the token kept (its text is not, as in vLLM), as a stop token id does;
+    `ignore_eos` generates on to `max_tokens` (a benchmark's fixed-length output)."""
+    params = SamplingParams(max_tokens=3, ignore_eos=ignore_eos)
+    comp = _comp()
+    add_token(comp, 3, params, frozenset({3}))
+    if ignore_eos:
+        assert comp.finish_reason is None
+        add_token(comp, 3, params, frozenset({3}))
+        add_token(comp, 0, params, frozenset({3}))
+        assert comp.finish_reason == "length" and comp.token_ids == [3, 3, 0]
+    else:
+        assert comp.finish_reason == "stop" and comp.stop_reason == 3
+        assert comp.token_ids == [3] and comp.text == ""
