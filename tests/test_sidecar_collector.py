@@ -15,8 +15,9 @@ from headroom.contract.demand import DemandRates
 from headroom.contract.stats import TTFT_BUCKETS_S
 from headroom.sidecar.collector import SidecarCollector, make_registry
 from headroom.sidecar.config import IdentityLabels, SidecarConfig
+from headroom.sidecar.saturation import build_report
 from headroom.sidecar.sources import parse_headroom_stats
-from headroom.sidecar.state import PollState
+from headroom.sidecar.state import PollState, figures
 
 # shared/DESIGN.md "Metric contract": family name (as the parser names it) -> type.
 CONTRACT = {
@@ -209,3 +210,40 @@ def test_a_demand_that_overflows_is_left_off_not_exported_as_inf(
     assert "headroom_kv_demand_blocks" in _families(state, cfg, clock)
     monkeypatch.setattr(DemandRates, "demand_blocks", property(lambda _: math.inf))
     assert "headroom_kv_demand_blocks" not in _families(state, cfg, clock)
+
+
+def test_engine_up_is_exactly_one_while_fresh() -> None:
+    """`headroom_engine_up` is a 0/1 gauge: alerts and `sum()` over pods count it as such."""
+    eng, state, cfg, clock = _setup()
+    _drive(eng, state, clock)
+    assert _families(state, cfg, clock)["headroom_engine_up"].samples[0].value == 1.0
+
+
+@pytest.mark.parametrize(("enabled", "value"), [(True, 1.0), (False, 0.0)])
+def test_prefix_cache_enabled_is_a_zero_or_one_gauge(enabled: bool, value: float) -> None:
+    """HeadroomPrefixCacheIneffective skips engines with caching off by this 0/1 gauge."""
+    eng, state, cfg, clock = _setup()
+    eng.prefix_enabled = enabled
+    _drive(eng, state, clock)
+    fam = _families(state, cfg, clock)["headroom_prefix_cache_enabled"]
+    assert [s.value for s in fam.samples] == [value]
+
+
+def test_the_saturation_report_names_the_pod_as_the_metrics_do() -> None:
+    """`/saturation` carries the identity labels `/metrics` does; an unset one is null."""
+    eng, state, cfg, clock = _setup()
+    _drive(eng, state, clock)
+    report = build_report(figures(state, cfg, clock.t), cfg, now_unix=0.0)
+    assert (report.pod, report.namespace, report.inferencedeployment) == ("chat-0", "llm", "chat")
+    bare = SidecarConfig(engine_url="http://127.0.0.1:1")
+    report = build_report(figures(state, bare, clock.t), bare, now_unix=0.0)
+    assert (report.pod, report.namespace, report.inferencedeployment) == (None, None, None)
+
+
+def test_the_saturation_report_counts_preemptions_as_a_whole_number() -> None:
+    """The engine's preemption counter reaches `/saturation` as the int the contract types."""
+    eng, state, cfg, clock = _setup()
+    eng.preemptions_total = 3
+    _drive(eng, state, clock)
+    report = build_report(figures(state, cfg, clock.t), cfg, now_unix=0.0)
+    assert report.preemptions_total == 3 and isinstance(report.preemptions_total, int)

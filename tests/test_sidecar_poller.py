@@ -10,6 +10,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -442,3 +443,141 @@ async def test_a_restart_with_a_bigger_pool_reads_its_new_pool_at_once() -> None
             assert rig.state.last_poll_ok, rig.state.last_error
         reading = figures(rig.state, rig.cfg, 11.0).reading
         assert reading is not None and reading.capacity_blocks == 16384
+
+
+# --- the loop: a fixed rate, and an overrun skips the slots it missed -------------------------
+
+
+class _StopLoop(Exception):
+    pass
+
+
+async def test_run_keeps_a_fixed_rate_and_an_overrun_skips_the_slots_it_missed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Polls fall on start + k * interval; one that overruns is followed by a poll at the next
+    slot still ahead (no burst to catch up), and one that fills its slot exactly by one at once."""
+    import headroom.sidecar.poller as poller_mod
+
+    async with _rig(Engine({})) as rig:
+        rig.clock.t = 100.25
+        durations = iter([0.25, 2.5, 0.0, 1.0, 0.0])  # interval 1 s
+        polled: list[float] = []
+        slept: list[float] = []
+
+        async def poll_once() -> None:
+            polled.append(rig.clock.t)
+            rig.clock.t += next(durations)
+
+        async def sleep(seconds: float) -> None:
+            slept.append(seconds)
+            rig.clock.t += seconds
+            if len(slept) == 5:
+                raise _StopLoop
+
+        monkeypatch.setattr(rig.poller, "poll_once", poll_once)
+        monkeypatch.setattr(poller_mod, "asyncio", SimpleNamespace(sleep=sleep))
+        with pytest.raises(_StopLoop):
+            await rig.poller.run()
+    assert polled == [100.25, 101.25, 104.25, 105.25, 106.25]
+    assert slept == [0.75, 0.5, 1.0, 0.0, 1.0]
+
+
+async def test_sglang_server_info_is_read_again_once_a_minute() -> None:
+    """README: the pool size is read from the server info once a minute while the server runs
+    (SERVER_INFO_REFRESH_S), not at every poll nor only on a restart."""
+    sg = Sglang()
+    async with _rig(sg.engine(), source="sglang") as rig:
+        for t in (0.0, 59.0):
+            rig.clock.t = t
+            await rig.poller.poll_once()
+        assert rig.engine.hits["/get_server_info"] == 1
+        rig.clock.t = 60.0
+        await rig.poller.poll_once()
+        assert rig.engine.hits["/get_server_info"] == 2 and rig.state.restarts_total == 0
+
+
+async def test_a_body_over_the_size_limit_is_garbage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body of exactly MAX_BODY_BYTES is read; one byte more is garbage, not buffered."""
+    import headroom.sidecar.poller as poller_mod
+
+    body = SyntheticEngine(capacity=100).body()
+    async with _rig(Engine({"/stats": lambda: body})) as rig:
+        monkeypatch.setattr(poller_mod, "MAX_BODY_BYTES", len(body))
+        await rig.poller.poll_once()
+        assert rig.state.last_poll_ok
+        monkeypatch.setattr(poller_mod, "MAX_BODY_BYTES", len(body) - 1)
+        rig.clock.t = 1.0
+        await rig.poller.poll_once()
+        assert rig.state.errors["garbage"] == 1
+        assert rig.state.last_error is not None and "body larger than" in rig.state.last_error
+
+
+@pytest.mark.parametrize("source", ["sglang", "vllm", "headroom"])
+async def test_server_info_is_asked_only_of_an_sglang_without_its_pool_in_metrics(
+    source: str,
+) -> None:
+    """A release that exports `sglang:max_total_num_tokens` needs no second request, and
+    neither does any other source: one GET per poll, to the poll URL only."""
+    sg = Sglang()
+    pool = f"sglang:max_total_num_tokens{{{LABELS}}} {sg.pool}\n".encode()
+    engine = Engine({
+        "/metrics": (lambda: sg.metrics() + pool) if source == "sglang"
+        else lambda: b"vllm:kv_cache_usage_perc 0.5\n",
+        "/stats": SyntheticEngine(capacity=100).body,
+        "/get_server_info": sg.info,
+        "/server_info": sg.info,
+    })  # fmt: skip
+    async with _rig(engine, source=source) as rig:
+        await rig.poller.poll_once()
+        assert rig.state.last_poll_ok, rig.state.last_error
+        reading = figures(rig.state, rig.cfg, 0.0).reading
+        assert reading is not None and reading.source == source
+    assert sum(engine.hits.values()) == 1
+    assert "/get_server_info" not in engine.hits and "/server_info" not in engine.hits
+
+
+def _events(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage().split()[0] for r in caplog.records if r.name == "headroom.sidecar"]
+
+
+async def test_the_poller_logs_a_change_of_state_once_not_every_poll(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Module docstring: one log line per change of state (down, up), not one per failed poll;
+    the very first poll failing is a change too."""
+    body = SyntheticEngine(capacity=100).body()
+    up = {"on": False}
+
+    def stats() -> bytes:
+        if not up["on"]:
+            raise web.HTTPServiceUnavailable()
+        return body
+
+    caplog.set_level("INFO", logger="headroom.sidecar")
+    logged: list[list[str]] = []
+    async with _rig(Engine({"/stats": stats})) as rig:
+        for t, on in enumerate([False, False, True, True, False, False]):
+            up["on"], rig.clock.t = on, float(t)
+            caplog.clear()
+            await rig.poller.poll_once()
+            logged.append(_events(caplog))
+    down, up_ = ["event=engine_down"], ["event=engine_up"]
+    assert logged == [down, [], up_, [], down, []]
+
+
+async def test_sglang_server_info_logs_its_loss_and_its_return_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The optional server info: one line when it cannot be read, one when it is read again,
+    and nothing for the retries or refreshes in between."""
+    sg = Sglang(info_up=False)
+    caplog.set_level("INFO", logger="headroom.sidecar")
+    async with _rig(sg.engine(), source="sglang") as rig:
+        for t, info_up in [(0.0, False), (10.0, False), (20.0, True), (80.0, True)]:
+            sg.info_up, rig.clock.t = info_up, t
+            await rig.poller.poll_once()
+        assert rig.engine.hits["/get_server_info"] == 4
+    assert _events(caplog) == [
+        "event=server_info_unavailable", "event=engine_up", "event=server_info",
+    ]  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -153,3 +154,40 @@ def test_histogram_sum_that_is_not_a_non_negative_number_is_garbage(
     doc[field] = {**doc[field], "sum": bad_sum}  # type: ignore[dict-item]
     with pytest.raises(GarbageError, match="sum"):
         parse_headroom_stats(json.dumps(doc).encode())
+
+
+def test_block_seconds_up_to_2_to_the_53_are_read() -> None:
+    """The block-seconds bound is the counts' own, 2**53 inclusive (test_counts_up_to_...)."""
+    doc = {**_doc(), "kv_block_seconds_total": 2.0**53}
+    assert parse_headroom_stats(json.dumps(doc).encode()).kv_block_seconds_total == 2.0**53
+
+
+def _with_ttft(**edit: object) -> bytes:
+    doc = _doc()
+    doc["time_to_first_token_seconds"] = {**doc["time_to_first_token_seconds"], **edit}  # type: ignore[dict-item]
+    return json.dumps(doc).encode()
+
+
+def test_a_histogram_with_a_repeated_bound_is_garbage() -> None:
+    """Two buckets with one `le` make a series given twice, which Prometheus refuses."""
+    bounds = list(TTFT_BUCKETS_S)
+    bounds[1] = bounds[0]
+    with pytest.raises(GarbageError, match="bucket bounds are not increasing"):
+        parse_headroom_stats(_with_ttft(buckets=bounds))
+
+
+def test_a_histogram_with_negative_counts_is_garbage() -> None:
+    """The contract types the counts as ints only: -1 everywhere is cumulative, yet no count."""
+    n = len(TTFT_BUCKETS_S)
+    with pytest.raises(GarbageError, match="a bucket count is not a non-negative number"):
+        parse_headroom_stats(_with_ttft(counts=[-1] * n, count=-1))
+
+
+def test_a_reading_is_immutable() -> None:
+    """The state keeps readings across polls and scrapes read them: none may be edited."""
+    reading = parse_headroom_stats(_engine().body())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        reading.occupancy = 0.0  # type: ignore[misc]
+    assert reading.ttft is not None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        reading.ttft.count = 0.0  # type: ignore[misc]

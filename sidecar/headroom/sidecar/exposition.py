@@ -106,11 +106,17 @@ def pool_key(labels: dict[str, str]) -> PoolKey:
     return tuple(sorted((k, v) for k, v in labels.items() if not _is_rank_label(k)))
 
 
+def is_whole_number(raw: str) -> bool:
+    """Whether a label value spells a whole number in ASCII digits (`str.isdigit()` alone also
+    takes "²", which `int()` refuses)."""
+    return raw.isascii() and raw.isdigit()
+
+
 def _rank_order(labels: dict[str, str]) -> tuple[tuple[str, int, str], ...]:
     ranks = sorted((k, v) for k, v in labels.items() if _is_rank_label(k) and k != "pid")
     if "pid" in labels:  # last: the lowest rank wins whatever its process id
         ranks.append(("pid", labels["pid"]))
-    return tuple((k, int(v) if v.isdigit() else sys.maxsize, v) for k, v in ranks)
+    return tuple((k, int(v) if is_whole_number(v) else sys.maxsize, v) for k, v in ranks)
 
 
 def one_per_pool(series: Labelled | None) -> Labelled:
@@ -169,7 +175,7 @@ def first_label_int(series: Labelled, label: str) -> int | None:
     """The first value of `label` that is a whole number."""
     for labels, _ in series:
         raw = labels.get(label, "")
-        if raw.isdigit():
+        if is_whole_number(raw):
             return int(raw)
     return None
 

@@ -25,6 +25,7 @@ from headroom.sidecar.exposition import (
     first_label,
     first_present,
     fraction,
+    is_whole_number,
     one_per_pool,
     prometheus_samples,
     total,
@@ -218,6 +219,6 @@ def _paired(keys: list[PoolKey], pool_tokens: tuple[int, ...]) -> dict[PoolKey, 
 
     def rank(key: PoolKey) -> tuple[int, str]:
         value = dict(key).get("dp_rank", "")
-        return (int(value) if value.isdigit() else -1, value)
+        return (int(value) if is_whole_number(value) else -1, value)
 
     return {k: float(t) for k, t in zip(sorted(keys, key=rank), pool_tokens, strict=True)}

@@ -20,6 +20,7 @@ from headroom.sidecar.exposition import (
     first_label_int,
     first_present,
     fraction,
+    is_whole_number,
     prometheus_samples,
     total,
 )
@@ -104,7 +105,7 @@ def _front_end_blocks(usage: Labelled, config: Labelled) -> int | None:
     if not paired or len(engines) != len(set(engines)) or len(counts) != 1:
         return None
     raw = counts.pop()
-    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+    return int(raw) if is_whole_number(raw) and int(raw) > 0 else None
 
 
 def _prefix_caching_flag(series: Labelled) -> bool | None:
