@@ -556,14 +556,16 @@ def test_profile_json_of_a_trace_at_one_instant_has_a_null_rate(
     assert out["duration"] == 0.0 and out["rate"] is None
 
 
-def test_simulate_of_one_request_prints_the_floor_without_a_ratio_to_it(
+def test_simulate_of_one_request_grades_the_step_it_arrives_in(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    """All arrivals at one instant still make one graded step: the one pod it takes is the
+    floor, and the pick costs the same."""
     (tmp_path / "one.csv").write_text("arrival_s,prompt_tokens,output_tokens\n0,10,10\n")
     code = main(["simulate", str(tmp_path / "one.csv"), "--spec", str(EXAMPLE), "--seeds", "1",
                  "--quantiles", "0.9"])  # fmt: skip
     out = " ".join(capsys.readouterr().out.split())
-    assert code == 0 and "floor 0.00 GPU-hours" in out and "the pick costs" not in out
+    assert code == 0 and "floor 0.00 GPU-hours" in out and "the pick costs 1.00x that" in out
 
 
 @pytest.mark.parametrize(("suffix", "magic"), [(".svg", b"<?xml"), (".pdf", b"%PDF")])

@@ -20,6 +20,7 @@ from headroom.operator.simulate.replay import (
     shape_for,
 )
 from headroom.operator.simulate.trace import Trace
+from headroom.operator.simulate.world import PodShape
 from tests.test_simulate_replay import Fixed, deployment, poisson
 
 
@@ -96,3 +97,47 @@ def test_no_policy_replayed_costs_less_than_the_floor_for_the_seconds_it_lost(
         assert 0 < floor <= r.gpu_hours
     # With nothing allowed short, the floor still pays for the step's extra pods.
     assert clairvoyant_floor(trace, shape, start, lo, hi, 0.0) > 1.0 * trace.arrival[-1] / 3600
+
+
+def test_the_floor_is_priced_per_gpu_in_hours_with_the_pod_start_paid_in_whole_steps() -> None:
+    # One pool's worth held on each of 20 steps, two pools' on step 10 (each request holds its
+    # 10 blocks for the one step it arrives in). A second pod for that step costs its step and
+    # the 10 steps of its 25 s start; one step allowed short, it is not bought.
+    shape = PodShape(capacity_blocks=10, block_size=16, max_num_seqs=64, watermark_blocks=0,
+                     max_model_len=1000, gpus=2, decode_tps=1e9, prefill_tps=1e9,
+                     pod_start=25.0)  # fmt: skip
+    t = np.sort(np.append(np.arange(20) * DT + 0.5, 10 * DT + 1.0))
+    trace = Trace("step", t, np.full(len(t), 160), np.full(len(t), 1))
+    assert pods_needed(trace, shape, 20).tolist() == [1] * 10 + [2] + [1] * 9
+    hours = 2 / 3600  # pod-seconds to GPU-hours
+    assert clairvoyant_floor(trace, shape, 1, 1, 4, 0.0) == pytest.approx(
+        (20 + 1 + 10) * DT * hours
+    )
+    assert clairvoyant_floor(trace, shape, 1, 1, 4, DT) == pytest.approx(20 * DT * hours)
+    assert clairvoyant_floor(trace, shape, 1, 1, 4, DT - 0.1) == clairvoyant_floor(
+        trace, shape, 1, 1, 4, 0.0
+    )
+    # Starting from three ready pods, the floor gives two back at once, for nothing.
+    assert clairvoyant_floor(trace, shape, 3, 1, 4, DT) == pytest.approx(20 * DT * hours)
+
+
+def test_a_schedule_a_replay_runs_is_paid_as_the_floor_prices_it() -> None:
+    """A replay pays a pod from the step it is asked for, as the floor does: the same schedule
+    costs the same pod-seconds in both, so no policy can come in under the floor by a step per
+    pod it starts."""
+    spec, sizing = deployment("h100-80gb", pod_start=60)
+    shape = shape_for(spec, sizing)
+
+    class Step(Fixed):
+        def __call__(self, world: object, now: float) -> int:
+            return 1 if now < 30.0 else 3
+
+    head = poisson([(0.2, 100.0)])
+    trace = Trace("end", np.append(head.arrival, 150.0), np.append(head.prompt, 1000),
+                  np.append(head.output, 100))  # fmt: skip
+    r = replay(trace, shape, Step(1), 1, warmup=0.0)
+    steps = round(150.0 / DT) + 1  # through the step of the last arrival
+    ready = round((30.0 + 60.0) / DT)  # asked for at 30 s, serving 60 s later
+    need = np.array([1] * ready + [3] * (steps - ready))
+    start_steps = round(shape.pod_start / DT)
+    assert r.gpu_hours * 3600 == pytest.approx(floor_pod_seconds(need, 1, 1, 3, start_steps, 0))

@@ -15,6 +15,8 @@ from headroom.operator.simulate.replay import (
     DT,
     HeadroomPolicy,
     Result,
+    demand_curve,
+    in_flight,
     opening_replicas,
     policy_at,
     replay,
@@ -92,9 +94,13 @@ def test_requests_longer_than_the_max_model_length_are_refused_at_the_door() -> 
     trace = Trace("long", base.arrival, prompt, base.output)
     late = int(((prompt == 3000) & (trace.arrival >= 600)).sum())
     r = replay(trace, shape_for(spec, sizing), Fixed(1), start_replicas=1)
-    # The warm-up replays the first 600 s before the clock starts: the replay counts those
-    # refusals too, so at least every long request after it is counted.
+    # The warm-up replays the first 600 s before the clock starts and grades none of its
+    # refusals; at least every long request after it is counted.
     assert r.rejected >= late > 0
+    # Graded, every one is counted: in the first step and on the last step's boundary too.
+    at = np.array([0.0, 1.0, 5.0, 10.0])
+    edges = Trace("edges", at, np.full(4, 3000), np.full(4, 10))
+    assert replay(edges, shape_for(spec, sizing), Fixed(1), 1, warmup=0.0).rejected == 4
 
 
 def test_scaling_in_cancels_the_newest_starting_pod_first_and_it_costs_only_its_seconds() -> None:
@@ -236,6 +242,9 @@ def test_the_replay_decides_every_interval_the_spec_sets() -> None:
     ticks.clear()
     replay(trace, shape, Counting(1), 1)  # the bench's 15 s
     assert set(np.diff(ticks)) == {15.0}
+    ticks.clear()
+    replay(trace, shape, Counting(1), 1, interval=1.0)  # under a step: every step
+    assert set(np.diff(ticks)) == {DT}
 
 
 def test_a_replay_opens_within_the_specs_replica_bounds() -> None:
@@ -311,3 +320,153 @@ def test_the_door_queue_goes_to_a_pod_that_takes_it_and_is_reported_whole() -> N
         world.arrive(16, 100, 5.0)
     world.step(5.0, 2.5)
     assert sum(p.waiting for p in world.pods) == len(world.queue) == 3
+
+
+def test_a_request_holds_its_prompt_through_prefill_then_grows_in_the_oracles_curve() -> None:
+    # 400 prompt tokens prefill for 4 s (one whole step), 100 output tokens decode for 5 s (two
+    # steps, 50 tokens each): arriving in step 2, it is held three steps. One at 0 s decodes
+    # at once; one of exactly the max model length is held, one token more is refused.
+    shape = PodShape(capacity_blocks=100, block_size=16, max_num_seqs=8, watermark_blocks=0,
+                     max_model_len=1000, decode_tps=20.0, prefill_tps=100.0)  # fmt: skip
+    trace = Trace(
+        "four",
+        np.array([0.0, 6.0, 7.0, 12.6]),
+        np.array([1, 400, 900, 984]) * np.array([160, 1, 1, 1]),
+        np.array([100, 100, 101, 16]),
+    )
+    blocks, seqs = in_flight(trace, shape, 7)
+    assert blocks.tolist() == [10, 14, 25, 25, 29, 62, 62]
+    assert seqs.tolist() == [1, 1, 1, 1, 1, 1, 1]
+    # From t0 = 2.5 every step is one earlier, the first request's first step before it.
+    assert demand_curve(trace, shape, 3, t0=DT).tolist() == [14, 25, 25]
+
+
+def test_the_opening_pods_hold_the_warmups_second_half_at_the_start_target() -> None:
+    # Every step of the warm-up holds `n` requests of 10 blocks each for exactly that step
+    # (instant decode): the mean held is 10 * n blocks, over pools of 100 at 0.7.
+    shape = PodShape(capacity_blocks=100, block_size=16, max_num_seqs=64, watermark_blocks=0,
+                     max_model_len=1000, decode_tps=1e9, prefill_tps=1e9)  # fmt: skip
+
+    def steady(first: int, second: int) -> Trace:
+        per_step = [first] * 120 + [second] * 120 + [1] * 10
+        t = np.repeat(np.arange(len(per_step)) * DT, per_step)
+        return Trace("steady", t, np.full(len(t), 160), np.full(len(t), 1))
+
+    assert opening_replicas(steady(7, 7), shape) == 1  # 70 blocks: exactly 0.7 of one pool
+    assert opening_replicas(steady(8, 8), shape) == 2
+    assert opening_replicas(steady(30, 7), shape) == 1  # the first half is not counted
+    assert opening_replicas(steady(0, 0), shape) == 1
+
+
+def test_a_replay_charges_each_gpu_for_every_graded_step_and_nothing_for_the_warmup() -> None:
+    spec, sizing = deployment("h100-80gb")
+    shape = replace(shape_for(spec, sizing), gpus=2)
+    trace = poisson([(0.5, 300.0)])
+    trace = Trace("end", np.append(trace.arrival, 301.0), np.append(trace.prompt, 1000),
+                  np.append(trace.output, 100))  # fmt: skip
+    r = replay(trace, shape, Fixed(3), start_replicas=3)
+    # 301 s ends in the step from 300 s: 121 steps of 2.5 s, 3 pods of 2 GPUs.
+    assert r.gpu_hours == pytest.approx(3 * 2 * 121 * DT / 3600)
+    assert r.limited_seconds == 0 and r.pod_starts == 0 and r.cancelled_starts == 0
+
+
+def test_the_warmup_observes_every_tick_before_zero_and_the_clock_decides_from_zero() -> None:
+    spec, sizing = deployment("h100-80gb")
+    calls: list[tuple[str, float, bool]] = []
+
+    class Watching(Fixed):
+        def observe(self, world: World, now: float) -> None:
+            calls.append(("observe", now, world.counting))
+
+        def __call__(self, world: World, now: float) -> int:
+            calls.append(("decide", now, world.counting))
+            return self.n
+
+    replay(poisson([(1.0, 120.0)]), shape_for(spec, sizing), Watching(1), 1, warmup=60.0)
+    observed = [(t, counting) for kind, t, counting in calls if kind == "observe"]
+    decided = [t for kind, t, _ in calls if kind == "decide"]
+    assert observed == [(-60.0, False), (-45.0, False), (-30.0, False), (-15.0, False)]
+    assert decided[0] == 0.0 and all(c for kind, _, c in calls if kind == "decide")
+
+
+def test_a_scale_out_is_paid_from_the_step_it_is_asked_in_and_counted_once() -> None:
+    """A pod is paid from the moment it is asked for, as the clairvoyant floor prices it; the
+    last arrival, on a step's boundary, is replayed (its step graded)."""
+    spec, sizing = deployment("h100-80gb", pod_start=60)
+    shape = shape_for(spec, sizing)
+
+    class Step(Fixed):
+        def __call__(self, world: World, now: float) -> int:
+            return 1 if now < 30.0 else 3
+
+    trace = poisson([(0.2, 100.0)])
+    trace = Trace("end", np.append(trace.arrival, 100.0), np.append(trace.prompt, 1000),
+                  np.append(trace.output, 100))  # fmt: skip
+    r = replay(trace, shape, Step(1), 1, warmup=0.0)
+    # Steps 0..40 graded (the last arrival is at 100 s); asked for at 30 s, step 12: two more
+    # pods paid from that step to the end.
+    assert r.gpu_hours == pytest.approx((41 + 2 * (41 - 12)) * DT / 3600)
+    assert (r.pod_starts, r.cancelled_starts, r.peak_replicas, r.actions) == (2, 0, 3, 1)
+
+
+def test_a_policy_at_a_service_level_clamps_the_quantile_and_sets_its_lines_from_the_target() -> (
+    None
+):
+    spec, sizing = deployment("h100-80gb")
+    low, mid, high = (policy_at(spec, q, sizing) for q in (0.1, 0.8, 1.0))
+    assert (low.forecast_quantile, mid.forecast_quantile, high.forecast_quantile) == (
+        0.5, 0.8, 0.999
+    )  # fmt: skip
+    # The engine's pools fill to 0.95 (its watermark): the target is that, never above it.
+    assert (mid.target_occupancy, mid.scale_out_occupancy) == (0.95, pytest.approx(0.975))
+    parsed = parse(
+        {
+            "model": {"preset": "llama-3.1-8b", "path": "meta-llama/Llama-3.1-8B"},
+            "gpu": {"type": "h100-80gb"},
+            "engine": {"runtime": "vllm"},
+            "traffic": {"peakConcurrency": 64, "contextTokens": 2048},
+        }
+    )
+    assert parsed.spec is not None and parsed.sizing is not None, parsed.error
+    vllm = policy_at(parsed.spec, 0.8, parsed.sizing)
+    assert vllm.usable_occupancy == 1.0 and vllm.target_occupancy == 0.95
+
+
+def test_the_simulated_pod_is_the_planned_pool_with_the_engines_watermark_and_the_specs_start() -> (
+    None
+):
+    spec, sizing = deployment("h100-80gb", pod_start=90)
+    shape = shape_for(spec, sizing)
+    cap = sizing.plan.kv_blocks_per_pod
+    assert (shape.capacity_blocks, shape.block_size) == (cap, sizing.plan.block_size)
+    assert shape.watermark_blocks == int(0.05 * cap) > 0
+    assert (shape.gpus, shape.pod_start) == (sizing.plan.gpus_per_pod, 90.0)
+    assert shape.max_num_seqs == spec.engine.max_num_seqs
+    assert shape.max_model_len == sizing.max_model_len
+    assert shape_for(spec) == shape  # sized from the spec when no sizing is given
+
+
+def test_an_empty_trace_replays_only_the_warmup_and_grades_nothing() -> None:
+    spec, sizing = deployment("h100-80gb")
+    empty = Trace("empty", np.zeros(0), np.zeros(0, dtype=int), np.zeros(0, dtype=int))
+    r = replay(empty, shape_for(spec, sizing), Fixed(2), 2)
+    assert (r.gpu_hours, r.limited_seconds, r.actions, r.peak_replicas) == (0.0, 0.0, 0, 2)
+
+
+def test_each_request_arrives_in_the_step_its_time_falls_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec, sizing = deployment("h100-80gb")
+    seen: list[float] = []
+    arrive = World.arrive
+
+    def spy(world: World, prompt: int, output: int, now: float) -> None:
+        seen.append(now)
+        arrive(world, prompt, output, now)
+
+    monkeypatch.setattr(World, "arrive", spy)
+    t = np.array([0.0, 2.5, 3.0, 6.0])
+    trace = Trace("steps", t, np.full(4, 100), np.full(4, 10))
+    replay(trace, shape_for(spec, sizing), Fixed(1), 1, warmup=5.0)
+    # The warm-up replays the opening 5 s at -5 s first; a time on a boundary opens its step.
+    assert seen == [-5.0, -2.5, -2.5, 0.0, 2.5, 2.5, 5.0]

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from headroom.operator.simulate.replay import DT, in_flight
+from headroom.operator.simulate.replay import DT, graded_steps, in_flight
 from headroom.operator.simulate.trace import Trace
 from headroom.operator.simulate.world import PodShape
 
@@ -58,8 +58,7 @@ def clairvoyant_floor(
     trace: Trace, shape: PodShape, start: int, lo: int, hi: int, allowed: float
 ) -> float:
     """The floor in GPU-hours over the trace (from t = 0), `allowed` seconds short at most."""
-    steps = math.ceil(float(trace.arrival[-1]) / DT) if len(trace) else 0
-    need = pods_needed(trace, shape, steps)
+    need = pods_needed(trace, shape, graded_steps(trace))
     seconds = floor_pod_seconds(
         need, start, lo, hi, round(shape.pod_start / DT), int(allowed // DT)
     )

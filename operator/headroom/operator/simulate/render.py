@@ -284,7 +284,8 @@ def simulate_advice(
         lines += _wrapped("deploy", f"no setting serves: {why}", 8)
     floor = floor_median(floors)
     if floor is not None:
-        # A floor of 0 (all arrivals at one instant: no step to pay for) gives no ratio.
+        # A floor of 0 (no pod needed at all: minReplicas 0, every request refused) gives no
+        # ratio.
         than = (
             f"; the pick costs {best.median('gpu_hours') / floor:.2f}x that"
             if best is not None and floor > 0

@@ -109,6 +109,12 @@ def in_flight(
     return blocks[:steps], seqs[:steps]
 
 
+def graded_steps(trace: Trace) -> int:
+    """The DT steps a replay grades: from t = 0 through the step that holds the last arrival
+    (one on a step's boundary included)."""
+    return int(float(trace.arrival[-1]) // DT) + 1 if len(trace) else 0
+
+
 def with_warmup(trace: Trace, warmup: float = WARMUP) -> Trace:
     """The trace with its first `warmup` seconds replayed before it, at negative times."""
     head = trace.arrival < warmup
@@ -142,28 +148,28 @@ def replay(
     deciding every `interval` seconds (the spec's `scaling.intervalSeconds`)."""
     full = with_warmup(trace, warmup)
     world = World.start(shape, start_replicas, -warmup)
-    world.counting = False
-    end = float(trace.arrival[-1]) if len(trace) else 0.0
-    steps = math.ceil(end / DT)
+    steps = graded_steps(trace)
     tick = max(1, round(interval / DT))
     cursor = 0
     arrival, prompt, output = full.arrival, full.prompt, full.output
     for step in range(-int(warmup / DT), steps):
         now = step * DT
+        world.counting = step >= 0  # before the arrivals: a refusal at t = 0 is graded
         while cursor < len(arrival) and arrival[cursor] < now + DT:
             world.arrive(int(prompt[cursor]), int(output[cursor]), now)
             cursor += 1
-        world.counting = step >= 0
         saturated = world.step(now, DT)
         if step < 0:
             if step % tick == 0:
                 policy.observe(world, now)
             continue
-        world.account(saturated, DT)
         if step % tick == 0:
             world.scale_to(policy(world, now), now)
             if on_tick is not None:
                 on_tick(now, world)
+        # After the decision: a pod asked for at `now` is paid for this step, one removed at
+        # `now` is not (the clairvoyant floor prices pods the same way).
+        world.account(saturated, DT)
     c = world.counters
     return Result(
         limited_seconds=c.limited_seconds,

@@ -116,8 +116,9 @@ def sweep(
     pods."""
     shape = shape_for(spec, sizing)
     seeds = tuple(r.seed for r in runs)
-    # Counted here, not from Result.rejected: the replay's warm-up refuses its copy of the
-    # opening's long requests too.
+    # The requests longer than the engine's max model length, from the trace itself: the
+    # same ones Result.rejected counts as the graded replay meets them (its warm-up's copies
+    # are not graded).
     refused = tuple(
         int(((r.trace.prompt + r.trace.output) > shape.max_model_len).sum()) for r in runs
     )
