@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from bench.autoscale.frontier import (
     FLOOR,
@@ -15,6 +16,10 @@ from bench.autoscale.frontier import (
     frontier,
     frontier_claim,
 )
+from bench.autoscale.traces import BenchTrace, spec
+from headroom.operator.simulate.replay import shape_for
+from headroom.operator.simulate.sweep import realize
+from headroom.operator.simulate.trace import read_trace
 
 
 def _point(policy: str, target: float, cost: float, seconds: list[float]) -> Point:
@@ -122,3 +127,16 @@ def test_cost_claim_names_the_clairvoyant_floor_and_says_when_the_bound_is_below
     unbounded = Point(FLOOR, 0.0, (*_point(FLOOR, 0.0, 5.0, [30]).runs,
                                    *_point(FLOOR, 0.0, math.inf, [30]).runs))  # fmt: skip
     assert floor_cost([unbounded]) is None
+
+
+def test_the_cli_replays_the_bench_s_realization_of_a_recorded_trace(tmp_path: Path) -> None:
+    # `headroom simulate` recommends from the seeded realizations the bench grades on: the same
+    # copies of each request, moved by the same jitter, for the same seed and rate.
+    path = tmp_path / "t.csv"
+    rows = "".join(f"{i * 0.7:.1f},{100 + i},{20 + i % 7}\n" for i in range(200))
+    path.write_text("arrival_s,prompt_tokens,output_tokens\n" + rows)
+    bench = BenchTrace("t", spec("l4-24gb", 4096, 64, 2048), str(path), rate=2.0)
+    (run,) = realize(read_trace(path), shape_for(bench.spec), (3,), rate=2.0)
+    want = bench.requests(3)
+    assert run.trace.arrival.tolist() == want.arrival.tolist()
+    assert run.trace.prompt.tolist() == want.prompt.tolist()

@@ -189,7 +189,16 @@ def paging(
         mml, source = model_limit, "the model's limit"
     else:
         mml, source = ld.longest, "the longest request"
-    held = max(ld.tokens_per_request(mml), 1.0)
+    held = ld.tokens_per_request(mml)
+    if held <= 0:
+        # Nothing admitted holds anything: there is no average to compare the reservation to.
+        return Advice(
+            "paging",
+            "always",
+            f"a contiguous cache reserves the max model length ({mml:,} tokens, {source}) for "
+            "every sequence; at that length it admits none of these requests, so this trace "
+            "cannot say how much of it would sit unused",
+        )
     gap = max(0.0, 1 - held / mml)
     return Advice(
         "paging",
