@@ -67,11 +67,13 @@ def test_a_histogram_with_no_time_observed_has_a_zero_sum(sum_line: str) -> None
     assert h is not None and (h.bounds, h.counts, h.count, h.sum) == ((0.1,), (0.0,), 0.0, 0.0)
 
 
-@pytest.mark.parametrize("value", ["²", "٣", "1²"])
+@pytest.mark.parametrize(
+    "value", ["²", "٣", "1²", "9" * 5000], ids=["sup", "arabic", "mixed", "long"]
+)
 def test_a_label_of_other_digits_than_ascii_is_not_a_number(value: str) -> None:
-    """`str.isdigit()` takes "²" (which `int()` refuses) and "٣": a label value is a number
-    only in ASCII digits, and any other is a name, never a crash the poller counts as its own
-    bug."""
+    """`str.isdigit()` takes "²" (which `int()` refuses) and "٣", and `int()` refuses 5,000
+    digits: a label value is a number only in a few ASCII digits, and any other is a name,
+    never a crash the poller counts as its own bug."""
     assert first_label_int([({"block_size": value}, 1.0)], "block_size") is None
     pools = one_per_pool([({"tp_rank": value}, 2.0), ({"tp_rank": "1"}, 1.0)])
     assert [labels["tp_rank"] for labels, _ in pools] == ["1"]  # a number sorts first

@@ -106,10 +106,14 @@ def pool_key(labels: dict[str, str]) -> PoolKey:
     return tuple(sorted((k, v) for k, v in labels.items() if not _is_rank_label(k)))
 
 
+# Longer than any count or rank an engine labels; int() refuses past 4,300 digits.
+_MAX_DIGITS = 18
+
+
 def is_whole_number(raw: str) -> bool:
-    """Whether a label value spells a whole number in ASCII digits (`str.isdigit()` alone also
-    takes "²", which `int()` refuses)."""
-    return raw.isascii() and raw.isdigit()
+    """Whether a label value spells a whole number `int()` reads: ASCII digits (`isdigit()`
+    alone also takes "²"), not too many."""
+    return raw.isascii() and raw.isdigit() and len(raw) <= _MAX_DIGITS
 
 
 def _rank_order(labels: dict[str, str]) -> tuple[tuple[str, int, str], ...]:

@@ -126,8 +126,8 @@ def _integer_quantity(value: Any) -> Any:
 
 Quantity = Annotated[
     str,
-    # StringConstraints, not Field: after a BeforeValidator, Field's max_length is checked as
-    # a generic length ("at most 32 items"), not a string's.
+    # The constraints go before the BeforeValidator: placed after it, max_length is checked
+    # as a generic length ("at most 32 items"), not a string's.
     StringConstraints(max_length=32, pattern=QUANTITY_PATTERN),
     BeforeValidator(_integer_quantity),
     WithJsonSchema(

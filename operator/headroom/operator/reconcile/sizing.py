@@ -100,7 +100,8 @@ def _engine_block_size(spec: InferenceDeploymentSpec, arch: ModelArch) -> int:
             "engine.runtime vllm with an MLA model (DeepSeek V2/V3, model.kvLoraRank) needs "
             "gpu.type, not gpu.memoryGiB alone: vLLM runs MLA's KV in blocks of "
             f"{VLLM_MLA_BLOCK_SIZE} tokens before Blackwell and {VLLM_MLA_BLOCK_SIZE_BLACKWELL} "
-            "on it, and the plan prices the size it runs (gpu.memoryGiB may stay beside gpu.type)"
+            "on it, and the plan prices the size it runs: name b200-192gb for any Blackwell GPU, "
+            "h100-80gb or h200-141gb for Hopper, with gpu.memoryGiB beside it for the memory"
         )
     try:
         blackwell = gpu_preset(spec.gpu.type).name in _BLACKWELL_GPUS

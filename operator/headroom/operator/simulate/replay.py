@@ -167,8 +167,9 @@ def replay(
             world.scale_to(policy(world, now), now)
             if on_tick is not None:
                 on_tick(now, world)
-        # After the decision: a pod asked for at `now` is paid for this step, one removed at
-        # `now` is not (the clairvoyant floor prices pods the same way).
+        # After the decision: a pod asked for at `now` is paid from this step, as the floor
+        # pays pod_start before a pod serves; one removed at `now` served this step and is paid
+        # for it, and leaves once drained (the floor drops it at once: it stays below).
         world.account(saturated, DT)
     c = world.counters
     return Result(
