@@ -30,7 +30,11 @@ from headroom.operator.handlers import (
 )
 from headroom.operator.kube import KubeError, owner_of
 from headroom.operator.reconcile.sizing import parse
-from headroom.operator.scaling.metrics_sources import client_session
+from headroom.operator.scaling.metrics_sources import (
+    PrometheusSource,
+    SidecarSource,
+    client_session,
+)
 from headroom.operator.status import SCALING_MANAGER, Event, Outcome, get_condition
 
 # ----------------------------------------------------------------------------- peering
@@ -459,6 +463,19 @@ def test_a_quantity_the_server_stored_canonically_is_no_drift() -> None:
     assert _contains({"cpu": "500m"}, {"cpu": "0.5"}) and not _contains("nginx:1", "nginx:2")
 
 
+def test_a_spec_that_renders_no_deployment_sees_no_drift() -> None:
+    """Infeasible or malformed: the last feasible Deployment keeps running as it is, and a
+    change to it is no reason to reconcile (which would apply nothing)."""
+    from test_operator_reconcile import INFEASIBLE, body
+
+    from headroom.operator.handlers import _drifted
+
+    someone_edited = {"spec": {"replicas": 3, "template": {"spec": {"containers": []}}}}
+    assert not _drifted(body(INFEASIBLE), someone_edited)
+    assert not _drifted(body({"model": {"preset": 7}}), someone_edited)
+    assert _drifted(body(SPEC), someone_edited)
+
+
 MIRROR_IMAGE = "registry.example.com:5000/ml/headroom:7.1"
 MIRROR_ENGINE = "registry.example.com:5000/ml/headroom-engine:7.1"
 
@@ -677,3 +694,201 @@ async def _created_at(kube: FakeKube, path: str) -> dict[str, Any]:
     await handlers._reconcile(Context(Options(), kube), b)
     kube.applies.clear()
     return b
+
+
+# ----------------------------------------------------------------------------- tick status writes
+
+
+class ConflictKube(FakeKube):
+    """Status applies that name a resourceVersion meet a newer object `conflicts` times (409);
+    `error` instead refuses every apply with that KubeError. Records each apply's precondition."""
+
+    def __init__(self, conflicts: int = 0, error: KubeError | None = None) -> None:
+        super().__init__()
+        self.conflicts, self.error = conflicts, error
+        self.guards: list[str | None] = []
+
+    def apply_status(
+        self,
+        owner: Any,
+        status: dict[str, Any],
+        *,
+        field_manager: str,
+        resource_version: str | None = None,
+    ) -> dict[str, Any]:
+        self.guards.append(resource_version)
+        if self.error is not None:
+            raise self.error
+        if resource_version is not None and self.conflicts:
+            self.conflicts -= 1
+            raise KubeError(409, "Conflict", "the object has been modified")
+        return super().apply_status(owner, status, field_manager=field_manager)
+
+
+def _tick_write(version: str) -> tuple[dict[str, Any], Outcome]:
+    from test_operator_reconcile import body
+
+    b = body(SPEC)
+    b["metadata"]["resourceVersion"] = version
+    ready = {"type": "Ready", "status": "True", "reason": "Available", "observedGeneration": 1}
+    status = {"desiredReplicas": 5, "conditions": [ready]}
+    return b, Outcome(status=status, events=[Event("Normal", "ScaledOut", "4 -> 5: demand")])
+
+
+async def test_a_tick_status_is_applied_on_its_version_then_rebased_then_forced(
+    posted: list[tuple[str, str, str]],
+) -> None:
+    """Two conflicts: the tick's version, then the re-read one, then no precondition; the
+    re-read object's newer generation keeps its own Ready, and the Event goes out once."""
+    from test_operator_reconcile import body
+
+    kube = ConflictKube(conflicts=2)
+    held = {"type": "Ready", "status": "False", "reason": "ApplyFailed", "observedGeneration": 2}
+    fresh = body(SPEC, status={"conditions": [held]}, gen=2)
+    fresh["metadata"]["resourceVersion"] = "9"
+    kube.objects[("InferenceDeployment", "ns", "chat")] = fresh
+    b, outcome = _tick_write("7")
+    await handlers._write_tick(Context(Options(), kube), b, outcome)
+    assert kube.guards == ["7", "9", None]
+    ((manager, status),) = kube.statuses
+    assert manager == SCALING_MANAGER and status["desiredReplicas"] == 5
+    assert status["conditions"] == [held]
+    assert posted == [("Normal", "ScaledOut", "4 -> 5: demand")]
+
+
+async def test_a_tick_status_refused_for_another_reason_is_not_retried_as_a_conflict(
+    posted: list[tuple[str, str, str]],
+) -> None:
+    """Only a 409 is read again and retried: a denial is raised after one apply, its Events
+    still posted."""
+    kube = ConflictKube(error=KubeError(403, "Forbidden", "cannot patch status"))
+    b, outcome = _tick_write("7")
+    with pytest.raises(KubeError, match="Forbidden"):
+        await handlers._write_tick(Context(Options(), kube), b, outcome)
+    assert kube.guards == ["7"]
+    assert [r for _, r, _ in posted] == ["ScaledOut"]
+
+
+# ----------------------------------------------------------------------------- context
+
+
+async def test_the_metrics_source_is_the_one_the_spec_names_on_the_operators_session() -> None:
+    """scaling.metricsSource prometheus asks Prometheus (with the operator's kept scrapes);
+    anything else scrapes the sidecars at --sidecar-port."""
+    ctx = Context(Options(prometheus_url="http://prom:9090", sidecar_port=9999), kube=None)  # type: ignore[arg-type]
+    ctx.http = client_session()
+    try:
+        prom, sidecar = ctx.source("prometheus"), ctx.source("sidecar")
+    finally:
+        await ctx.http.close()
+    assert isinstance(prom, PrometheusSource) and prom.session is ctx.http
+    assert prom.default_url == "http://prom:9090" and prom._seen is ctx.scrapes
+    assert isinstance(sidecar, SidecarSource) and sidecar.session is ctx.http
+    assert sidecar.port == 9999
+
+
+def test_forgetting_one_objects_scrapes_keeps_the_others() -> None:
+    """Scrapes are keyed (Prometheus URL, namespace, name): one deleted object's go, under
+    every Prometheus, and no other's."""
+    ctx = Context(Options(), kube=None)  # type: ignore[arg-type]
+    keys = [("http://a", "ns", "chat"), ("http://b", "ns", "chat"), ("http://a", "ns", "other"),
+            ("http://a", "other", "chat")]  # fmt: skip
+    ctx.scrapes.update({k: {} for k in keys})
+    ctx.forget_scrapes("ns", "chat")
+    assert sorted(ctx.scrapes) == sorted(keys[2:])
+
+
+def test_the_children_are_re_applied_every_five_minutes_by_default() -> None:
+    """--resync-seconds defaults to the 300 the README gives."""
+    assert Options().resync_seconds == 300.0
+
+
+def test_the_sidecar_port_option_is_a_port() -> None:
+    """--sidecar-port 0 (or above 65535) is refused at start, not at every scrape."""
+    assert Options(sidecar_port=1).sidecar_port == 1
+    for bad in (0, 65536):
+        with pytest.raises(ValueError, match="sidecar_port"):
+            Options(sidecar_port=bad)
+
+
+# ----------------------------------------------------------------------------- reconcile retries
+
+
+async def test_a_name_conflict_is_written_then_retried_with_the_ready_message(
+    posted: list[tuple[str, str, str]],
+) -> None:
+    """Someone else's Deployment under the name: Ready says so in status, and kopf retries
+    after the reconcile's delay with the same words in its log."""
+    from test_operator_reconcile import _someone_elses, body
+
+    from headroom.operator.reconcile.loop import CONFLICT_RETRY_SECONDS
+
+    kube = FakeKube()
+    kube.objects[("Deployment", "ns", "chat")] = _someone_elses("Deployment")
+    with pytest.raises(kopf.TemporaryError) as raised:
+        await handlers._reconcile(Context(Options(), kube), body(SPEC))
+    ((_, status),) = kube.statuses
+    ready = get_condition(status["conditions"], "Ready")
+    assert ready is not None and ready["reason"] == "NameConflict"
+    assert str(raised.value) == ready["message"] and raised.value.delay == CONFLICT_RETRY_SECONDS
+
+
+async def test_an_api_error_in_a_reconcile_is_retried_by_kopf_after_five_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A transient API failure (past the client's own retries) is kopf's to retry, in 5 s."""
+    from test_operator_reconcile import body
+
+    def unavailable(*args: object) -> None:
+        raise KubeError(503, "ServiceUnavailable", "etcd leader changed")
+
+    monkeypatch.setattr(handlers, "reconcile", unavailable)
+    ctx = Context(Options(), FakeKube())  # type: ignore[arg-type]
+    with pytest.raises(kopf.TemporaryError, match=r"Kubernetes API: .*etcd") as raised:
+        await handlers._reconcile(ctx, body(SPEC))
+    assert raised.value.delay == 5
+    errors = {"result": "error"}
+    assert ctx.metrics.registry.get_sample_value("headroom_reconciles_total", errors) == 1
+
+
+# ----------------------------------------------------------------------------- kopf's connection
+
+
+def test_kopf_logs_in_with_the_operators_own_credentials() -> None:
+    """A bearer token splits into scheme and token, a bare one is a token, basic auth passes
+    its user, and verify_ssl off is kopf's insecure."""
+    from types import SimpleNamespace
+
+    from kubernetes.client import Configuration
+
+    from headroom.operator.handlers import connection_info
+
+    cfg = Configuration(host="https://k:6443", api_key={"BearerToken": "abc"},
+                        api_key_prefix={"BearerToken": "Bearer"})  # fmt: skip
+    cfg.verify_ssl = False
+    info = connection_info(SimpleNamespace(configuration=cfg))  # type: ignore[arg-type]
+    assert (info.server, info.scheme, info.token, info.insecure) == (
+        "https://k:6443", "Bearer", "abc", True)  # fmt: skip
+    assert info.username is None and info.password is None
+    bare = Configuration(host="https://k:6443", api_key={"BearerToken": "abc"})
+    info = connection_info(SimpleNamespace(configuration=bare))  # type: ignore[arg-type]
+    assert (info.scheme, info.token, info.insecure) == (None, "abc", False)
+    basic = Configuration(host="https://k:6443", username="admin", password="pw")
+    info = connection_info(SimpleNamespace(configuration=basic))  # type: ignore[arg-type]
+    assert (info.username, info.password, info.token) == ("admin", "pw", None)
+
+
+@pytest.mark.parametrize(("host", "url"), [("127.0.0.1", "http://127.0.0.1:8081/healthz"),
+                                           ("::1", "http://[::1]:8081/healthz")])  # fmt: skip
+async def test_the_liveness_endpoint_brackets_an_ipv6_host(
+    monkeypatch: pytest.MonkeyPatch, host: str, url: str
+) -> None:
+    """kopf's liveness endpoint is a URL: an IPv6 bind address goes in brackets."""
+    seen: dict[str, Any] = {}
+
+    async def operator(**kwargs: Any) -> None:
+        seen.update(kwargs)
+
+    monkeypatch.setattr("kopf.operator", operator)
+    await handlers.operate(Options(liveness_port=8081, liveness_host=host), kube=FakeKube())  # type: ignore[arg-type]
+    assert seen["liveness_endpoint"] == url
