@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 from pydantic import BaseModel, ValidationError
 
 from headroom.engine.server.auth import bearer_token, key_matches
-from headroom.engine.server.errors import from_validation_error
+from headroom.engine.server.errors import (
+    RETRY_ELSEWHERE_AFTER_S,
+    APIError,
+    from_validation_error,
+    retry_elsewhere,
+)
 from headroom.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from headroom.engine.server.sse import encode_event
 
@@ -201,3 +207,108 @@ def test_bearer_parsing_and_constant_time_compare() -> None:
 def test_sse_event_encoding() -> None:
     assert encode_event("[DONE]") == b"data: [DONE]\n\n"
     assert encode_event({"a": 1}) == b'data: {"a":1}\n\n'
+
+
+def test_caps_on_n_stop_strings_and_batch_prompts_are_inclusive() -> None:
+    """`n` <= 64, <= 16 stop strings and <= 64 prompts pass; one more is a 400 naming the field."""
+    assert CompletionRequest.model_validate({"prompt": "x", "n": 64}).n == 64
+    assert CompletionRequest.model_validate({"prompt": "x", "stop": ["s"] * 16}).stop_list
+    assert len(CompletionRequest.model_validate({"prompt": ["p"] * 64}).prompts()) == 64
+    # The prompt cap counts prompts: one token-id prompt of 65 tokens is one prompt.
+    assert CompletionRequest.model_validate({"prompt": [1] * 65}).prompts() == [[1] * 65]
+    message, param = _error(CompletionRequest, {"prompt": "x", "n": 65})
+    assert param == "n" and "65" in message, message
+    message, param = _error(CompletionRequest, {"prompt": "x", "stop": ["s"] * 17})
+    assert param == "stop" and "at most 16 stop strings, got 17" in message, message
+    for prompts in (["p"] * 65, [[1]] * 65):
+        message, param = _error(CompletionRequest, {"prompt": prompts})
+        assert param == "prompt" and "at most 64 prompts per request, got 65" in message, message
+
+
+def test_seed_takes_any_signed_or_unsigned_64_bit_value_and_no_more() -> None:
+    """A seed is a 64-bit integer, signed or unsigned (as clients send either); past that, 400."""
+    for seed in (-(2**63), 2**64 - 1):
+        assert CompletionRequest.model_validate({"prompt": "x", "seed": seed}).seed == seed
+    for seed in (-(2**63) - 1, 2**64):
+        _, param = _error(CompletionRequest, {"prompt": "x", "seed": seed})
+        assert param == "seed"
+
+
+def test_null_sampling_fields_are_the_defaults_and_count_as_left_out() -> None:
+    """Null n/temperature/top_p/top_k/stream/echo is the default, and not in model_fields_set
+    (so the model's generation-config defaults apply); other fields keep their null."""
+    nullable = ("n", "temperature", "top_p", "top_k", "stream", "echo")
+    req = CompletionRequest.model_validate(
+        {"prompt": "x", "seed": None, "max_tokens": None, **dict.fromkeys(nullable)}
+    )
+    assert [getattr(req, k) for k in nullable] == [1, 1.0, 1.0, -1, False, False]
+    assert req.model_fields_set == {"prompt", "seed", "max_tokens"}
+    assert req.max_tokens is None
+    given = CompletionRequest.model_validate({"prompt": "x", "top_p": 0.5, "top_k": 0})
+    assert (given.top_p, given.top_k) == (0.5, 0)
+    assert {"top_p", "top_k"} <= given.model_fields_set
+
+
+def test_one_element_prompts_are_validated_and_split_like_longer_ones() -> None:
+    """A one-token prompt, or one token-id prompt in a list, is checked and served like more."""
+    assert CompletionRequest.model_validate({"prompt": [7]}).prompts() == [[7]]
+    assert CompletionRequest.model_validate({"prompt": [[7]]}).prompts() == [[7]]
+    assert CompletionRequest.model_validate({"prompt": ["a"]}).prompts() == ["a"]
+    message, param = _error(CompletionRequest, {"prompt": [-1]})
+    assert param == "prompt" and "token ids must be >= 0" in message, message
+    message, param = _error(CompletionRequest, {"prompt": [[]]})
+    assert param == "prompt" and "token-id prompts must not be empty" in message, message
+
+
+def test_chat_output_budgets_must_be_positive_naming_the_field_sent() -> None:
+    """Chat's max_tokens and max_completion_tokens are both >= 1, each error naming its field."""
+    msgs = [{"role": "user", "content": "a"}]
+    for field in ("max_tokens", "max_completion_tokens"):
+        message, param = _error(ChatCompletionRequest, {"messages": msgs, field: 0})
+        assert param == field and "(got 0)" in message, message
+        req = ChatCompletionRequest.model_validate({"messages": msgs, field: 1})
+        assert (req.requested_max_tokens, req.max_tokens_field) == (1, field)
+
+
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [
+        (400, "invalid_request_error"),
+        (401, "authentication_error"),
+        (404, "not_found_error"),
+        (405, "invalid_request_error"),
+        (413, "invalid_request_error"),
+        (500, "server_error"),
+        (503, "service_unavailable"),
+    ],
+)
+def test_error_body_type_follows_the_status_as_openai_s(status: int, kind: str) -> None:
+    """The official client picks its exception class from the status; `type` must agree."""
+    body = APIError(status, "m", param="p", code="c").body().model_dump()
+    assert body == {"error": {"message": "m", "type": kind, "param": "p", "code": "c"}}
+
+
+def test_error_response_keeps_headers_and_closes_only_when_asked() -> None:
+    """A 405 carries its Allow header; only a `close` error ends the connection."""
+    resp = APIError(405, "m", headers={"Allow": "GET"}).response()
+    assert (resp.status, resp.headers["Allow"], resp.keep_alive) == (405, "GET", None)
+    assert json.loads(resp.text)["error"]["type"] == "invalid_request_error"
+    assert APIError(400, "m", close=True).response().keep_alive is False
+
+
+def test_retry_elsewhere_is_a_closing_503_with_retry_after() -> None:
+    """A replica that cannot serve sends the client to another: 503, Retry-After, close."""
+    err = retry_elsewhere("shutting down")
+    assert (err.status, err.code, err.close) == (503, "draining", True)
+    assert err.message == "shutting down; retry on another replica"
+    assert err.headers == {"Retry-After": str(RETRY_ELSEWHERE_AFTER_S)} == {"Retry-After": "1"}
+    assert retry_elsewhere("x", code="engine_unhealthy").code == "engine_unhealthy"
+
+
+def test_a_body_that_is_not_an_object_is_a_400_without_a_param() -> None:
+    """A model-level error (here, a JSON array as the body) has no field to name."""
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate(["x"])
+    err = from_validation_error(info.value)
+    assert (err.status, err.param, err.code) == (400, None, "invalid_value")
+    assert "valid dictionary" in err.message
