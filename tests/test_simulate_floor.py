@@ -21,7 +21,7 @@ from headroom.operator.simulate.replay import (
 )
 from headroom.operator.simulate.trace import Trace
 from headroom.operator.simulate.world import PodShape
-from tests.test_simulate_replay import Fixed, deployment, poisson
+from tests.test_simulate_replay import Fixed, ThreeFrom30s, deployment, ending_at, poisson
 
 
 def brute_force(
@@ -127,15 +127,7 @@ def test_a_schedule_a_replay_runs_is_paid_as_the_floor_prices_it() -> None:
     pod it starts."""
     spec, sizing = deployment("h100-80gb", pod_start=60)
     shape = shape_for(spec, sizing)
-
-    class Step(Fixed):
-        def __call__(self, world: object, now: float) -> int:
-            return 1 if now < 30.0 else 3
-
-    head = poisson([(0.2, 100.0)])
-    trace = Trace("end", np.append(head.arrival, 150.0), np.append(head.prompt, 1000),
-                  np.append(head.output, 100))  # fmt: skip
-    r = replay(trace, shape, Step(1), 1, warmup=0.0)
+    r = replay(ending_at(150.0), shape, ThreeFrom30s(1), 1, warmup=0.0)
     steps = round(150.0 / DT) + 1  # through the step of the last arrival
     ready = round((30.0 + 60.0) / DT)  # asked for at 30 s, serving 60 s later
     need = np.array([1] * ready + [3] * (steps - ready))

@@ -41,6 +41,20 @@ class Fixed:
         return self.n
 
 
+class ThreeFrom30s(Fixed):
+    """One pod, then three asked for at the decision at 30 s."""
+
+    def __call__(self, world: World, now: float) -> int:
+        return 1 if now < 30.0 else 3
+
+
+def ending_at(end: float) -> Trace:
+    """A light Poisson load over 100 s, and one more request at `end`."""
+    head = poisson([(0.2, 100.0)])
+    return Trace("end", np.append(head.arrival, end), np.append(head.prompt, 1000),
+                 np.append(head.output, 100))  # fmt: skip
+
+
 def deployment(
     gpu: str = "l4-24gb", max_model_len: int = 8192, hi: int = 16, pod_start: int = 60
 ) -> tuple[InferenceDeploymentSpec, Sizing]:
@@ -393,16 +407,7 @@ def test_a_scale_out_is_paid_from_the_step_it_is_asked_in_and_counted_once() -> 
     """A pod is paid from the moment it is asked for, as the clairvoyant floor prices it; the
     last arrival, on a step's boundary, is replayed (its step graded)."""
     spec, sizing = deployment("h100-80gb", pod_start=60)
-    shape = shape_for(spec, sizing)
-
-    class Step(Fixed):
-        def __call__(self, world: World, now: float) -> int:
-            return 1 if now < 30.0 else 3
-
-    trace = poisson([(0.2, 100.0)])
-    trace = Trace("end", np.append(trace.arrival, 100.0), np.append(trace.prompt, 1000),
-                  np.append(trace.output, 100))  # fmt: skip
-    r = replay(trace, shape, Step(1), 1, warmup=0.0)
+    r = replay(ending_at(100.0), shape_for(spec, sizing), ThreeFrom30s(1), 1, warmup=0.0)
     # Steps 0..40 graded (the last arrival is at 100 s); asked for at 30 s, step 12: two more
     # pods paid from that step to the end.
     assert r.gpu_hours == pytest.approx((41 + 2 * (41 - 12)) * DT / 3600)
