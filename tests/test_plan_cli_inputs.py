@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 import headroom.contract.plan_cli as plan_cli
-from headroom.contract.budget import PlanInput, from_hf_config, model_preset
+from headroom.contract.budget import PlanInput, from_hf_config, model_preset, plan
 from headroom.contract.cli import main
 
 SMALL = ["--model", "llama-3.1-8b", "--concurrency", "1", "--context", "100"]
@@ -137,3 +137,76 @@ def test_an_fp32_checkpoint_is_priced_at_the_16_bits_vllm_serves(tmp_path: Path)
     assert weights({**LLAMA_8B, "torch_dtype": "float32"}) == bf16
     # Stated outright, fp32 is what the user gets: 4 bytes a weight.
     assert weights({**LLAMA_8B, "torch_dtype": "float32"}, "--weight-dtype", "fp32") == 2 * bf16
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="headroom")
+    plan_cli.add_parser(parser.add_subparsers())
+    return parser.parse_args(["plan", *argv])
+
+
+@pytest.mark.parametrize(
+    ("drop", "said"),
+    [
+        ("--model", "one of the arguments --model --model-config is required"),
+        ("--concurrency", "the following arguments are required: --concurrency"),
+        ("--context", "the following arguments are required: --context"),
+    ],
+)
+def test_a_plan_without_a_model_or_a_peak_exits_2_saying_it_is_required(
+    drop: str, said: str
+) -> None:
+    """argparse names the missing flag; a default of None would reach the planner instead."""
+    at = SMALL.index(drop)
+    r = run(*SMALL[:at], *SMALL[at + 2 :])
+    assert r.returncode == 2 and r.stdout == ""
+    assert said in r.stderr
+
+
+@pytest.mark.parametrize("gib", ["1", "48.5", "4096"])
+def test_gpu_memory_at_and_within_the_crd_bounds_is_that_many_gib(gib: str) -> None:
+    """The bounds are inclusive, as gpu.memoryGiB's are, and a GiB is 2**30 bytes."""
+    inp = plan_cli.build_input(parse(*SMALL, "--gpu-memory-gib", gib))
+    assert inp.gpu_memory_bytes == int(float(gib) * 2**30)
+    assert inp.gpu_name == f"{float(gib):g} GiB GPU"
+
+
+@pytest.mark.parametrize(
+    ("billions", "count"), [("8", 8_000_000_000), ("1e6", 10**15), ("1e-9", 1)]
+)
+def test_params_is_a_count_in_billions_up_to_the_arch_bound(
+    tmp_path: Path, billions: str, count: int
+) -> None:
+    """--params 8 is 8e9 parameters; 1e6 billion (the bound) and one parameter are both taken."""
+    cfg = write_config(tmp_path, "llama", LLAMA_8B)
+    args = parse("--model-config", str(cfg), "--concurrency", "1", "--context", "100",
+                 "--params", billions)  # fmt: skip
+    assert plan_cli.build_input(args).model.num_parameters == count
+
+
+def test_zero_params_is_outside_the_range_not_below_one_parameter() -> None:
+    """0 fails the (0, 1e6] range check itself, with the message that names the range."""
+    with pytest.raises(ValueError, match=r"--params must be billions in \(0, 1e6\], got 0.0"):
+        plan_cli._parameter_count(0.0)
+
+
+@pytest.mark.parametrize(
+    ("tp", "gpus", "flag"),
+    [
+        ("0", "2", "--tp"),
+        ("-1", "2", "--tp"),
+        ("2", "0", "--gpus-per-pod"),
+        ("2", "-1", "--gpus-per-pod"),
+    ],
+)
+def test_a_tp_or_pod_size_below_one_exits_2_naming_the_flag(tp: str, gpus: str, flag: str) -> None:
+    """The pod-split check leaves these to the bound checks: never a modulo by zero."""
+    r = run(*SMALL, "--tp", tp, "--gpus-per-pod", gpus)
+    assert r.returncode == 2 and r.stdout == ""
+    assert f"headroom plan: {flag}: " in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_table_gives_the_weights_in_gib_and_in_decimal_gb() -> None:
+    """Model cards quote decimal GB: llama-3.1-8b's 16,060,522,496 bytes are 15.0 GiB = 16.1 GB."""
+    table = plan_cli.render_plan(plan(plan_cli.build_input(parse(*SMALL))))
+    assert "15.0 GiB  (total 15.0 GiB = 16.1 GB)" in table
