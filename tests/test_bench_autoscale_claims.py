@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from bench.autoscale.frontier import (
@@ -15,6 +16,8 @@ from bench.autoscale.frontier import (
     floor_cost,
     frontier,
     frontier_claim,
+    oracle_claim,
+    points,
 )
 from bench.autoscale.traces import BenchTrace, spec
 from headroom.operator.simulate.replay import shape_for
@@ -140,3 +143,79 @@ def test_the_cli_replays_the_bench_s_realization_of_a_recorded_trace(tmp_path: P
     want = bench.requests(3)
     assert run.trace.arrival.tolist() == want.arrival.tolist()
     assert run.trace.prompt.tolist() == want.prompt.tolist()
+
+
+def test_points_are_one_policy_on_one_trace_grouped_by_target() -> None:
+    a, b = _point("h", 0.7, 1.0, [5, 6]).runs
+    other_trace = replace(a, trace="u")
+    other_policy = replace(a, policy="hpa")
+    c = replace(a, target=0.5, seed=9)
+    pts = points([b, other_trace, c, other_policy, a], "t", "h")
+    assert [p.target for p in pts] == [0.5, 0.7]
+    assert pts[0].runs == (c,) and set(pts[1].runs) == {a, b}
+
+
+def test_serving_bounds_are_inclusive_at_30_s_median_and_120_s_worst() -> None:
+    assert _point("h", 0.5, 1.0, [0, 30, 120]).serves
+
+
+def test_a_dearer_setting_that_only_ties_a_cheaper_one_is_off_the_frontier() -> None:
+    pts = [_point("h", 0.9, 1.0, [100]), _point("h", 0.8, 2.0, [100])]
+    assert [p.target for p in frontier(pts)] == [0.9]
+
+
+def test_cost_claim_at_exactly_the_bound_passes_and_nothing_is_said_to_fall_short() -> None:
+    # 0.85 is "<= 0.85x": the bound, the oracle's reach and the floor all at exactly 8.5 / 10.
+    head, hpa = [_point("headroom", 0.8, 8.5, [0])], [_point("hpa", 0.7, 10.0, [0])]
+    c = cost_claim(head, hpa, "hpa", [_point("oracle", 0.9, 8.5, [0])], floor=8.5)
+    assert c.ok and "0.85x (<= 0.85x)" in c.text
+    assert "does not reach" not in c.text and "below even that" not in c.text
+
+
+def test_oracle_claim_compares_with_the_oracle_s_cheapest_zero_second_setting() -> None:
+    # A cheaper oracle setting that loses 5 s is not the yardstick while one with 0 s exists.
+    oracle = [
+        _point("oracle", 0.9, 8.0, [5]),
+        _point("oracle", 0.7, 10.0, [0, 0]),
+        _point("oracle", 0.5, 12.0, [0]),
+    ]
+    c = oracle_claim([_point("headroom", 0.8, 12.5, [0])], oracle)
+    assert c.ok and "cheapest 0 s 10.00" in c.text and "1.25x" in c.text
+    assert not oracle_claim([_point("headroom", 0.8, 12.6, [0])], oracle).ok
+    # A 0 s setting means 0 s on every seed: one seed short and it is not one.
+    short = [_point("oracle", 0.9, 8.0, [0, 0, 5]), _point("oracle", 0.7, 10.0, [0])]
+    assert "cheapest 0 s 10.00" in oracle_claim([_point("headroom", 0.8, 9.0, [0])], short).text
+
+
+def test_oracle_claim_falls_back_to_the_oracle_s_cheapest_serving_setting() -> None:
+    oracle = [_point("oracle", 0.99, 6.0, [50]), _point("oracle", 0.9, 8.0, [5])]
+    c = oracle_claim([_point("headroom", 0.8, 10.0, [0])], oracle)
+    assert c.ok and "serving (no 0 s setting) 8.00" in c.text
+    c = oracle_claim([_point("headroom", 0.8, 10.0, [40])], oracle)
+    assert not c.ok and "headroom has no serving setting" in c.text
+    c = oracle_claim([_point("headroom", 0.8, 10.0, [0])], [_point("oracle", 0.9, 5.0, [200])])
+    assert not c.ok and "no oracle point" in c.text
+
+
+def test_frontier_claim_ignores_hpa_settings_at_exactly_the_600_s_ceiling() -> None:
+    head = [_point("headroom", 0.5, 5.0, [0])]
+    hpa = [_point("hpa", 0.9, 4.0, [600]), _point("hpa", 0.5, 6.0, [100])]
+    assert frontier_claim(head, hpa, "hpa").ok
+
+
+def test_frontier_claim_counts_matching_the_hpa_as_at_or_below_it() -> None:
+    head = [_point("headroom", 0.5, 1.0, [10]), _point("headroom", 0.4, 2.0, [0])]
+    hpa = [_point("hpa", 0.9, 1.0, [10]), _point("hpa", 0.5, 2.0, [5])]
+    c = frontier_claim(head, hpa, "hpa")
+    assert c.ok and "at or below" in c.text
+
+
+def test_frontier_claim_needs_at_least_30_percent_below_somewhere() -> None:
+    hpa = [_point("hpa", 0.5, 1.0, [10])]
+    c = frontier_claim([_point("headroom", 0.5, 1.0, [7])], hpa, "hpa")
+    assert c.ok and "30% below at 1.00 GPU-h" in c.text
+    assert not frontier_claim([_point("headroom", 0.5, 1.0, [7.1])], hpa, "hpa").ok
+    # The gap is named at the cheapest cost where it is largest; an HPA 1 s short still counts.
+    hpa = [_point("hpa", 0.5, 1.0, [1]), _point("hpa", 0.4, 2.0, [0.5])]
+    c = frontier_claim([_point("headroom", 0.5, 1.0, [0])], hpa, "hpa")
+    assert c.ok and "100% below at 1.00 GPU-h" in c.text

@@ -53,16 +53,21 @@ class HPA:
         if abs(ratio - 1) <= 0.1:
             desired = current
         elif ratio > 1:
-            desired = math.ceil(usage / self.target)
-            desired = max(desired, current) if desired > len(ready) else current
-            desired = min(desired, current + max(4, current))
+            # replica_calculator.go (calcPlainMetricReplicas): on a scale-up, pods still
+            # starting count at 0 and the tolerance and direction are checked again on that
+            # ratio; within them the count stays.
+            rebalanced = usage / (current * self.target)
+            desired = current if rebalanced <= 1.1 else math.ceil(usage / self.target)
         else:
             desired = math.ceil(usage / self.target)
+        # The window keeps recommendations before the rate limit, and a recommendation exactly
+        # 300 s old has left it (stabilizeRecommendationWithBehaviors: timestamp.After(cutoff)).
         self.recommendations.append((now, desired))
-        while self.recommendations and self.recommendations[0][0] < now - 300:
+        while self.recommendations and self.recommendations[0][0] <= now - 300:
             self.recommendations.popleft()
         if desired < current:
             desired = min(current, max(r for _, r in self.recommendations))
+        desired = min(desired, current + max(4, current))
         return max(self.lo, min(self.hi, desired))
 
 
