@@ -189,22 +189,23 @@ def paging(
         mml, source = model_limit, "the model's limit"
     else:
         mml, source = ld.longest, "the longest request"
+    reserves = (
+        f"a contiguous cache reserves the max model length ({mml:,} tokens, {source}) for "
+        "every sequence"
+    )
     held = ld.tokens_per_request(mml)
     if held <= 0:
         # Nothing admitted holds anything: there is no average to compare the reservation to.
-        return Advice(
-            "paging",
-            "always",
-            f"a contiguous cache reserves the max model length ({mml:,} tokens, {source}) for "
-            "every sequence; at that length it admits none of these requests, so this trace "
-            "cannot say how much of it would sit unused",
+        why = (
+            f"{reserves}; at that length it admits none of these requests, so this trace cannot "
+            "say how much of it would sit unused"
         )
+        return Advice("paging", "always", why)
     gap = max(0.0, 1 - held / mml)
     return Advice(
         "paging",
         "always",
-        f"a contiguous cache reserves the max model length ({mml:,} tokens, {source}) for "
-        f"every sequence; those it admits hold {held:,.0f} tokens on average in flight, so "
+        f"{reserves}; those it admits hold {held:,.0f} tokens on average in flight, so "
         f"{gap:.0%} of it would sit reserved and unused. Paged {block_size}-token blocks "
         f"waste at most {block_size - 1} tokens a sequence "
         f"({min(1.0, (block_size - 1) / held):.1%})",
