@@ -668,3 +668,28 @@ def test_the_busiest_pipeline_stage_holds_every_full_attention_layer_it_can(
     per_layer = kv_bytes_per_token(arch) // arch.num_layers
     got = sequence_kv_bytes(arch, 4096, pp=pp)
     assert got == per_layer * (full * 4096 + sliding * 256)
+
+
+def test_every_preset_names_the_architecture_the_engines_are_told_about() -> None:
+    """The operator refuses, for the headroom engine, exactly the presets whose class its
+    decoder lacks; the engine's own list is the contract's."""
+    from headroom.contract.budget.presets import (
+        HEADROOM_ENGINE_ARCHITECTURES,
+        NOT_HEADROOM_ENGINE_PRESETS,
+        PRESET_ARCHITECTURES,
+    )
+    from headroom.engine.model.config import SUPPORTED_ARCHITECTURES
+
+    assert set(PRESET_ARCHITECTURES) == set(MODEL_PRESETS)
+    assert SUPPORTED_ARCHITECTURES is HEADROOM_ENGINE_ARCHITECTURES
+    assert NOT_HEADROOM_ENGINE_PRESETS == (
+        "mixtral-8x7b",
+        "gemma-2-9b",
+        "gemma-2-27b",
+        "deepseek-v3",
+    )
+    assert all(
+        MODEL_PRESETS[p].kv_lora_rank is None
+        for p in PRESET_ARCHITECTURES
+        if p not in NOT_HEADROOM_ENGINE_PRESETS
+    )

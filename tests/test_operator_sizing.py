@@ -217,8 +217,12 @@ def test_a_context_past_the_model_s_positions_does_not_point_at_more_gpus() -> N
 
 def test_a_preset_s_weight_dtype_override_is_priced() -> None:
     """model.weightDtype on a preset replaces the preset's: fp8 weights are half of bf16's."""
-    fp8_spec = spec(model={"preset": "llama-3.1-8b", "weightDtype": "fp8"})
-    fp8, bf16 = size(fp8_spec), size(spec())
+    vllm = {"runtime": "vllm"}  # the headroom engine loads no fp8 checkpoint
+    fp8_spec = spec(
+        model={"preset": "llama-3.1-8b", "weightDtype": "fp8", "path": "/m"}, engine=vllm
+    )
+    fp8 = size(fp8_spec)
+    bf16 = size(spec(model={"preset": "llama-3.1-8b", "path": "/m"}, engine=vllm))
     assert plan_input(fp8_spec).model.weight_dtype == "fp8"
     assert fp8.plan.weights_bytes_per_gpu * 2 == bf16.plan.weights_bytes_per_gpu
     assert fp8.plan.kv_blocks_per_pod > bf16.plan.kv_blocks_per_pod
@@ -298,3 +302,26 @@ def test_an_architecture_the_budget_refuses_is_a_spec_error() -> None:
     )  # fmt: skip
     with pytest.raises(SpecError, match=r"^model architecture: num_layers: .*1024"):
         model_arch(model, 256)
+
+
+@pytest.mark.parametrize(
+    ("model", "why"),
+    [
+        ({**V32_MODEL, "weightDtype": "bf16"}, "model.kvLoraRank makes it an MLA model"),
+        (
+            {"preset": "gemma-2-27b", "path": "/m"},
+            "model.preset gemma-2-27b is a Gemma2ForCausalLM",
+        ),
+        ({"preset": "qwen2.5-7b", "weightDtype": "int8"}, "model.weightDtype int8 is a quantized"),
+    ],
+)
+def test_the_headroom_engine_refuses_what_it_cannot_load_naming_why(
+    model: dict[str, Any], why: str
+) -> None:
+    """The default runtime is the headroom engine, which would crash-loop on these checkpoints:
+    sizing refuses the spec, naming the field, and points at a stock runtime."""
+    with pytest.raises(SpecError, match=why) as refused:
+        size(spec(model=model, gpu={"type": "b200"}))
+    assert "set engine.runtime vllm or sglang" in str(refused.value)
+    stock = spec(model={**model, "path": "/m"}, gpu={"type": "b200"}, engine={"runtime": "vllm"})
+    assert size(stock).plan.kv_bytes_per_token > 0

@@ -63,6 +63,33 @@ MODEL_PRESETS: dict[str, ModelArch] = {
     )
 }  # fmt: skip
 
+# The Hugging Face class each preset's config.json names (`architectures`), and the classes the
+# headroom engine implements (with the family name its decoder uses): a preset whose class is
+# not one of them runs only under engine.runtime vllm or sglang.
+PRESET_ARCHITECTURES: dict[str, str] = {
+    "llama-3.1-8b": "LlamaForCausalLM",
+    "llama-3.1-70b": "LlamaForCausalLM",
+    "llama-3.1-405b": "LlamaForCausalLM",
+    "llama-3.2-1b": "LlamaForCausalLM",
+    "llama-3.2-3b": "LlamaForCausalLM",
+    "mistral-7b": "MistralForCausalLM",
+    "mixtral-8x7b": "MixtralForCausalLM",
+    "qwen2.5-7b": "Qwen2ForCausalLM",
+    "qwen2.5-72b": "Qwen2ForCausalLM",
+    "gemma-2-9b": "Gemma2ForCausalLM",
+    "gemma-2-27b": "Gemma2ForCausalLM",
+    "deepseek-v3": "DeepseekV3ForCausalLM",
+}
+HEADROOM_ENGINE_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+# Presets the headroom engine cannot load, in the order MODEL_PRESETS lists them.
+NOT_HEADROOM_ENGINE_PRESETS: tuple[str, ...] = tuple(
+    name for name, cls in PRESET_ARCHITECTURES.items() if cls not in HEADROOM_ENGINE_ARCHITECTURES
+)
+
 
 class GPU(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -13,13 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from headroom.contract.budget import ModelArch, estimate_parameters
 from headroom.contract.budget import from_hf_dict as arch_from_hf_dict
+from headroom.contract.budget.presets import HEADROOM_ENGINE_ARCHITECTURES
 from headroom.contract.budget.windows import sliding_windows
 
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+# The operator refuses (in the CRD and its sizing) the presets this list leaves out.
+SUPPORTED_ARCHITECTURES = HEADROOM_ENGINE_ARCHITECTURES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 

@@ -20,7 +20,12 @@ from pydantic import (
 
 from headroom.contract.budget import GPU_PRESETS, MODEL_PRESETS, KVCacheDtype
 from headroom.contract.budget.arch import MAX_PARAMETERS
-from headroom.contract.budget.presets import GPU_ALIASES
+from headroom.contract.budget.presets import (
+    GPU_ALIASES,
+    HEADROOM_ENGINE_ARCHITECTURES,
+    NOT_HEADROOM_ENGINE_PRESETS,
+    PRESET_ARCHITECTURES,
+)
 from headroom.operator.crd.rules import CRDModel, Rule
 
 GROUP = "headroom.dev"
@@ -855,6 +860,33 @@ _CEL_TP = (
 )
 
 
+# The weights the headroom engine loads: it refuses a quantized checkpoint.
+HEADROOM_ENGINE_WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def headroom_engine_refusal(m: ModelSpec) -> str | None:
+    """Why the headroom engine cannot load this model (None when it can): an MLA model, a
+    preset of an architecture it does not implement, or quantized weights."""
+    if m.kv_lora_rank is not None:
+        return "model.kvLoraRank makes it an MLA model"
+    if m.preset in NOT_HEADROOM_ENGINE_PRESETS:
+        return f"model.preset {m.preset} is a {PRESET_ARCHITECTURES[m.preset]}"
+    if m.weight_dtype is not None and m.weight_dtype not in HEADROOM_ENGINE_WEIGHT_DTYPES:
+        return f"model.weightDtype {m.weight_dtype} is a quantized checkpoint"
+    return None
+
+
+def _cel_list(items: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{i}'" for i in items) + "]"
+
+
+_HEADROOM_ENGINE_LOADS = (
+    "the headroom engine loads "
+    + ", ".join(HEADROOM_ENGINE_ARCHITECTURES)
+    + f" checkpoints in {', '.join(HEADROOM_ENGINE_WEIGHT_DTYPES)}"
+)
+
+
 def _tp_splits_heads(s: InferenceDeploymentSpec) -> bool:
     """The architecture fields' heads shard gpu's tensor-parallel size ways (the budget's
     tp_split_error, which sizing applies to presets too)."""
@@ -910,6 +942,26 @@ class InferenceDeploymentSpec(CRDModel):
             ),
             check=lambda s: s.engine.runtime == "headroom" or s.model.path != "tiny",
             field_path=".model.path",
+            in_model=False,
+        ),
+        Rule(
+            cel=(
+                "(has(self.engine) && has(self.engine.runtime) && "
+                "self.engine.runtime != 'headroom') || "
+                "(!has(self.model.kvLoraRank) && (!has(self.model.preset) || "
+                f"!(self.model.preset in {_cel_list(NOT_HEADROOM_ENGINE_PRESETS)})) && "
+                "(!has(self.model.weightDtype) || "
+                f"self.model.weightDtype in {_cel_list(HEADROOM_ENGINE_WEIGHT_DTYPES)}))"
+            ),
+            message=(
+                f"{_HEADROOM_ENGINE_LOADS}: an MLA model (model.kvLoraRank), the presets "
+                f"{', '.join(NOT_HEADROOM_ENGINE_PRESETS)} and quantized weights "
+                "(model.weightDtype fp8, int8, int4) need engine.runtime vllm or sglang"
+            ),
+            check=lambda s: (
+                s.engine.runtime != "headroom" or headroom_engine_refusal(s.model) is None
+            ),
+            field_path=".engine.runtime",
             in_model=False,
         ),
         Rule(

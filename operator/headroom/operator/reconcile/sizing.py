@@ -24,7 +24,14 @@ from headroom.contract.budget import (
     plan,
     tp_split_error,
 )
-from headroom.operator.crd.models import Budget, InferenceDeploymentSpec, ModelSpec
+from headroom.contract.budget.presets import HEADROOM_ENGINE_ARCHITECTURES
+from headroom.operator.crd.models import (
+    HEADROOM_ENGINE_WEIGHT_DTYPES,
+    Budget,
+    InferenceDeploymentSpec,
+    ModelSpec,
+    headroom_engine_refusal,
+)
 
 
 class SpecError(ValueError):
@@ -170,6 +177,12 @@ def size(spec: InferenceDeploymentSpec) -> Sizing:
         raise SpecError(
             f"engine.runtime {spec.engine.runtime} cannot load 'tiny', the headroom engine's "
             "built-in test model: set model.path to a weights directory (or a Hugging Face id)"
+        )
+    if spec.engine.runtime == "headroom" and (why := headroom_engine_refusal(spec.model)):
+        raise SpecError(
+            f"the headroom engine cannot load this model: {why}; it loads "
+            f"{', '.join(HEADROOM_ENGINE_ARCHITECTURES)} checkpoints in "
+            f"{', '.join(HEADROOM_ENGINE_WEIGHT_DTYPES)}: set engine.runtime vllm or sglang"
         )
     inp = plan_input(spec)
     if (heads := tp_split_error(inp.model, inp.tp, "gpu.tensorParallel")) is not None:
