@@ -12,7 +12,10 @@ import pytest
 from pydantic import ValidationError
 
 from headroom.contract.budget import (
+    AttentionKind,
+    ModelArch,
     PlanInput,
+    estimate_parameters,
     from_hf_config,
     from_hf_dict,
     kv_bytes_per_token,
@@ -495,3 +498,108 @@ def test_negative_or_zero_sizes_are_refused_not_priced(
     path = write(tmp_path, "neg", {**QWEN3_MOE, "moe_intermediate_size": -1})
     err = refusal(capsys, "--model-config", str(path), "--concurrency", "1", "--context", "8")
     assert "moe_intermediate_size: Input should be greater than or equal to 1 (it is -1)" in err
+
+
+# What a ModelArch at every bound holds; each case below moves one field one past its bound.
+_AT_THE_BOUNDS: dict[str, Any] = {
+    "name": "edge", "num_layers": 1024, "num_attention_heads": 4096, "num_kv_heads": 4096,
+    "head_dim": 4096, "hidden_size": 1_000_000, "intermediate_size": 10_000_000,
+    "vocab_size": 100_000_000, "max_position_embeddings": 100_000_000,
+    "num_parameters": 10**15, "kv_lora_rank": 65536, "qk_rope_head_dim": 4096,
+    "indexer_head_dim": 4096, "sliding_window": 100_000_000, "num_sliding_window_layers": 1024,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("num_layers", 0), ("num_layers", 1025), ("num_attention_heads", 0),
+        ("num_attention_heads", 4097), ("num_kv_heads", 0), ("head_dim", 0), ("head_dim", 4097),
+        ("hidden_size", 0), ("hidden_size", 1_000_001), ("intermediate_size", 0),
+        ("intermediate_size", 10_000_001), ("vocab_size", 0), ("vocab_size", 100_000_001),
+        ("max_position_embeddings", 0), ("max_position_embeddings", 100_000_001),
+        ("num_parameters", 0), ("num_parameters", 10**15 + 1), ("kv_lora_rank", 0),
+        ("kv_lora_rank", 65537), ("qk_rope_head_dim", 0), ("qk_rope_head_dim", 4097),
+        ("indexer_head_dim", 0), ("indexer_head_dim", 4097), ("sliding_window", 0),
+        ("sliding_window", 100_000_001), ("num_sliding_window_layers", -1),
+    ],
+)  # fmt: skip
+def test_model_arch_refuses_one_past_each_of_the_crds_bounds(field: str, value: int) -> None:
+    """ModelArch's bounds are the CRD's ModelSpec's, exactly: the edge is accepted, one past it
+    is a ValidationError naming the field (not a ZeroDivisionError from a zero head count)."""
+    edge = ModelArch(**_AT_THE_BOUNDS)
+    assert edge.attention is AttentionKind.MLA and edge.num_parameters == 10**15
+    # One KV head, so that 4,097 query heads are refused by their bound, not by the grouping.
+    with pytest.raises(ValidationError, match=rf"^1 validation error for ModelArch\n{field}\n"):
+        ModelArch(**{**_AT_THE_BOUNDS, "num_kv_heads": 1, field: value})
+
+
+def test_parameter_estimates_are_exact_for_published_llama_and_deepseek_v2_lite() -> None:
+    """The estimate counts each weight matrix, norm and embedding as the models are built:
+    Llama-2-7B's published 6,738,415,616 and Llama-3-8B's 8,030,261,248 exactly, and
+    DeepSeek-V2-Lite's (full-rank q, MLA, MoE) transformers count less its 27 kv_a_layernorms."""
+    # estimate_parameters' defaults are a dense, untied SwiGLU model (the engine relies on it).
+    assert estimate_parameters(32, 4096, 11008, 32, 32, 128, 32000) == 6_738_415_616
+    llama3_8b = {**LLAMA31_8B, "rope_scaling": None, "max_position_embeddings": 8192}
+    assert from_hf_dict(llama3_8b).num_parameters == 8_030_261_248
+    # transformers 5's DeepseekV2ForCausalLM on this config has 15,706,484,224 parameters.
+    v2_lite = {"model_type": "deepseek_v2", "hidden_size": 2048, "num_attention_heads": 16,
+               "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None,
+               "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+               "num_hidden_layers": 27, "moe_intermediate_size": 1408, "n_routed_experts": 64,
+               "n_shared_experts": 2, "first_k_dense_replace": 1, "intermediate_size": 10944,
+               "vocab_size": 102400, "max_position_embeddings": 163840}  # fmt: skip
+    assert from_hf_dict(v2_lite).num_parameters == 15_706_484_224 - 27 * 512
+    # Low-rank q (DeepSeek-V2, 160 experts): transformers' 235,741,434,880 less the q_a and
+    # kv_a layernorms; Qwen3-30B-A3B (no shared expert): its 30,532,122,624 less q/k norms;
+    # Mixtral-8x7B (every expert intermediate_size wide): its 46,702,792,704 less the routers,
+    # which this path leaves out (0.002%).
+    v2 = {**v2_lite, "hidden_size": 5120, "num_attention_heads": 128, "num_key_value_heads": 128,
+          "q_lora_rank": 1536, "num_hidden_layers": 60, "moe_intermediate_size": 1536,
+          "n_routed_experts": 160, "intermediate_size": 12288}  # fmt: skip
+    assert from_hf_dict(v2).num_parameters == 235_741_434_880 - 60 * (1536 + 512)
+    qwen3_30b = {**QWEN3_MOE, "head_dim": 128}
+    assert from_hf_dict(qwen3_30b).num_parameters == 30_532_122_624 - 48 * 2 * 128
+    mixtral = {**MISTRAL_7B, "model_type": "mixtral", "num_local_experts": 8,
+               "intermediate_size": 14336}  # fmt: skip
+    assert from_hf_dict(mixtral).num_parameters == 46_702_792_704 - 32 * 8 * 4096
+
+
+def test_llama4_dense_layers_are_intermediate_size_mlp_wide() -> None:
+    """Maverick's 24 dense layers (every other one) each add three intermediate_size_mlp-wide
+    matrices: one more unit of that width is 24 x 3 x hidden more parameters."""
+    maverick = {**LLAMA4_TEXT, "num_local_experts": 128, "interleave_moe_layer_step": 2}
+    wider = {**maverick, "intermediate_size_mlp": LLAMA4_TEXT["intermediate_size_mlp"] + 1}
+    delta = from_hf_dict(wider).num_parameters - from_hf_dict(maverick).num_parameters
+    assert delta == 24 * 3 * 5120
+
+
+def test_rope_factors_of_one_or_below_scale_the_context_as_stated() -> None:
+    """vLLM multiplies by any positive factor: 1.0 (common in published dynamic/linear blocks)
+    leaves the length alone and 0.5 halves it; neither is refused as "not positive"."""
+    for factor, served in [(1.0, 32768), (1, 32768), (0.5, 16384)]:
+        cfg = {**QWEN25_7B, "rope_scaling": {"type": "linear", "factor": factor}}
+        assert from_hf_dict(cfg).max_position_embeddings == served, factor
+
+
+def test_eight_bit_integer_checkpoints_and_indivisible_head_dims() -> None:
+    """GPTQ/AWQ 8-bit weights are int8 (4-bit int4), and a config without head_dim takes
+    hidden_size // num_attention_heads, floored as transformers and vLLM do."""
+    dense = {"num_attention_heads": 8, "hidden_size": 512, "num_hidden_layers": 2,
+             "vocab_size": 100}  # fmt: skip
+    for q, want in [
+        ({"quant_method": "gptq", "bits": 8}, "int8"),
+        ({"quant_method": "awq", "w_bit": 8}, "int8"),
+        ({"quant_method": "gptq_marlin", "bits": 4}, "int4"),
+    ]:
+        assert from_hf_dict({**dense, "quantization_config": q}).weight_dtype == want, q
+    arch = from_hf_dict({**dense, "hidden_size": 1000, "num_attention_heads": 3})
+    assert arch.head_dim == 333 and isinstance(arch.head_dim, int)
+
+
+def test_per_layer_mlp_widths_record_the_widest() -> None:
+    """A per-layer intermediate_size list (Gemma 3n) records its widest layer: the activation
+    estimate sizes the peak, not the narrowest layer."""
+    cfg: dict[str, Any] = json.loads(json.dumps(GEMMA3N_E4B))
+    cfg["text_config"]["intermediate_size"] = [8192] * 20 + [16384] * 15
+    assert from_hf_dict(cfg, num_parameters=8_000_000_000).intermediate_size == 16384

@@ -21,6 +21,7 @@ from headroom.engine.loadgen.client import (
 )
 from headroom.engine.loadgen.progress import ProgressBar, render_line
 from headroom.engine.loadgen.stats import (
+    Distribution,
     percentile,
     records_csv,
     render_summary,
@@ -287,3 +288,100 @@ def test_a_run_without_usage_counts_says_so_instead_of_reporting_zero_prompt_tok
         0, False, []
     )  # fmt: skip
     assert "WARNING" not in render_summary(full) and "(estimated)" not in render_summary(full)
+
+
+def test_percentile_0_and_100_are_the_extremes() -> None:
+    """q is in [0, 100] inclusive: 0 is the smallest value and 100 the largest."""
+    assert (percentile([3.0, 1.0, 2.0], 0), percentile([3.0, 1.0, 2.0], 100)) == (1.0, 3.0)
+    with pytest.raises(ValueError):
+        percentile([1.0], -0.5)
+
+
+def test_distribution_is_the_mean_and_the_50th_95th_and_99th_percentiles() -> None:
+    """Distribution.of reports count, the arithmetic mean and p50/p95/p99 (NaN when empty)."""
+    d = Distribution.of([float(i) for i in range(101)])
+    assert (d.count, d.mean, d.p50, d.p95, d.p99) == (101, 50.0, 50.0, 95.0, 99.0)
+    assert Distribution.of([1.0, 2.0, 3.0, 10.0]).mean == 4.0
+    empty = Distribution.of([])
+    assert empty.count == 0 and all(math.isnan(x) for x in (empty.mean, empty.p50, empty.p99))
+
+
+def test_engine_summary_edges_one_poll_short_runs_capacity_and_peaks() -> None:
+    """The integral is used over any positive span (a half-second run) and skipped over none
+    (one poll); capacity is the last poll's, and none is 0% full; running and waiting report
+    their peaks."""
+
+    def timed(t: float, used: int, block_seconds: float) -> StatsSample:
+        return _sample(t, used, 0, 0, 0).model_copy(
+            update={"block_seconds": block_seconds, "snapshot_time": 100.0 + t}
+        )
+
+    one = summarize_engine([timed(0, 30, 5.0)])
+    assert one is not None and (one.peak_used_blocks, one.mean_occupancy) == (30, 0.3)
+    short = summarize_engine([timed(0, 0, 100.0), timed(0.5, 0, 105.0)])
+    assert short is not None
+    assert (short.peak_used_blocks, short.peak_occupancy, short.mean_occupancy) == (10, 0.1, 0.1)
+    # Restarted with twice the cache, half full before and after: the cache is the new one.
+    grown = [_sample(0, 50, 0, 0, 0), _sample(1, 100, 0, 0, 0).model_copy(update={"capacity": 200})]
+    e = summarize_engine(grown)
+    assert e is not None and (e.capacity_blocks, e.peak_occupancy) == (200, 0.5)
+    none = summarize_engine([_sample(0, 0, 0, 0, 0).model_copy(update={"capacity": 0})])
+    assert none is not None and (none.peak_occupancy, none.mean_occupancy) == (0.0, 0.0)
+    polls = [_sample(t, 0, 0, 0, 0).model_copy(update={"running": r, "waiting": w})
+             for t, r, w in [(0, 3, 0), (1, 7, 4), (2, 2, 1)]]  # fmt: skip
+    e = summarize_engine(polls)
+    assert e is not None and (e.peak_running, e.peak_waiting) == (7, 4)
+
+
+def test_summary_rates_over_a_short_or_zero_duration_and_zero_prompt_tokens() -> None:
+    """Rates divide by any positive duration (half a second doubles them) and are NaN for none;
+    a usage count of 0 prompt tokens adds 0."""
+    zero_prompt = _rec(1, 0.1, 0.01).model_copy(update={"prompt_tokens": 0})
+    result = LoadResult(model="m", tokens_per_word=1.0, duration_s=0.5,
+                        records=[_rec(0, 0.1, 0.01), zero_prompt], samples=[])  # fmt: skip
+    s = summarize(result)
+    assert (s.requests_per_s, s.output_tokens_per_s, s.prompt_tokens) == (4.0, 40.0, 5)
+    assert s.total_tokens_per_s == 50.0
+    instant = summarize(result.model_copy(update={"duration_s": 0.0}))
+    assert all(math.isnan(x) for x in (instant.requests_per_s, instant.output_tokens_per_s))
+
+
+def test_a_ramp_reports_each_levels_percentiles_and_peak_occupancy_in_ms_and_percent() -> None:
+    """Per level: TTFT p50/p95, TPOT p50 and the highest occupancy polled at it ("-" where no
+    poll fell); the latency table and rows are in milliseconds; a one-level run has no rows."""
+    recs = [_rec(i, 0.1 * (i + 1), 0.01 * (i + 1)) for i in range(5)]
+    recs.append(_rec(5, 1.0, 0.1, c=2))
+    samples = [_sample(0, 20, 0, 0, 0), _sample(1, 60, 0, 0, 0), _sample(2, 40, 0, 0, 0)]
+    result = LoadResult(model="m", tokens_per_word=1.0, duration_s=3.0, records=recs,
+                        samples=samples)  # fmt: skip
+    s = summarize(result)
+    one, two = s.levels
+    assert (one.ttft_p50_s, one.ttft_p95_s, one.tpot_p50_s) == pytest.approx((0.3, 0.48, 0.03))
+    assert (one.peak_occupancy, two.peak_occupancy) == (0.6, None)
+    assert (s.tpot.count, s.tpot.mean) == (6, pytest.approx(0.25 / 6))
+    assert (s.e2e.count, s.e2e.mean) == (6, pytest.approx((2.5 + 9 * 0.25) / 6))
+    lines = render_summary(s).splitlines()
+    ttft = next(line for line in lines if line.startswith("TTFT"))
+    assert ttft.split()[1:] == ["416.7", "350.0", "875.0", "975.0"]
+    assert lines[lines.index(next(x for x in lines if "concurrency" in x)) + 1 :][:2] == [
+        f"{1:>11}{5:>10}{'300.0':>10}{'480.0':>10}{'30.0':>10}{'60%':>9}",
+        f"{2:>11}{1:>10}{'1,000.0':>10}{'1,000.0':>10}{'100.0':>10}{'-':>9}",
+    ]
+    flat = summarize(result.model_copy(update={"records": recs[:5]}))
+    assert flat.levels == [] and "concurrency" not in render_summary(flat)
+
+
+def test_an_engine_restarted_with_another_pool_size_is_read_poll_by_poll() -> None:
+    """150 of 200 blocks, then a restart with 100 blocks holding 10: the peak is the first
+    poll's 75 % (150/200), not 150 of the last poll's 100 clamped to 100 %, and the mean is
+    the polls' own occupancies averaged."""
+    polls = [
+        StatsSample(t=0, concurrency=1, used=150, capacity=200, queries_tokens=0,
+                    hits_tokens=0, preemptions=0, running=0, waiting=0, instance_id="a"),
+        StatsSample(t=1, concurrency=1, used=10, capacity=100, queries_tokens=0,
+                    hits_tokens=0, preemptions=0, running=0, waiting=0, instance_id="b"),
+    ]  # fmt: skip
+    e = summarize_engine(polls)
+    assert e is not None
+    assert (e.peak_used_blocks, e.capacity_blocks, e.peak_occupancy) == (150, 200, 0.75)
+    assert e.mean_occupancy == pytest.approx((0.75 + 0.1) / 2)
