@@ -603,3 +603,21 @@ def test_per_layer_mlp_widths_record_the_widest() -> None:
     cfg: dict[str, Any] = json.loads(json.dumps(GEMMA3N_E4B))
     cfg["text_config"]["intermediate_size"] = [8192] * 20 + [16384] * 15
     assert from_hf_dict(cfg, num_parameters=8_000_000_000).intermediate_size == 16384
+
+
+@pytest.mark.parametrize(
+    ("lengths", "served"),
+    [
+        ({}, 2048),  # vLLM's default where the config states no length
+        ({"max_position_embeddings": 32768, "seq_length": 8192}, 8192),  # Qwen (1): the smaller
+        ({"max_seq_len": 2048}, 2048),  # MPT's key
+        ({"n_positions": 1024, "max_sequence_length": 4096}, 1024),
+        ({"max_position_embeddings": 8192, "model_max_length": 131072}, 131072),  # Command-R
+    ],
+)
+def test_the_context_is_the_smallest_length_the_config_states_as_vllm_serves_it(
+    lengths: dict[str, int], served: int
+) -> None:
+    """vLLM's `_get_and_verify_max_len` takes the smallest of its length keys (Command-R's
+    model_max_length over them) and 2,048 where none is stated: so does the plan."""
+    assert from_hf_dict({**PLAIN, **lengths}).max_position_embeddings == served

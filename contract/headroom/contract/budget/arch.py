@@ -410,16 +410,38 @@ def from_hf_dict(
 _PRESCALED_ROPE_TYPES = frozenset({"su", "longrope", "llama3"})
 
 
+# vLLM's length keys (`_get_and_verify_max_len`): it serves the smallest the config states,
+# and 2,048 tokens where it states none.
+_LENGTH_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+_DEFAULT_LENGTH = 2048
+
+
 def context_length(cfg: dict[str, Any], types: Iterable[str] = ()) -> int:
     """The longest sequence vLLM serves a (text_config-merged) config at: its derived
     max_model_len (`_get_and_verify_max_len`, vllm/config/model.py, 0.11). The config's length
-    (n_positions: GPT-2's name, seq_length: ChatGLM's), times the rope scaling `factor` unless
+    (the smallest of its length keys: n_positions is GPT-2's, seq_length ChatGLM's and Qwen's,
+    max_seq_len MPT's; model_max_length over them all; 2,048 where it states none), times the
+    rope scaling `factor` unless
     the rope type is su, longrope or llama3 (already extended) or the model a Gemma 3 (its
     128K is already scaled); YaRN counts from its original_max_position_embeddings. The
     scaling is `rope_parameters` (transformers 5, which vLLM reads the same way, one mapping
     or one per layer type) or else `rope_scaling`, its type `rope_type` or the legacy `type`.
     `types`: the config's model types (`_types`)."""
-    length = _number(cfg, "max_position_embeddings", "n_positions", "seq_length", default=4096)
+    lengths = [_number(cfg, key) for key in _LENGTH_KEYS if cfg.get(key) is not None]
+    if cfg.get("model_max_length") is not None:  # Command-R's: vLLM takes it over the others
+        length = _number(cfg, "model_max_length")
+    else:
+        length = min(lengths, default=_DEFAULT_LENGTH)
     key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
     params = cfg.get(key)
     if params is None or any("gemma3" in t for t in types):
