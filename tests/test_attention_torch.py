@@ -74,12 +74,29 @@ def test_decode_matches_naive_attention(
         torch.testing.assert_close(out[i].double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_splits_large_batches_into_score_groups(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tb, "_SCORE_BYTES", 1)  # one sequence per group
+@pytest.mark.parametrize(
+    "score_bytes,groups",
+    [(1, [1, 1, 1]), (2 * HEADS * 4 * 12, [2, 1]), (tb._SCORE_BYTES, [3])],
+    ids=["one-per-group", "two-per-group", "default-budget"],
+)
+def test_decode_splits_large_batches_into_score_groups(
+    monkeypatch: pytest.MonkeyPatch, score_bytes: int, groups: list[int]
+) -> None:
+    """Rows per group is the score budget over one row's fp32 scores (heads x longest context)."""
+    monkeypatch.setattr(tb, "_SCORE_BYTES", score_bytes)
+    seen: list[int] = []
+    real = TorchBackend._decode_group
+
+    def spy(self: TorchBackend, q: torch.Tensor, *args: object) -> torch.Tensor:
+        seen.append(q.shape[0])
+        return real(self, q, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TorchBackend, "_decode_group", spy)
     lens = [7, 3, 12]
     cache, tables, keys, values = _fill(lens, seed=4)
     q = torch.randn(len(lens), HEADS, DIM, generator=torch.Generator().manual_seed(2))
     out = TorchBackend().decode(q, cache, torch.tensor(lens, dtype=torch.int32), tables, DIM**-0.5)
+    assert seen == groups
     for i, n in enumerate(lens):
         torch.testing.assert_close(
             out[i].double(), _naive(q[i], keys[i], values[i], 0, n), atol=1e-5, rtol=1e-5
@@ -87,7 +104,12 @@ def test_decode_splits_large_batches_into_score_groups(monkeypatch: pytest.Monke
 
 
 @pytest.mark.parametrize("window", [None, 3])
-def test_prefill_attends_to_cached_prefix(window: int | None) -> None:
+@pytest.mark.parametrize("tile", [tb._PREFILL_TILE, 4], ids=["one-tile", "4-row-tiles"])
+def test_prefill_attends_to_cached_prefix(
+    monkeypatch: pytest.MonkeyPatch, window: int | None, tile: int
+) -> None:
+    # 4-row tiles split the 13- and 4-token chunks, exercising each tile's key range and mask.
+    monkeypatch.setattr(tb, "_PREFILL_TILE", tile)
     lens = [6, 13, 1, 9]
     new = [2, 13, 1, 4]  # the last `new` positions are queries; the rest is cached prefix
     cache, tables, keys, values = _fill(lens, seed=3)
@@ -163,6 +185,55 @@ def test_copy_blocks_moves_data_and_per_token_scales(kv_dtype: str) -> None:
         torch.testing.assert_close(tb._gather(c, blocks, key=True)[0], x, atol=0.3, rtol=0.1)
 
 
+@pytest.mark.parametrize(
+    "chunk_bytes,chunks",
+    [(tb._CHUNK_BYTES, 1), (2 * (2 * KV_HEADS * DIM * 4) * BS, 4)],
+    ids=["default-budget", "two-blocks"],
+)
+def test_decode_gathers_as_many_blocks_per_chunk_as_the_budget_holds(
+    monkeypatch: pytest.MonkeyPatch, chunk_bytes: int, chunks: int
+) -> None:
+    """Blocks per chunk is the chunk budget over one block's fp32 K (or V) for the active rows."""
+    monkeypatch.setattr(tb, "_CHUNK_BYTES", chunk_bytes)
+    calls: list[bool] = []
+    real = TorchBackend._gather_into
+
+    def spy(
+        self: TorchBackend, cache: LayerKVCache, blocks: torch.Tensor, key: bool
+    ) -> torch.Tensor:
+        calls.append(key)
+        return real(self, cache, blocks, key)
+
+    monkeypatch.setattr(TorchBackend, "_gather_into", spy)
+    lens = [30, 9]
+    cache, tables, keys, values = _fill(lens, seed=10)
+    q = torch.randn(len(lens), HEADS, DIM, generator=torch.Generator().manual_seed(11))
+    out = TorchBackend().decode(q, cache, torch.tensor(lens, dtype=torch.int32), tables, DIM**-0.5)
+    assert calls == [True] * chunks + [False] * chunks  # 8 blocks: one chunk, or 4 of 2 blocks
+    for i, n in enumerate(lens):
+        torch.testing.assert_close(
+            out[i].double(), _naive(q[i], keys[i], values[i], 0, n), atol=1e-5, rtol=1e-5
+        )
+
+
+def test_decode_of_one_sequence_and_of_none() -> None:
+    """A batch of one is attended like any other; an empty batch gives an empty result."""
+    cache, tables, keys, values = _fill([10], seed=12)
+    q = torch.randn(1, HEADS, DIM, generator=torch.Generator().manual_seed(13))
+    lens = torch.tensor([10], dtype=torch.int32)
+    out = TorchBackend().decode(q, cache, lens, tables, DIM**-0.5)
+    torch.testing.assert_close(
+        out[0].double(), _naive(q[0], keys[0], values[0], 0, 10), atol=1e-5, rtol=1e-5
+    )
+    none = TorchBackend().decode(q[:0], cache, lens[:0], tables[:0], DIM**-0.5)
+    assert none.shape == (0, HEADS, DIM)
+
+
+def test_torch_backend_declares_sliding_window_support() -> None:
+    """The model passes its window only to backends declaring it; others attend to everything."""
+    assert TorchBackend.supports_sliding_window is True
+
+
 def test_select_backend() -> None:
     assert isinstance(select_backend("torch", "cpu"), TorchBackend)
     assert isinstance(select_backend("auto", "cpu"), TorchBackend)
@@ -219,3 +290,27 @@ def test_the_engine_passes_the_models_dtype_when_it_picks_a_backend(
     cfg = EngineConfig(model="tiny", num_blocks=16, max_model_len=64, num_threads=1)
     engine = engine_module.Engine.from_config(cfg)
     assert seen == [torch.float32] and isinstance(engine.runner.backend, TorchBackend)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_a_stale_non_finite_value_outside_a_context_does_not_reach_decode(poison: float) -> None:
+    """A slot past a row's length in its last block, and block 0 padding a shorter row's table,
+    may hold anything a freed sequence left: masked, they must not turn the output NaN (0 x NaN
+    in p.V), as the CUDA kernel and prefill never read them."""
+    bs, hkv, heads, d = 4, 2, 6, 8
+    k, v = torch.randn(6, hkv, d), torch.randn(6, hkv, d)
+    k2, v2 = torch.randn(2, hkv, d), torch.randn(2, hkv, d)
+    slots = torch.tensor([4, 5, 6, 7, 8, 9])  # blocks 1 and 2; slots 10, 11 past the end
+    q = torch.randn(2, heads, d)
+    lens, tables = torch.tensor([6, 2], dtype=torch.int32), torch.tensor([[1, 2], [3, 0]])
+    outs = []
+    for dirty in (False, True):
+        cache = allocate_layer_cache(4, bs, hkv, d, torch.float32)
+        TorchBackend().write_kv(k, v, cache, slots)
+        TorchBackend().write_kv(k2, v2, cache, torch.tensor([12, 13]))
+        if dirty:
+            cache.value[2, 3] = cache.key[2, 3] = poison  # past row 0's 6 tokens
+            cache.value[0] = cache.key[0] = poison  # row 1's padding entry
+        outs.append(TorchBackend().decode(q, cache, lens, tables, d**-0.5))
+    assert outs[1].isfinite().all()
+    torch.testing.assert_close(outs[1], outs[0])

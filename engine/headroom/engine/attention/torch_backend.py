@@ -216,6 +216,7 @@ class TorchBackend:
             (kv_heads, n_chunks, rows, groups, c_tok), _NEG_INF, dtype=torch.float32, device=device
         )
         q_heads = q.unbind(1)
+        masks: dict[int, torch.Tensor] = {}  # chunk -> [row, token] slots outside each row
         for j, b0, b1, r0, r1 in plan:
             n_tok = (b1 - b0) * bs
             k = self._gather_into(cache, tables[r0:r1, b0:b1].reshape(-1), True)
@@ -234,6 +235,7 @@ class TorchBackend:
                 row_lo = torch.tensor(lo_pos[r0:r1], device=device)
                 invalid = (pos[None, :] >= row_hi[:, None]) | (pos[None, :] < row_lo[:, None])
                 scores[:, j, r0:r1, :, :n_tok].masked_fill_(invalid[None, :, None, :], _NEG_INF)
+                masks[j] = invalid
         peak = scores.amax(dim=(1, 4), keepdim=True)
         probs = scores.sub_(peak).exp_()
         denom = probs.sum(dim=(1, 4))  # [Hkv, R, G]
@@ -242,7 +244,12 @@ class TorchBackend:
         for j, b0, b1, r0, r1 in plan:
             n_tok = (b1 - b0) * bs
             v = self._gather_into(cache, tables[r0:r1, b0:b1].reshape(-1), False)
-            v_heads = v.view(r1 - r0, n_tok, kv_heads, head_dim).unbind(2)
+            v = v.view(r1 - r0, n_tok, kv_heads, head_dim)
+            if j in masks:
+                # A masked slot weighs 0, but 0 x a stale NaN or inf (a freed sequence's, or
+                # block 0 padding a shorter table) is NaN: zero it, as the CUDA kernel skips it.
+                v.masked_fill_(masks[j][:, :, None, None], 0.0)
+            v_heads = v.unbind(2)
             for h in range(kv_heads):
                 acc_heads[h][r0:r1].baddbmm_(probs[h, j, r0:r1, :, :n_tok], v_heads[h])
         acc.div_(denom.unsqueeze(-1))
