@@ -19,6 +19,7 @@ from headroom.engine.model import (
     UnsupportedDtype,
     UnsupportedModel,
     build_forward_batch,
+    build_tiny,
     from_hf_dict,
     load_model,
     resolve_dtype,
@@ -465,3 +466,101 @@ def test_the_mistral_preset_still_windows_every_layer() -> None:
     assert (arch.sliding_window, arch.num_sliding_window_layers) == (4096, 32)
     assert (preset.sliding_window, preset.num_sliding_window_layers) == (4096, 32)
     assert from_hf_dict(cfg).sliding_windows == (4096,) * 32
+
+
+# --- what the loader decides without a GPU: dtypes, token ids, unexpected weights -----------
+
+
+def test_auto_dtype_on_cuda_is_the_checkpoints_and_bf16_needs_a_gpu_that_has_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA "auto" runs the checkpoint's dtype (torch or contract name; bf16 when unknown),
+    and bfloat16 alone is refused on a GPU without it (a V100), naming the GPU."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    for checkpoint, want in (("float16", torch.float16), ("fp16", torch.float16),
+                             ("fp32", torch.float32), ("bf16", torch.bfloat16),
+                             ("int4", torch.bfloat16)):  # fmt: skip
+        assert resolve_dtype("auto", cuda, checkpoint) == want, checkpoint
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
+    with pytest.raises(UnsupportedDtype, match="bfloat16 is not supported on Tesla V100"):
+        resolve_dtype("auto", cuda, "bfloat16")
+    assert resolve_dtype("float16", cuda) == torch.float16
+    assert resolve_dtype("float32", cuda) == torch.float32
+
+
+def test_config_json_ids_win_and_generation_config_adds_eos(tmp_path: Path) -> None:
+    """As transformers merges them: config.json's bos stands, generation_config.json's bos
+    fills a missing one, and its eos ids join config.json's (an EOS either names stops)."""
+    from headroom.engine.model.loader import load_tokenizer
+
+    _tokenizer_json(tmp_path)
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}  # fmt: skip
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 7, "eos_token_id": [9, 2, None]})
+    )
+    tok = load_tokenizer(tmp_path, from_hf_dict({**base, "bos_token_id": 1, "eos_token_id": 2}))
+    assert (tok.bos_token_id, tok.eos_token_ids) == (1, {2, 9})
+    tok = load_tokenizer(tmp_path, from_hf_dict(base))
+    assert (tok.bos_token_id, tok.eos_token_ids) == (7, {9, 2})
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 4}))
+    tok = load_tokenizer(tmp_path, from_hf_dict(base))
+    assert (tok.bos_token_id, tok.eos_token_ids) == (None, {4})
+
+
+def test_weights_the_architecture_lacks_are_named() -> None:
+    """A checkpoint with tensors this decoder has no place for (a Qwen3 q_norm, say) is
+    refused naming the first five, not loaded with those weights dropped."""
+    model, _ = build_tiny()
+    extra = {f"model.layers.{i}.self_attn.q_norm.weight": torch.ones(32) for i in range(4)}
+    extra["lm_head.bias"] = torch.zeros(model.config.vocab_size)
+    extra["norm.weight"] = torch.ones(1)
+    with pytest.raises(ValueError, match="lacks: ") as info:
+        model.load_weights([("model.norm.weight", torch.ones(128)), *extra.items()])
+    assert str(info.value).split("lacks: ")[1] == repr(list(extra)[:5])
+
+
+class _NoWindowBackend:
+    """The torch backend as one without sliding-window support (the CUDA one) is called: its
+    attention takes no `sliding_window`."""
+
+    name = "no-window"
+
+    def __init__(self) -> None:
+        from headroom.engine.attention import TorchBackend
+
+        self.inner = TorchBackend()
+
+    def write_kv(self, *args: object) -> None:
+        self.inner.write_kv(*args)  # type: ignore[arg-type]
+
+    def prefill(self, *args: object) -> torch.Tensor:
+        return self.inner.prefill(*args)  # type: ignore[arg-type]
+
+    def decode(self, *args: object) -> torch.Tensor:
+        return self.inner.decode(*args)  # type: ignore[arg-type]
+
+
+def test_windowed_layers_attend_within_their_window_and_only_where_the_backend_can() -> None:
+    """Past the window a windowed layer's logits differ from full attention's; a backend
+    without windows gets none passed (the engine caps max_model_len to the window there)."""
+    from headroom.engine.attention import TorchBackend, allocate_layer_cache
+    from headroom.engine.model import ModelConfig, tiny_config
+
+    shape = tiny_config().model_dump(exclude={"sliding_window", "num_sliding_window_layers"})
+    windowed, _ = build_tiny(config=ModelConfig(**{**shape, "sliding_windows": (4,) * 4}))
+    full, _ = build_tiny()
+
+    def logits(model: torch.nn.Module, backend: object) -> torch.Tensor:
+        cfg = model.config  # type: ignore[attr-defined]
+        caches = [allocate_layer_cache(2, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+                  for _ in range(cfg.num_layers)]  # fmt: skip
+        batch = build_forward_batch([(list(range(10, 22)), 0, list(range(16, 28)), [1])], [])
+        return model.compute_logits(model(batch, caches, backend))  # type: ignore[operator]
+
+    slid, whole = logits(windowed, TorchBackend()), logits(full, TorchBackend())
+    assert torch.equal(slid[:4], whole[:4])  # within the window: the same attention
+    assert not torch.allclose(slid[4:], whole[4:])
+    assert torch.equal(logits(windowed, _NoWindowBackend()), whole)

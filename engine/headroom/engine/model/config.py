@@ -170,12 +170,7 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
             "headroom engine loads fp32, bf16 or fp16 checkpoints; serve this one with "
             "engine.runtime vllm or sglang"
         )
-    record = arch_from_hf_dict(cfg)
-    if record.num_attention_heads % record.num_kv_heads:
-        raise UnsupportedModel(
-            f"num_attention_heads {record.num_attention_heads} is not a multiple of "
-            f"num_key_value_heads {record.num_kv_heads}"
-        )
+    record = arch_from_hf_dict(cfg)  # ModelArch refuses heads that KV heads do not divide
     attention_bias = bool(cfg.get("attention_bias", False))
     budget_windows = {"sliding_window", "num_sliding_window_layers", "num_parameters"}
     return ModelConfig(
