@@ -4,9 +4,11 @@ they draw and the progress they show."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pty
+import re
 import subprocess
 import sys
 import threading
@@ -19,6 +21,7 @@ import yaml
 
 from headroom.contract.cli import EXTRAS, extra_for, main
 from headroom.operator.crd.models import InferenceDeploymentSpec
+from headroom.operator.simulate.cli import UsageError, add_parsers, quantiles
 from headroom.operator.simulate.specfile import read_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -721,3 +724,110 @@ def test_profile_says_the_weights_do_not_fit_not_the_context(
         "headroom profile: --model llama-3.1-70b --gpu l4-24gb: weights 131.4 GiB/GPU"
     )
     assert "contextTokens" not in err
+
+
+# ----------------------------------------------------------------- the bounds of each argument
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--rate", "100"], None),
+        (["--rate", "0.5"], None),
+        (["--rate", "100.5"], "--rate must be at most 100, got 100.5"),
+        (["--decode-tps", "inf"], "--decode-tps must be a positive number, got inf"),
+        (["--block-size", "1"], None),
+        (["--block-size", "1024"], None),
+        (["--block-size", "1025"], "--block-size must be in [1, 1024], got 1025"),
+    ],
+)
+def test_profile_takes_each_bound_of_its_arguments_and_nothing_past_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], needle: str | None
+) -> None:
+    """A value at a bound passes the checks and fails only on the spec, which is missing."""
+    gone = tmp_path / "gone.yaml"
+    code, err = in_process(capsys, "profile", AZURE, "--spec", gone, *args)
+    assert code == 2 and err.startswith(f"headroom profile: {needle or f'{gone}: cannot read'}")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--seeds", "1"], None),
+        (["--seeds", "100"], None),
+        (["--seeds", "101"], "--seeds must be in [1, 100], got 101"),
+        (["--rate", "100"], None),
+        (["--rate", "101"], "--rate must be at most 100, got 101"),
+        (["--quantiles", "0.5,0.99"], None),
+    ],
+)
+def test_simulate_takes_each_bound_of_its_arguments_and_nothing_past_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], needle: str | None
+) -> None:
+    """A value at a bound passes the checks and fails only on the spec, which is missing."""
+    gone = tmp_path / "gone.yaml"
+    code, err = in_process(capsys, "simulate", AZURE, "--spec", gone, *args)
+    assert code == 2 and err.startswith(f"headroom simulate: {needle or f'{gone}: cannot read'}")
+
+
+def test_quantiles_are_distinct_and_ascending_from_0_5_to_0_99_inclusive() -> None:
+    """scaling.forecastQuantile's range, both ends in it; repeats and blanks dropped."""
+    assert quantiles("0.99, 0.5,,0.9,0.5") == (0.5, 0.9, 0.99)
+    for text in ("0.49", "0.6,0.991"):
+        with pytest.raises(UsageError, match=r"is outside \[0\.5, 0\.99\]"):
+            quantiles(text)
+    for text in ("", " , "):
+        with pytest.raises(UsageError, match="needs at least one number"):
+            quantiles(text)
+
+
+def test_every_default_the_help_names_is_the_default_used_and_simulate_needs_a_spec() -> None:
+    """`--help` is where a user reads the defaults: each `(default N)` must be the one used."""
+    parser = argparse.ArgumentParser()
+    subparsers = parser.add_subparsers()
+    add_parsers(subparsers)
+    named = 0
+    for sub in subparsers.choices.values():
+        for action in sub._actions:
+            said = re.search(r"\(default ([0-9.]+)\)", action.help or "")
+            if said is not None:
+                assert float(said[1]) == action.default, action.dest
+                named += 1
+    assert named == 5  # --rate twice, --decode-tps, --prefill-tps, --seeds
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["simulate", "t.csv"])
+    assert info.value.code == 2
+
+
+def test_a_report_that_cannot_be_written_exits_1_with_the_reason(tmp_path: Path) -> None:
+    """The report is flushed as it is printed: a full disk is the command's error, not the
+    interpreter's at exit."""
+    trace = tmp_path / "blink.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n0,100,10\n0.5,100,10\n")
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(
+            [sys.executable, "-m", "headroom.contract.cli", "profile", str(trace)],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+        )
+    assert r.returncode == 1
+    assert (
+        r.stderr
+        == "headroom profile: cannot write the output: [Errno 28] No space left on device\n"
+    )
+
+
+def test_the_share_the_advised_max_model_length_refuses_admits_requests_of_its_length(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A maxModelLen admits a request exactly that long: of 90 requests of 25,904 tokens (what
+    an L4 pod holds) and 10 of 60,000, the advised 25904 refuses the 10."""
+    rows = [f"{i},{59_900 if i % 10 == 0 else 25_804},100" for i in range(100)]
+    trace = tmp_path / "edge.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n" + "\n".join(rows) + "\n")
+    code, err = in_process(capsys, "profile", trace, "--model", "llama-3.1-8b", "--gpu", "l4-24gb")
+    assert code == 2 and "engine.maxModelLen: 25904 sizes" in err
+    assert "(it refuses 10.0% of these)" in err, err

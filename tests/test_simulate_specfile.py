@@ -358,3 +358,145 @@ def test_a_resource_the_api_server_takes_is_read_with_its_name(
 ) -> None:
     sf = accepted(tmp_path, KIND_LINES + metadata + BODY, "my-spec.yaml")
     assert sf.name == name and sf.raw["traffic"] == {"peakConcurrency": 4, "contextTokens": 1000}
+
+
+# ------------------------------------------------------------- which document, which resource
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", "found 0 among 0 documents"),
+        ("--- ~\n---\n", "found 0 among 0 documents"),
+        (PLAIN + "---\n" + PLAIN, "found 0 among 2 documents"),
+        (KIND_LINES + BODY + "---\n" + KIND_LINES + BODY, "found 2 among 2 documents"),
+    ],
+)
+def test_a_file_without_exactly_one_resource_or_one_spec_is_refused(
+    tmp_path: Path, text: str, expected: str
+) -> None:
+    """Nothing to read, or several documents none (or more than one) an InferenceDeployment:
+    no document is picked for the user."""
+    msg = refused(tmp_path, text)
+    assert msg == f": expected one InferenceDeployment (or its spec), {expected}"
+
+
+def test_a_manifest_of_another_kind_is_named_by_its_kind_though_it_has_no_spec(
+    tmp_path: Path,
+) -> None:
+    """`kind` alone marks a resource: a Service passed by mistake is named, not read as a spec
+    with unknown fields."""
+    msg = refused(tmp_path, "apiVersion: v1\nkind: Service\nmetadata: {name: chat}\n")
+    assert msg == ":2: kind is 'Service', not InferenceDeployment"
+
+
+def test_a_type_error_on_a_field_named_the_same_in_both_cases_gets_no_alias_note(
+    tmp_path: Path,
+) -> None:
+    """The camelCase note is for an unknown snake_case field only, not for a wrong value of a
+    field whose two names agree (`preset`, `cpu`)."""
+    msg = refused(tmp_path, "model: {preset: 5}\ngpu: {type: l4-24gb}\n")
+    assert msg == ":1: spec.model.preset: Input should be a valid string"
+    traffic = "traffic: {peakConcurrency: 4, contextTokens: 1000}\n"
+    msg = refused(tmp_path, PLAIN + traffic + "engine: {cpu: [4]}\n")
+    assert msg == ":4: spec.engine.cpu: Input should be a valid string"
+
+
+@pytest.mark.parametrize(
+    "before",
+    [
+        "apiVersion: v1\nkind: Namespace\nmetadata: {name: chat}\n---\n",
+        "- a list\n---\n",
+    ],
+)
+def test_the_one_inference_deployment_among_other_documents_is_read(
+    tmp_path: Path, before: str
+) -> None:
+    """A manifest bundle (a Namespace, then the resource) is read for its InferenceDeployment
+    alone."""
+    sf = accepted(tmp_path, before + HEAD + BODY)
+    assert sf.name == "chat" and sf.spec.traffic.peak_concurrency == 4
+
+
+# ------------------------------------------------------------------------- more of the lines
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # A missing field is found at its parent's key, not at the parent's first value.
+        (
+            PLAIN + "traffic:\n  contextTokens: 1000\n",
+            ":3: spec.traffic.peakConcurrency: Field required",
+        ),
+        (
+            PLAIN + "traffic: peakConcurrency: 4\n",
+            ":3: not YAML or JSON: mapping values are not allowed here",
+        ),
+        # An optional object (`SecretKeySelector | None`) is walked for the field's name too.
+        (
+            PLAIN + "traffic: {peakConcurrency: 4, contextTokens: 1000}\n"
+            "engine:\n  apiKeySecret:\n    name: key\n    secret_key: x\n",
+            ":7: spec.engine.apiKeySecret.secret_key: Extra inputs are not permitted",
+        ),
+        # A key that is a sequence: YAML refuses it, as the Python loader cannot hash it.
+        (
+            PLAIN + "engine:\n  ? [a, b]\n  : 1\n",
+            ":4: not YAML or JSON: found unhashable key",
+        ),
+    ],
+)
+def test_what_is_wrong_is_named_at_its_line(tmp_path: Path, text: str, expected: str) -> None:
+    assert refused(tmp_path, text) == expected
+
+
+def test_a_json_integer_too_long_to_convert_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """Python's limit on integer digits is the reason given, not a traceback or its detail."""
+    text = '{"traffic": {"peakConcurrency": 1' + "0" * 5000 + "}}"
+    msg = refused(tmp_path, text, "spec.json")
+    assert (
+        msg
+        == ": not JSON this reads: Exceeds the limit (4300 digits) for integer string conversion"
+    )
+
+
+def test_a_spec_the_planner_refuses_is_refused_with_its_reason(tmp_path: Path) -> None:
+    """Valid to the schema but not to the planner (parse() sizes it): its reason, no traceback."""
+    text = (
+        "model: {preset: llama-3.1-8b, path: tiny}\ngpu: {type: l4-24gb}\n"
+        "traffic: {peakConcurrency: 4, contextTokens: 1000}\nengine: {runtime: vllm}\n"
+    )
+    msg = refused(tmp_path, text)
+    assert "spec: engine.runtime vllm cannot load 'tiny'" in msg, msg
+
+
+RESOURCE = "apiVersion: headroom.dev/v1alpha1\nkind: InferenceDeployment\nmetadata: {name: chat}\n"
+
+
+@pytest.mark.parametrize(
+    ("body", "line", "reason"),
+    [
+        # The sizing's refusals name their field: a weights path the runtime cannot load...
+        ("  model:\n    preset: llama-3.1-8b\n    path: tiny\n  gpu: {type: l4-24gb}\n"
+         "  traffic: {peakConcurrency: 4, contextTokens: 1000}\n  engine: {runtime: vllm}\n",
+         7, "cannot load 'tiny'"),
+        # ... a preset the headroom engine does not implement ...
+        ("  gpu: {type: h200}\n  model:\n    path: /m\n    preset: mixtral-8x7b\n"
+         "  traffic: {peakConcurrency: 4, contextTokens: 1000}\n",
+         8, "mixtral-8x7b is a MixtralForCausalLM"),
+        # ... and a rule over two fields points at its fieldPath, not at spec.
+        ("  model: {preset: llama-3.1-8b}\n  gpu: {type: l4-24gb}\n"
+         "  traffic: {peakConcurrency: 4, contextTokens: 1000}\n  engine:\n"
+         "    runtime: headroom\n    maxModelLen: 512\n",
+         10, "engine.maxModelLen must be at least traffic.contextTokens"),
+    ],
+)  # fmt: skip
+def test_a_refusal_about_one_field_is_placed_at_that_fields_line(
+    tmp_path: Path, body: str, line: int, reason: str
+) -> None:
+    """The planner's refusals and the CRD's cross-field rules carry the field they are about,
+    so the file's line is that field's, not the line of `spec:` (or none for a bare spec)."""
+    msg = refused(tmp_path, RESOURCE + "spec:\n" + body)
+    assert msg.startswith(f":{line}: spec") and reason in msg, msg
+    bare = "".join(row.removeprefix("  ") + "\n" for row in body.splitlines())
+    assert refused(tmp_path, bare).startswith(f":{line - 4}: spec")

@@ -864,15 +864,15 @@ _CEL_TP = (
 HEADROOM_ENGINE_WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
 
 
-def headroom_engine_refusal(m: ModelSpec) -> str | None:
-    """Why the headroom engine cannot load this model (None when it can): an MLA model, a
-    preset of an architecture it does not implement, or quantized weights."""
+def headroom_engine_refusal(m: ModelSpec) -> tuple[str, str] | None:
+    """The field, and why, the headroom engine cannot load this model (None when it can): an
+    MLA model, a preset of an architecture it does not implement, or quantized weights."""
     if m.kv_lora_rank is not None:
-        return "model.kvLoraRank makes it an MLA model"
+        return "model.kvLoraRank", "model.kvLoraRank makes it an MLA model"
     if m.preset in NOT_HEADROOM_ENGINE_PRESETS:
-        return f"model.preset {m.preset} is a {PRESET_ARCHITECTURES[m.preset]}"
+        return "model.preset", f"model.preset {m.preset} is a {PRESET_ARCHITECTURES[m.preset]}"
     if m.weight_dtype is not None and m.weight_dtype not in HEADROOM_ENGINE_WEIGHT_DTYPES:
-        return f"model.weightDtype {m.weight_dtype} is a quantized checkpoint"
+        return "model.weightDtype", f"model.weightDtype {m.weight_dtype} is a quantized checkpoint"
     return None
 
 

@@ -66,3 +66,16 @@ class CRDModel(BaseModel):
         """The object as a JSON merge patch: unset optionals are null, which deletes a value a
         previous write left (a stale `reason` once a spec is fixed)."""
         return self.model_dump(by_alias=True, mode="json")
+
+
+def rule_field(message: str) -> tuple[str, ...]:
+    """The field (its `fieldPath`, below the model that holds the rule) a rule's message is
+    about; () when no rule has this message or it names no field."""
+    stack: list[type[CRDModel]] = list(CRDModel.__subclasses__())
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        for r in cls.__rules__:
+            if r.message == message and r.field_path:
+                return tuple(r.field_path.lstrip(".").split("."))
+    return ()

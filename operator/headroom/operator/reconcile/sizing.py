@@ -32,10 +32,16 @@ from headroom.operator.crd.models import (
     ModelSpec,
     headroom_engine_refusal,
 )
+from headroom.operator.crd.rules import rule_field
 
 
 class SpecError(ValueError):
-    """The spec passed schema validation but cannot be turned into a plan."""
+    """The spec passed schema validation but cannot be turned into a plan; `field` is the
+    camelCase path below spec of the field to change, where one is to blame."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def max_model_len(spec: InferenceDeploymentSpec) -> int:
@@ -54,7 +60,7 @@ def model_arch(model: ModelSpec, fallback_context: int) -> ModelArch:
         try:
             arch = model_preset(model.preset)
         except UnknownPreset as exc:
-            raise SpecError(str(exc)) from None
+            raise SpecError(str(exc), "model.preset") from None
         if model.weight_dtype is not None and model.weight_dtype != arch.weight_dtype:
             arch = arch.model_copy(update={"weight_dtype": model.weight_dtype})
         return arch
@@ -81,7 +87,7 @@ def model_arch(model: ModelSpec, fallback_context: int) -> ModelArch:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
-        raise SpecError(f"model architecture: {where}: {first['msg']}") from None
+        raise SpecError(f"model architecture: {where}: {first['msg']}", "model") from None
 
 
 # vLLM runs an MLA model (DeepSeek V2/V3) on FlashMLA with 64-token blocks, and on Blackwell on
@@ -108,7 +114,8 @@ def _engine_block_size(spec: InferenceDeploymentSpec, arch: ModelArch) -> int:
             "gpu.type, not gpu.memoryGiB alone: vLLM runs MLA's KV in blocks of "
             f"{VLLM_MLA_BLOCK_SIZE} tokens before Blackwell and {VLLM_MLA_BLOCK_SIZE_BLACKWELL} "
             "on it, and the plan prices the size it runs: name b200-192gb for any Blackwell GPU, "
-            "h100-80gb or h200-141gb for Hopper, with gpu.memoryGiB beside it for the memory"
+            "h100-80gb or h200-141gb for Hopper, with gpu.memoryGiB beside it for the memory",
+            "gpu.memoryGiB",
         )
     try:
         blackwell = gpu_preset(spec.gpu.type).name in _BLACKWELL_GPUS
@@ -128,7 +135,7 @@ def plan_input(spec: InferenceDeploymentSpec) -> PlanInput:
         try:
             preset = gpu_preset(gpu.type)
         except UnknownPreset as exc:
-            raise SpecError(str(exc)) from None
+            raise SpecError(str(exc), "gpu.type") from None
         memory, gpu_name = preset.memory_bytes, preset.name
     kv_dtype = spec.engine.kv_cache_dtype
     arch = model_arch(spec.model, max_model_len(spec))
@@ -176,17 +183,20 @@ def size(spec: InferenceDeploymentSpec) -> Sizing:
     if spec.engine.runtime != "headroom" and spec.model.path == "tiny":
         raise SpecError(
             f"engine.runtime {spec.engine.runtime} cannot load 'tiny', the headroom engine's "
-            "built-in test model: set model.path to a weights directory (or a Hugging Face id)"
+            "built-in test model: set model.path to a weights directory (or a Hugging Face id)",
+            "model.path",
         )
-    if spec.engine.runtime == "headroom" and (why := headroom_engine_refusal(spec.model)):
+    if spec.engine.runtime == "headroom" and (refused := headroom_engine_refusal(spec.model)):
+        field, why = refused
         raise SpecError(
             f"the headroom engine cannot load this model: {why}; it loads "
             f"{', '.join(HEADROOM_ENGINE_ARCHITECTURES)} checkpoints in "
-            f"{', '.join(HEADROOM_ENGINE_WEIGHT_DTYPES)}: set engine.runtime vllm or sglang"
+            f"{', '.join(HEADROOM_ENGINE_WEIGHT_DTYPES)}: set engine.runtime vllm or sglang",
+            field,
         )
     inp = plan_input(spec)
     if (heads := tp_split_error(inp.model, inp.tp, "gpu.tensorParallel")) is not None:
-        raise SpecError(heads)
+        raise SpecError(heads, "gpu.tensorParallel")
     result = plan(inp)
     mml = max_model_len(spec)
     reason = result.reason
@@ -274,6 +284,8 @@ class Parsed:
     spec: InferenceDeploymentSpec | None
     sizing: Sizing | None
     error: str | None
+    # The camelCase path below spec of the field the error is about, () where none is.
+    field: tuple[str, ...] = ()
 
 
 def parse(raw_spec: dict[str, Any] | None) -> Parsed:
@@ -282,11 +294,12 @@ def parse(raw_spec: dict[str, Any] | None) -> Parsed:
         spec = InferenceDeploymentSpec.model_validate(raw_spec or {})
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"])
+        loc = tuple(str(x) for x in first["loc"])
         msg = first["msg"].removeprefix("Value error, ")
-        return Parsed(None, None, f"spec.{where}: {msg}" if where else f"spec: {msg}")
+        where = f"spec.{'.'.join(loc)}" if loc else "spec"
+        return Parsed(None, None, f"{where}: {msg}", loc + rule_field(msg))
     try:
         sizing = size(spec)
     except SpecError as exc:
-        return Parsed(spec, None, f"spec: {exc}")
+        return Parsed(spec, None, f"spec: {exc}", tuple(exc.field.split(".")) if exc.field else ())
     return Parsed(spec, sizing, None)

@@ -29,6 +29,7 @@ from headroom.operator.crd.models import (
     InferenceDeploymentSpec,
     name_error,
 )
+from headroom.operator.crd.rules import rule_field
 from headroom.operator.reconcile.sizing import Sizing, parse
 
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -266,9 +267,11 @@ def _validate(doc: dict[str, Any], where: str, node: yaml.Node | None, prefix: l
         # An unknown field first: a misspelt one also reads as a missing one.
         error = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
         loc = [str(x) for x in error["loc"]]
-        line = _line_of(node, prefix + loc)
+        reason = _reason(error)
+        # A rule over several fields has no loc of its own: its fieldPath names the field.
+        line = _line_of(node, prefix + loc + list(rule_field(reason)))
         field = ".".join(["spec", *loc])
-        raise SpecFileError(f"{where}{_at(line)}: {field}: {_reason(error)}") from None
+        raise SpecFileError(f"{where}{_at(line)}: {field}: {reason}") from None
 
 
 def _top_level(doc: dict[str, Any], where: str, node: yaml.Node | None) -> None:
@@ -335,9 +338,7 @@ def read_spec(path: Path) -> SpecFile:
     _validate(doc, where, node, prefix)
     parsed = parse(doc)
     if parsed.error is not None:
-        # parse() says "spec.<field path>: reason"; find that field's line in the file.
-        field = parsed.error.split(":", 1)[0].split(".")[1:]
-        line = _line_of(node, prefix + field)
+        line = _line_of(node, prefix + list(parsed.field))
         raise SpecFileError(f"{where}{_at(line)}: {parsed.error}")
     assert parsed.spec is not None and parsed.sizing is not None
     if not parsed.sizing.feasible:
