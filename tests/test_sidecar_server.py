@@ -18,7 +18,8 @@ from synthetic_engine import SyntheticEngine
 from headroom.contract.report import SaturationReport
 from headroom.sidecar.__main__ import main as sidecar_main
 from headroom.sidecar.config import SidecarConfig
-from headroom.sidecar.server import build_app
+from headroom.sidecar.server import STATE_KEY, TASK_KEY, build_app
+from headroom.sidecar.sources import parse_headroom_stats
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -232,6 +233,45 @@ async def test_engine_restart_resets_forecast_and_counts(rig: Rig) -> None:
     m = await rig.metrics_until(lambda m: _value(m, "headroom_engine_up") == 1.0)
     assert _value(m, "headroom_sidecar_engine_restarts_total") == 1.0
     assert _value(m, "headroom_prefix_cache_queries_tokens_total") == 0.0  # the engine's reset
+
+
+async def test_healthz_fails_once_the_poll_loop_has_stopped() -> None:
+    """/healthz is the sidecar's own liveness: a dead poll loop answers 503 so the kubelet
+    restarts a sidecar that would otherwise export a stale engine for good."""
+    cfg = SidecarConfig(engine_url="http://127.0.0.1:1", interval=0.2, timeout=0.2)
+    async with TestServer(build_app(cfg)) as sidecar, ClientSession() as http:
+        async with http.get(sidecar.make_url("/healthz")) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["status"] == "ok"
+        task = sidecar.app[TASK_KEY]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        async with http.get(sidecar.make_url("/healthz")) as resp:
+            assert resp.status == 503
+            assert (await resp.json()) == {"status": "poll loop stopped", "engine_up": False}
+
+
+async def test_the_app_keeps_the_history_its_longer_window_needs() -> None:
+    """The kept samples cover the longer of the two windows: a hit ratio over a 10 s window
+    counts the hits of its first seconds, though the forecast window is only 4 s."""
+    clock = [0.0]
+    engine = SyntheticEngine(capacity=100)
+    async with TestServer(engine.app()) as eng_srv:
+        cfg = SidecarConfig(
+            engine_url=str(eng_srv.make_url("/")), interval=1.0, timeout=0.5,
+            window=10.0, forecast_window=4.0,
+        )  # fmt: skip
+        app = build_app(cfg, clock=lambda: clock[0])
+        state = app[STATE_KEY]
+        for t in range(21):  # polls 1 s apart on the fake clock, recorded as the poller does
+            engine.queries_tokens_total = 10 * t
+            engine.hits_tokens_total = 10 * min(max(t - 10, 0), 5)  # hits from t=10 to t=15
+            state.record_success(parse_headroom_stats(engine.body()), float(t))
+        clock[0] = 20.0  # the poll loop's own polls read the same counters, at t=20
+        async with TestServer(app) as sidecar, ClientSession() as http:
+            report = await Rig(engine, sidecar, http).until(lambda r: r.fresh)
+    assert report.hit_ratio == pytest.approx(0.5)  # 50 of the 100 tokens asked since t=10
 
 
 def _free_port() -> int:
