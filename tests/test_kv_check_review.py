@@ -2,17 +2,25 @@
 the scales file `headroom serve` applies, --calibrate writes its file only after the check has
 run, verdicts exactly at a threshold do not hang on float rounding, `--scales-out -` is
 refused, scales stay normal fp32 numbers, and the CUDA int8 write keeps NaN as torch does.
+A mutation-testing round added pins of what no test noticed: the scoring of `run_check` (on a
+stand-in session), the needle's room, the option checks, progress, calibration's window, and
+the retrieval model's vocabulary, filler, training sequences and cache.
 
 The command tests use a two-step, untrained build of the retrieval model (as test_kv_check.py).
 """
 
 from __future__ import annotations
 
+import argparse
+import io
+import itertools
 import json
+import random
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -31,14 +39,18 @@ from headroom.engine.attention.kv_scales import (
     write_scales,
 )
 from headroom.engine.kernels import compile as kc
-from headroom.engine.kv_check import check, metrics
+from headroom.engine.kv_check import check, metrics, needle
+from headroom.engine.kv_check import cli as kv_cli
 from headroom.engine.kv_check import retrieval_model as rm
 from headroom.engine.kv_check.calibrate import scales_from_absmax
 from headroom.engine.kv_check.session import KVSetting
+from headroom.engine.model import load_model
 
 QUICK = rm.TrainConfig(steps=2, batch=2, min_len=48, max_len=48)
 # The smallest run of the command: one prompt, one needle, a few positions.
 SMALL = ("--num-prompts", "1", "--depths", "0.5", "--positions", "4", "--greedy-tokens", "4")
+# The tiny model's byte tokenizer: the needle's fact and question are 90-odd tokens.
+_TOK = load_model("tiny").tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +242,24 @@ def test_the_needle_fit_is_checked_at_every_context_before_the_check() -> None:
         check.check_needles_fit(tok, hay, check.CheckConfig(contexts=(256, 64), num_prompts=2))
 
 
+def test_room_for_one_haystack_token_is_enough_and_none_is_too_short() -> None:
+    """A needle prompt is `<s>`, at least one haystack token, the fact and the question."""
+    from headroom.engine.kv_check.prompts import Haystacks
+
+    hay = Haystacks([list(range(10, 400))], _TOK.bos_token_id)
+
+    def cfg(context: int) -> check.CheckConfig:
+        return check.CheckConfig(contexts=(context,), num_prompts=1, depths=(0.5,))
+
+    # The needles drawn at 94 and at 95 (seeded by the context) both take 93 bytes.
+    with pytest.raises(check.CheckError, match=r"context 94 is too short .*\(93 tokens of fact"):
+        check.check_needles_fit(_TOK, hay, cfg(94))
+    check.check_needles_fit(_TOK, hay, cfg(95))
+    ((ids, nd, _),) = check.needle_prompts(_TOK, hay, 95, cfg(95))
+    assert len(ids) == 95 and ids[0] == _TOK.bos_token_id
+    assert 10 <= ids[1] < 400 and _TOK.decode(ids[2:]).lstrip().startswith(nd.fact)  # one hay token
+
+
 # -- 3. verdicts exactly at a threshold ------------------------------------------------------
 
 
@@ -282,6 +312,131 @@ def test_losing_one_needle_of_20_is_safe_whatever_the_reference_found(found: int
         )
 
 
+def test_an_agreement_with_one_decimal_prints_exactly_that_decimal() -> None:
+    """177 of 200 is 88.5%: rounding down past the threshold must not make it 88.4%."""
+    assert check.verdict(_results(1.0, 1.0, _top1_of(177, 200)), "fp8").endswith(
+        "top-1 agreement is 88.5% (< 90%)"
+    )
+
+
+def test_a_verdict_safe_everywhere_names_the_longest_context_and_its_scores() -> None:
+    """The contexts are sorted: "up to" is the longest checked, with the scores found there."""
+    results = [
+        check.ContextResult(context=c, settings=[_row("auto", 1.0, a), _row("fp8", t, q)])
+        for c, a, q, t in ((4096, 0.95, 0.95, 0.97), (1024, 1.0, 1.0, 0.99))
+    ]  # fmt: skip
+    assert check.verdict(results, "fp8") == (
+        "fp8 safe at every context checked (up to 4k): needle score 0.95 vs 0.95 with the auto "
+        "cache, top-1 agreement 97%"
+    )
+
+
+def test_a_caveat_is_given_only_below_a_reference_needle_score_of_one_half() -> None:
+    """The auto cache finding half the needles still counts as retrieving; less does not."""
+    assert check.caveats(_results(0.5, 0.5, 1.0)) == []
+    assert check.caveats(_results(0.95, 0.95, 1.0)) == []
+    (caveat,) = check.caveats(_results(0.45, 0.45, 1.0))
+    assert caveat.startswith("at 1k the model retrieves poorly even with the auto cache (needle")
+    assert "(needle 0.45)" in caveat
+
+
+def test_the_check_config_defaults_are_the_commands() -> None:
+    """bench/kv_quant_quality.py relies on the defaults: they measure what kv-check does."""
+    parser = argparse.ArgumentParser()
+    kv_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["kv-check", "--model", "m", "--prompts", "p", "--kv-cache-dtype",
+                              "fp8"])  # fmt: skip
+    cfg = check.CheckConfig(contexts=(1024,))
+    assert (cfg.num_prompts, cfg.positions, cfg.greedy_tokens, cfg.seed) == (
+        args.num_prompts, args.positions, args.greedy_tokens, args.seed)  # fmt: skip
+    assert cfg.depths == kv_cli.parse_depths(args.depths)
+
+
+class _DigitTokenizer:
+    """One token per digit of 9s and one per other number: values differ in length."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [9] * text.count("9") or [1]
+
+
+def test_the_longest_needle_answer_is_the_longest_value_plus_two() -> None:
+    """What a needle generates past its context: the longest value's tokens and two more."""
+    tok: Any = _DigitTokenizer()
+    assert check.needle_tokens(tok, "472") == 3
+    assert check.longest_needle_tokens(tok) == 5  # "999"
+
+
+class _FakeSession:
+    """Stands in for `Session`: the "auto" and "same" settings answer alike; "off" has one
+    top-1 position of 4 wrong, diverges in greedy at token 2 of its second prompt and gives
+    the first needle of each run a wrong value."""
+
+    runs: ClassVar[list[tuple[str, int, int]]] = []  # (what, prompt tokens, tokens generated)
+
+    def __init__(self, model: object, backend: object, setting: KVSetting, device: object) -> None:
+        self.off = setting.name == "off"
+        self.greedy_calls = self.needle_calls = 0
+
+    def next_token_logits(self, tokens: list[int], context: int) -> torch.Tensor:
+        assert len(tokens) == context + 4 and tokens[0] == _TOK.bos_token_id
+        logits = torch.eye(8)[:4] * 5
+        if self.off:
+            logits[0] = torch.eye(8)[7] * 5
+        return logits
+
+    def greedy(self, tokens: list[int], n: int) -> list[int]:
+        text = _TOK.decode(tokens)
+        self.runs.append(("needle" if "pass key" in text else "greedy", len(tokens), n))
+        if "pass key" not in text:
+            self.greedy_calls += 1
+            return [1, 9, 3] if self.off and self.greedy_calls == 2 else [1, 2, 3]
+        self.needle_calls += 1
+        match = re.search(r"pass key for (\w+) is (\d+)\.", text)
+        assert match is not None
+        value = "999" if self.off and self.needle_calls == 1 else match[2]
+        return _TOK.encode(" " + value + ".", add_special_tokens=False)[:n]
+
+
+def test_run_check_scores_every_setting_against_the_first_at_each_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prompts fill the context exactly, each metric is a mean over prompts against the first
+    setting, and progress counts every model run up to the announced total."""
+    from headroom.engine.kv_check.prompts import Haystacks
+
+    monkeypatch.setattr(check, "Session", _FakeSession)
+    monkeypatch.setattr(_FakeSession, "runs", [])
+    hay = Haystacks([_TOK.encode("lorem ipsum dolor sit amet " * 80, add_special_tokens=False)],
+                    _TOK.bos_token_id)  # fmt: skip
+    cfg = check.CheckConfig(contexts=(160, 192), num_prompts=2, depths=(0.1, 0.9), positions=4,
+                            greedy_tokens=3)  # fmt: skip
+    settings = [KVSetting("auto", "auto"), KVSetting("same", "fp8"), KVSetting("off", "fp8")]
+    seen: list[tuple[int, int, str]] = []
+    model: Any = None
+
+    def progress(done: int, total: int, label: str) -> None:
+        seen.append((done, total, label))
+
+    results = check.run_check(model, _TOK, model, torch.device("cpu"), settings, hay, cfg, progress)
+    assert [r.context for r in results] == [160, 192]
+    for r in results:
+        for name in ("auto", "same"):
+            row = r.of(name)
+            assert (row.top1_agreement, row.kl_divergence, row.greedy_match_tokens) == (1, 0, 3)
+            assert (row.greedy_full_match, row.needle_score, row.needle_trials) == (1, 1, 4)
+        off = r.of("off")
+        assert (off.top1_agreement, off.greedy_match_tokens, off.needle_score) == (0.75, 2, 0.75)
+        assert (off.greedy_full_match, off.needle_trials, off.kv_dtype) == (0.5, 4, "fp8")
+        assert off.kl_divergence > 0
+    total = 2 * (2 + 2) * 3 * 2  # prompts x (logits, greedy, needles) x settings x contexts
+    assert [(d, t) for d, t, _ in seen] == [(i, total) for i in range(1, total + 1)]
+    assert seen[0][2] == "context 160, auto" and seen[-1][2] == "context 192, off"
+    per_context = 3 * 2 * (1 + 2)  # settings x prompts x (greedy, needles)
+    for i, (what, tokens, n) in enumerate(_FakeSession.runs):
+        context = 160 if i < per_context else 192
+        assert tokens == context and n == (3 if what == "greedy" else 6)  # bytes of " 123", 2
+
+
 # -- 4. --scales-out - -------------------------------------------------------------------------
 
 
@@ -300,6 +455,104 @@ def test_scales_out_dash_is_refused_before_any_work(
     assert "--scales-out -: the scales go to a file, not stdout" in err
     assert f"MODEL/{SCALES_FILE}" in err and "loading" not in err
     assert list(work.iterdir()) == [] and not (model / SCALES_FILE).exists()
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("stream", "gap"), [(io.StringIO(), 5.0), (_Tty(), 0.2)])
+def test_progress_is_throttled_but_the_last_step_always_shows(
+    stream: io.StringIO, gap: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A line every 5 s to a file (redrawn every 0.2 s on a terminal, which gets the newline
+    only at the end), and done == total whenever it comes."""
+    clock = [100.0]
+    monkeypatch.setattr(kv_cli.time, "monotonic", lambda: clock[0])
+    progress = kv_cli.Progress(stream, enabled=True)
+    for t, done in ((100.0, 1), (100.0 + gap * 0.9, 2), (100.0 + gap, 3), (100.0 + gap, 10)):
+        clock[0] = t
+        progress(done, 10, "step")
+    shown = [f"[{d}/10] step ({s:.0f}s)" for d, s in ((1, 0), (3, gap), (10, gap))]
+    if isinstance(stream, _Tty):
+        assert stream.getvalue() == "".join("\r" + line.ljust(79) for line in shown) + "\n"
+    else:
+        assert stream.getvalue() == "".join(line + "\n" for line in shown)
+    quiet = io.StringIO()
+    kv_cli.Progress(quiet, enabled=False)(10, 10, "step")
+    kv_cli.Progress(quiet, enabled=False).say("loading")
+    assert quiet.getvalue() == ""
+
+
+def test_device_context_depth_and_thread_options_are_checked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--device is cpu, cuda[:N] or auto (cuda only with a GPU); a context of one token is
+    positive; depths are within [0, 1] ends included; --threads is at least 1."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert kv_cli._device("auto") == kv_cli._device("cpu") == torch.device("cpu")
+    for name, message in (("cuda:0", "torch sees no CUDA GPU"), ("meta", "must be cpu, cuda"),
+                          ("gpu", "--device 'gpu'")):  # fmt: skip
+        with pytest.raises(kv_cli.UsageError, match=message):
+            kv_cli._device(name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert kv_cli._device("auto") == torch.device("cuda")
+    assert kv_cli.parse_contexts("2k,1") == (1, 2048)
+    assert kv_cli.parse_depths("0,0.5,1") == (0.0, 0.5, 1.0)
+    for bad in ("-0.1", "1.01", "0.5,x"):
+        with pytest.raises(kv_cli.UsageError, match="between 0 and 1"):
+            kv_cli.parse_depths(bad)
+    args = ["kv-check", "--model", "tiny", "--prompts", str(tmp_path / "none.jsonl"),
+            "--kv-cache-dtype", "int8", "--threads"]  # fmt: skip
+    assert headroom([*args, "0"]) == 2
+    assert "--threads must be at least 1" in capsys.readouterr().err
+    threads = torch.get_num_threads()
+    try:
+        assert headroom([*args, "1"]) == 2  # accepted: it fails on the missing prompts
+    finally:
+        torch.set_num_threads(threads)
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("missing", ["--model", "--prompts", "--kv-cache-dtype"])
+def test_each_required_option_is_asked_for_by_name(
+    missing: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --model, --prompts or --kv-cache-dtype the parser exits 2 naming it."""
+    given = {"--model": "tiny", "--prompts": "docs.jsonl", "--kv-cache-dtype": "fp8"}
+    del given[missing]
+    with pytest.raises(SystemExit) as exc:
+        headroom(["kv-check", *(x for kv in given.items() for x in kv)])
+    assert exc.value.code == 2
+    assert f"required: {missing}" in capsys.readouterr().err
+
+
+def test_a_report_file_that_cannot_be_written_is_a_usage_error(tmp_path: Path) -> None:
+    """--json or --plot failing late still exits 2 with the path (stdout's own error aside)."""
+    with pytest.raises(kv_cli.UsageError, match=f"cannot write {tmp_path}"):
+        kv_cli._write(tmp_path, "{}")  # a directory
+
+
+def test_calibration_prefills_the_longest_context_but_at_most_8192_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each prompt's window, `<s>` included, is the longest context up to CALIBRATION_TOKENS."""
+    from headroom.engine.kv_check.prompts import Haystacks
+
+    seen: list[tuple[list[list[int]], str]] = []
+    monkeypatch.setattr(kv_cli, "calibrate", lambda *a, source, **_: seen.append((a[3], source)))
+    args = argparse.Namespace(prompts=Path("docs.jsonl"))
+    loaded: Any = argparse.Namespace(model=None)
+    quiet = kv_cli.Progress(io.StringIO(), enabled=False)
+    for bos, contexts, n in ((0, (1024, 16384), 8191), (0, (512, 1024), 1023), (None, (512,), 512)):
+        hay = Haystacks([list(range(10, 400))], bos)
+        cfg = check.CheckConfig(contexts=contexts, num_prompts=2)
+        kv_cli._calibrate(args, loaded, None, torch.device("cpu"), hay, cfg, quiet)
+        prompts, source = seen.pop()
+        assert [len(p) for p in prompts] == [n + (bos is not None)] * 2
+        assert source == f"docs.jsonl: 2 prompts of {n} tokens"
+        assert prompts[0][0] == (10 if bos is None else bos) and prompts[0] != prompts[1]
 
 
 # -- 5. scales are normal fp32 numbers -------------------------------------------------------
@@ -350,6 +603,135 @@ def test_calibrated_scales_stay_within_normal_fp32(absmax: float) -> None:
     kv = torch.full((1, 2, 4), absmax if absmax < 1 else 1.0)
     TorchBackend().write_kv(kv, kv, cache, torch.tensor([0]))
     assert all(torch.isfinite(t).all() for t in cache.dequantized())
+
+
+# -- 6. the retrieval model's task, as its docstring describes it -----------------------------
+
+
+def _words(lang: rm.Language, ids: list[int]) -> list[str]:
+    return [lang.words[i] for i in ids]
+
+
+def test_the_vocabulary_is_specials_then_one_word_a_token_with_key_is_merged() -> None:
+    """Ids 0-3 are the specials the engine is told about, and "KEY is" is one token."""
+    cfg = rm.TrainConfig()
+    words = rm.vocabulary(cfg)
+    assert words[: len(rm.SPECIALS)] == list(rm.SPECIALS)
+    assert (words[rm.PAD], words[rm.UNK], words[rm.BOS], words[rm.EOS]) == rm.SPECIALS
+    filler = rm.filler_words(cfg.filler_words)
+    assert len(filler) == cfg.filler_words == len(set(filler))
+    assert all(len(w) == 4 and w[1] in "aeiou" and w[3] in "aeiou" for w in filler)
+    assert words[-cfg.filler_words :] == filler
+    lang = rm.Language(cfg)
+    key = lang.keys[3]
+    fact = _words(lang, lang.fact(key, lang.values[0]))
+    assert " ".join(fact) == needle.NEEDLE.format(key=needle.KEYS[3], value="100 .").lower()[:-1]
+    ask = " ".join(_words(lang, lang.question(key)))
+    assert ask == needle.QUESTION.format(key=needle.KEYS[3]).lower().replace("?", " ?")
+
+
+def test_the_tokenizer_reads_the_needle_as_the_model_was_trained_on_it(tmp_path: Path) -> None:
+    """The written tokenizer gives the training ids: `<s>` first, lower-cased, "KEY is" merged."""
+    from tokenizers import Tokenizer
+
+    cfg = rm.TrainConfig()
+    rm.write_tokenizer(tmp_path, cfg)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    lang = rm.Language(cfg)
+    key, value = lang.keys[5], lang.values[42]
+    text = needle.NEEDLE.format(key=needle.KEYS[5], value=needle.VALUES[42])
+    assert tok.encode(text).ids == [rm.BOS, *lang.fact(key, value)]
+    assert tok.encode(needle.QUESTION.format(key=needle.KEYS[5])).ids == [
+        rm.BOS,
+        *lang.question(key),
+    ]
+
+
+def test_filler_is_sentences_of_6_to_16_words_on_a_four_successor_markov_chain() -> None:
+    """Successors are drawn 55/25/12/8 %, most likely first, so next tokens are predictable."""
+    lang = rm.Language(rm.TrainConfig())
+    text = lang.filler_text(40000, random.Random(5))
+    assert len(text) == 40000
+    sentences: list[list[int]] = [[]]
+    for t in text:
+        if t == lang.period:
+            sentences.append([])
+        else:
+            sentences[-1].append(t)
+    lengths = [len(s) for s in sentences[:-1]]  # the last may be cut short
+    assert min(lengths) == 6 and max(lengths) == 16
+    firsts = {lang.filler_text(20, random.Random(seed)).index(lang.period) for seed in range(300)}
+    assert min(firsts) == 6 and max(firsts) == 16  # the opening sentence too
+    rank = [0, 0, 0, 0]
+    for s in sentences:
+        for a, b in itertools.pairwise(s):
+            rank[lang.successors[a].index(b)] += 1
+    share = [r / sum(rank) for r in rank]
+    for got, want in zip(share, (0.55, 0.25, 0.12, 0.08), strict=True):
+        assert abs(got - want) < 0.02, share
+
+
+@pytest.mark.parametrize(("length", "most"), [(48, 1), (240, 6), (768, 12)])
+def test_a_training_sequence_asks_every_fact_and_marks_its_answers(length: int, most: int) -> None:
+    """Facts (at most 12, 60 % of the sequence) all sit before the questions; every answer mask
+    position holds the asked key's value, so the loss weighs exactly the answers."""
+    lang = rm.Language(rm.TrainConfig())
+    rng = random.Random(11)
+    key_of = {v: k for k, v in lang.key_is.items()}
+    counts = set()
+    for _ in range(60):
+        seq, answers = lang.sample(length, rng)
+        assert len(seq) == length and seq[0] == rm.BOS
+        facts = {seq[i + 4]: seq[i + 5] for i in range(len(seq)) if seq[i : i + 4] == lang.fact(
+            lang.keys[0], 0)[:4] and seq[i + 4] in key_of}  # fmt: skip
+        first_question = seq.index(lang.ids["what"])
+        assert all(seq.index(k) < first_question for k in facts)
+        assert len(answers) == len(facts)
+        for a in answers:
+            assert seq[a - 1] in key_of and seq[a] == facts[seq[a - 1]]
+        counts.add(len(facts))
+    assert min(counts) == 1 and max(counts) == most
+
+
+def test_training_lengths_grow_from_min_len_to_max_len_over_the_first_half() -> None:
+    """Step 0 trains at min_len; no step before the middle exceeds its share of the growth."""
+    cfg = rm.TrainConfig(steps=40, batch=1, min_len=48, max_len=52)
+    lang = rm.Language(cfg)
+    batches = list(rm._batches(cfg, lang, random.Random(0)))
+    lengths = [ids.shape[1] for ids, _ in batches]
+    for ids, answers in batches:  # the loss weighs the answers: the mask marks values only
+        assert answers.any() and set(ids[answers].tolist()) <= set(lang.values)
+    assert len(lengths) == cfg.steps and lengths[0] == cfg.min_len
+    for step, n in enumerate(lengths):
+        assert cfg.min_len <= n <= cfg.min_len + min(1.0, step / 20) * 4
+    assert max(lengths[:20]) < cfg.max_len and max(lengths[20:]) == cfg.max_len
+
+
+def test_ensure_model_reuses_a_complete_cache_entry_and_rebuilds_a_partial_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry counts only with both weights and train.json, and a damaged one is replaced
+    (the rename cannot land on it); the digest follows the config."""
+    built: list[Path] = []
+
+    def fake_train(cfg: rm.TrainConfig, out: Path, progress: object = None) -> Path:
+        built.append(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "model.safetensors").write_text("w")
+        (out / "train.json").write_text("{}")
+        return out
+
+    monkeypatch.setattr(rm, "train", fake_train)
+    monkeypatch.setenv("HEADROOM_CACHE", str(tmp_path))
+    cfg = rm.TrainConfig(steps=3)
+    assert rm.digest(cfg) == rm.digest(rm.TrainConfig(steps=3)) != rm.digest(rm.TrainConfig())
+    path = tmp_path / "models" / f"retrieval-{rm.digest(cfg)}"
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_text("half")  # an entry without train.json
+    assert rm.ensure_model(cfg) == path and len(built) == 1  # rebuilt, not taken as built
+    assert (path / "train.json").is_file() and (path / "model.safetensors").read_text() == "w"
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no .tmp left behind
+    assert rm.ensure_model(cfg) == path and len(built) == 1  # found, not trained again
 
 
 # -- optional: the CUDA int8 write keeps NaN as the torch backend does -----------------------

@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -374,16 +375,18 @@ def ensure_model(
     path = (root or cache_root()) / f"retrieval-{digest(cfg)}"
     if (path / "model.safetensors").is_file() and (path / "train.json").is_file():
         return path
+    if path.exists():
+        # Damaged from outside (train.json lost): entries appear whole, by the rename below,
+        # which cannot land on a directory that is not empty.
+        shutil.rmtree(path, ignore_errors=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     train(cfg, tmp, progress)
     try:
         tmp.rename(path)  # atomic: a concurrent builder never sees half a directory
     except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
         if not (path / "train.json").is_file():
             raise
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
