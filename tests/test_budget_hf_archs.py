@@ -621,3 +621,33 @@ def test_the_context_is_the_smallest_length_the_config_states_as_vllm_serves_it(
     """vLLM's `_get_and_verify_max_len` takes the smallest of its length keys (Command-R's
     model_max_length over them) and 2,048 where none is stated: so does the plan."""
     assert from_hf_dict({**PLAIN, **lengths}).max_position_embeddings == served
+
+
+def test_a_family_s_transformers_default_length_holds_where_the_config_leaves_it_out() -> None:
+    """vLLM reads the config class, so a left-out max_position_embeddings is transformers'
+    default for the family (checked against transformers itself), still under a smaller key."""
+    import transformers
+
+    from headroom.contract.budget.arch import _LENGTH_DEFAULTS
+
+    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "mixtral": "MixtralConfig",
+               "qwen2": "Qwen2Config", "qwen2moe": "Qwen2MoeConfig", "qwen3": "Qwen3Config",
+               "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
+               "gemma3text": "Gemma3TextConfig", "falcon": "FalconConfig",
+               "deepseekv3": "DeepseekV3Config", "phi3": "Phi3Config",
+               "cohere": "CohereConfig"}  # fmt: skip
+    assert set(classes) == set(_LENGTH_DEFAULTS)
+    for family, name in classes.items():
+        default = getattr(transformers, name)().max_position_embeddings
+        assert _LENGTH_DEFAULTS[family] == default, family
+    assert from_hf_dict({**PLAIN, "model_type": "qwen2"}).max_position_embeddings == 32768
+    qwen_short = {**PLAIN, "model_type": "qwen2", "seq_length": 8192}
+    assert from_hf_dict(qwen_short).max_position_embeddings == 8192
+
+
+def test_a_wrapper_s_length_is_its_text_config_s() -> None:
+    """vLLM reads the lengths of a multimodal wrapper from its text_config only: a vision
+    tower's seq_len at the top does not cap it."""
+    wrapper = {"model_type": "llava", "seq_len": 576,
+               "text_config": {**PLAIN, "max_position_embeddings": 32768}}  # fmt: skip
+    assert from_hf_dict(wrapper).max_position_embeddings == 32768

@@ -394,7 +394,9 @@ def from_hf_dict(
         hidden_size=hidden,
         intermediate_size=inter,
         vocab_size=vocab,
-        max_position_embeddings=context_length(cfg, types),
+        max_position_embeddings=context_length(
+            cfg, types, text if isinstance(text, dict) else None
+        ),
         num_parameters=num_parameters,
         weight_dtype=weight_dtype,
         kv_lora_rank=_number(cfg, "kv_lora_rank") if mla else None,
@@ -424,22 +426,36 @@ _LENGTH_KEYS = (
     "seq_len",
 )
 _DEFAULT_LENGTH = 2048
+# transformers' default max_position_embeddings of common families (`_family` names): vLLM
+# reads the config class, so a config.json that leaves the key out has this one.
+_LENGTH_DEFAULTS = {
+    "llama": 2048, "mistral": 131072, "mixtral": 131072, "qwen2": 32768, "qwen2moe": 32768,
+    "qwen3": 32768, "gemma": 8192, "gemma2": 8192, "gemma3text": 131072, "falcon": 2048,
+    "deepseekv3": 4096, "phi3": 4096, "cohere": 8192,
+}  # fmt: skip
 
 
-def context_length(cfg: dict[str, Any], types: Iterable[str] = ()) -> int:
+def context_length(
+    cfg: dict[str, Any], types: Iterable[str] = (), text: dict[str, Any] | None = None
+) -> int:
     """The longest sequence vLLM serves a (text_config-merged) config at: its derived
     max_model_len (`_get_and_verify_max_len`, vllm/config/model.py, 0.11). The config's length
     (the smallest of its length keys: n_positions is GPT-2's, seq_length ChatGLM's and Qwen's,
-    max_seq_len MPT's; model_max_length over them all; 2,048 where it states none), times the
+    max_seq_len MPT's; a known family's transformers default where max_position_embeddings is
+    left out; model_max_length over them all; 2,048 where it states none), times the
     rope scaling `factor` unless
     the rope type is su, longrope or llama3 (already extended) or the model a Gemma 3 (its
     128K is already scaled); YaRN counts from its original_max_position_embeddings. The
     scaling is `rope_parameters` (transformers 5, which vLLM reads the same way, one mapping
     or one per layer type) or else `rope_scaling`, its type `rope_type` or the legacy `type`.
-    `types`: the config's model types (`_types`)."""
-    lengths = [_number(cfg, key) for key in _LENGTH_KEYS if cfg.get(key) is not None]
-    if cfg.get("model_max_length") is not None:  # Command-R's: vLLM takes it over the others
-        length = _number(cfg, "model_max_length")
+    `types`: the config's model types (`_types`); `text`: a wrapper's text_config, the only
+    place vLLM reads the lengths of such a model from."""
+    src = text if text is not None else cfg
+    lengths = [_number(src, key) for key in _LENGTH_KEYS if src.get(key) is not None]
+    if src.get("max_position_embeddings") is None and _family(src) in _LENGTH_DEFAULTS:
+        lengths.append(_LENGTH_DEFAULTS[_family(src)])
+    if src.get("model_max_length"):  # Command-R's: vLLM takes it over the others (if not 0)
+        length = _number(src, "model_max_length")
     else:
         length = min(lengths, default=_DEFAULT_LENGTH)
     key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
