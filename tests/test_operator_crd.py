@@ -339,7 +339,8 @@ SIZING_CASES = [
     ("sglang-tiny-path", {**BASE, "model": {"preset": "llama-3.1-8b", "path": "tiny"},
                           "engine": {"runtime": "sglang"}},
      rule(InferenceDeploymentSpec, "needs model.path")),
-    ("headroom-engine-mla", {**BASE, "model": {**ARCH, "kvLoraRank": 64, "qkRopeHeadDim": 16}},
+    ("headroom-engine-mla",
+     {**BASE, "model": {**ARCH, "kvLoraRank": 64, "qkRopeHeadDim": 16, "path": "/m"}},
      rule(InferenceDeploymentSpec, "the headroom engine loads")),
     ("headroom-engine-deepseek-preset",
      {**BASE, "model": {"preset": "deepseek-v3", "path": "/m"}, "gpu": {"type": "b200"}},
@@ -349,7 +350,7 @@ SIZING_CASES = [
       "engine": {"runtime": "headroom"}},
      rule(InferenceDeploymentSpec, "the headroom engine loads")),
     ("headroom-engine-int4-weights",
-     {**BASE, "model": {"preset": "llama-3.1-8b", "weightDtype": "int4"}},
+     {**BASE, "model": {"preset": "llama-3.1-8b", "weightDtype": "int4", "path": "/m"}},
      rule(InferenceDeploymentSpec, "the headroom engine loads")),
     ("tp-does-not-divide-heads",
      {**BASE, "model": {**ARCH, "path": "/m"}, "gpu": {"type": "h100", "countPerPod": 3},
@@ -365,6 +366,10 @@ SIZING_OK = [
     ("vllm-with-path", {**BASE, "model": {"preset": "llama-3.1-8b", "path": "/m"},
                         "engine": {"runtime": "vllm"}}),
     ("headroom-engine-llama-fp32", {**BASE, "model": {**ARCH, "weightDtype": "fp32"}}),
+    # 'tiny' is the engine's built-in model whatever the preset: the preset only sizes it.
+    ("headroom-engine-tiny-sized-as-gemma", {**BASE, "model": {"preset": "gemma-2-9b"}}),
+    ("headroom-engine-tiny-sized-as-mla",
+     {**BASE, "model": {**ARCH, "kvLoraRank": 64, "qkRopeHeadDim": 16, "weightDtype": "fp8"}}),
     ("headroom-engine-mistral-preset", {**BASE, "model": {"preset": "mistral-7b", "path": "/m"}}),
     ("sglang-gemma-preset", {**BASE, "model": {"preset": "gemma-2-9b", "path": "/m"},
                              "engine": {"runtime": "sglang"}}),
@@ -416,3 +421,21 @@ def test_a_status_merge_patch_uses_the_crds_names_and_nulls_what_is_unset() -> N
     assert set(patch) == set(props)
     assert patch["occupancy"] == 0.5 and patch["etaSeconds"] == 30
     assert "hitRatio" in patch and patch["hitRatio"] is None
+
+
+def test_every_rule_message_is_unique() -> None:
+    """rule_field finds a refusal's field by its message: two rules with one message would
+    place one of them at the other's field."""
+    from headroom.operator.crd.rules import CRDModel, rule_field
+
+    stack, messages = list(CRDModel.__subclasses__()), []
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        messages += [r.message for r in cls.__rules__]
+    assert len(messages) > 20 and len(set(messages)) == len(messages)
+    assert rule_field(rule(InferenceDeploymentSpec, "maxModelLen").message) == (
+        "engine",
+        "maxModelLen",
+    )
+    assert rule_field("no rule says this") == ()

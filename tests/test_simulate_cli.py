@@ -614,6 +614,18 @@ def test_profile_for_a_model_caps_the_context_at_its_limit_as_a_spec_does(
     assert note in captured.out
 
 
+def test_profile_sizes_for_a_preset_the_headroom_engine_does_not_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--model sizes for a preset on its default path, 'tiny': gemma-2-9b, which only vLLM or
+    SGLang load, is profiled rather than refused for its runtime."""
+    code = main(["profile", str(MOONCAKE), "--model", "gemma-2-9b", "--gpu", "h100-80gb"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "gemma-2-9b on 1x h100-80gb" in captured.out
+    assert pasted(captured.out)["traffic"]["peakConcurrency"] >= 1  # type: ignore[index]
+
+
 @pytest.mark.parametrize(
     ("name", "text", "needle"),
     [

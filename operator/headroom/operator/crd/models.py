@@ -864,9 +864,13 @@ _CEL_TP = (
 HEADROOM_ENGINE_WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
 
 
-def headroom_engine_refusal(m: ModelSpec) -> tuple[str, str] | None:
-    """The field, and why, the headroom engine cannot load this model (None when it can): an
-    MLA model, a preset of an architecture it does not implement, or quantized weights."""
+def headroom_engine_refusal(s: InferenceDeploymentSpec) -> tuple[str, str] | None:
+    """The field, and why, the headroom engine cannot load this spec's model (None when it can
+    or another runtime runs it): an MLA model, a preset of an architecture it does not
+    implement, or quantized weights. 'tiny' it always loads: the preset then only sizes."""
+    m = s.model
+    if s.engine.runtime != "headroom" or m.path == "tiny":
+        return None
     if m.kv_lora_rank is not None:
         return "model.kvLoraRank", "model.kvLoraRank makes it an MLA model"
     if m.preset in NOT_HEADROOM_ENGINE_PRESETS:
@@ -947,7 +951,7 @@ class InferenceDeploymentSpec(CRDModel):
         Rule(
             cel=(
                 "(has(self.engine) && has(self.engine.runtime) && "
-                "self.engine.runtime != 'headroom') || "
+                "self.engine.runtime != 'headroom') || self.model.path == 'tiny' || "
                 "(!has(self.model.kvLoraRank) && (!has(self.model.preset) || "
                 f"!(self.model.preset in {_cel_list(NOT_HEADROOM_ENGINE_PRESETS)})) && "
                 "(!has(self.model.weightDtype) || "
@@ -956,11 +960,10 @@ class InferenceDeploymentSpec(CRDModel):
             message=(
                 f"{_HEADROOM_ENGINE_LOADS}: an MLA model (model.kvLoraRank), the presets "
                 f"{', '.join(NOT_HEADROOM_ENGINE_PRESETS)} and quantized weights "
-                "(model.weightDtype fp8, int8, int4) need engine.runtime vllm or sglang"
+                "(model.weightDtype fp8, int8, int4) need engine.runtime vllm or sglang, or "
+                "model.path tiny (its built-in test model, whatever the preset)"
             ),
-            check=lambda s: (
-                s.engine.runtime != "headroom" or headroom_engine_refusal(s.model) is None
-            ),
+            check=lambda s: headroom_engine_refusal(s) is None,
             field_path=".engine.runtime",
             in_model=False,
         ),

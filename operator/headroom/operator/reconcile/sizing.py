@@ -186,7 +186,7 @@ def size(spec: InferenceDeploymentSpec) -> Sizing:
             "built-in test model: set model.path to a weights directory (or a Hugging Face id)",
             "model.path",
         )
-    if spec.engine.runtime == "headroom" and (refused := headroom_engine_refusal(spec.model)):
+    if (refused := headroom_engine_refusal(spec)) is not None:
         field, why = refused
         raise SpecError(
             f"the headroom engine cannot load this model: {why}; it loads "
@@ -196,7 +196,9 @@ def size(spec: InferenceDeploymentSpec) -> Sizing:
         )
     inp = plan_input(spec)
     if (heads := tp_split_error(inp.model, inp.tp, "gpu.tensorParallel")) is not None:
-        raise SpecError(heads, "gpu.tensorParallel")
+        raise SpecError(
+            heads, "gpu.tensorParallel" if spec.gpu.tensor_parallel else "gpu.countPerPod"
+        )
     result = plan(inp)
     mml = max_model_len(spec)
     reason = result.reason
