@@ -244,3 +244,68 @@ def test_only_a_port_the_system_refuses_is_the_one_line_port_error(
     else:
         assert cli.run_operator(args) == 1
         assert capsys.readouterr().err == says + "\n"
+
+
+def _run_captured(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch
+) -> tuple[int, dict[str, object]]:
+    """Run `headroom operator ARGV` with the API, kopf, logging and /metrics stubbed out; what
+    each was handed comes back."""
+    from headroom.operator import handlers
+    from headroom.operator.kube import Kube
+    from headroom.operator.scaling.exporter import OperatorMetrics
+
+    seen: dict[str, object] = {}
+
+    async def operate(options: handlers.Options, **_: object) -> None:
+        seen["options"] = options
+
+    def serve(self: OperatorMetrics, port: int, addr: str = "") -> None:
+        seen["metrics"] = (port, addr)
+
+    monkeypatch.setattr(Kube, "connect", staticmethod(lambda kubeconfig=None: object()))
+    monkeypatch.setattr(handlers, "operate", operate)
+    monkeypatch.setattr(OperatorMetrics, "serve", serve)
+    monkeypatch.setattr(cli, "configure_logging", lambda **kw: seen.update(logging=kw))
+    return cli.run_operator(parser().parse_args(["operator", *argv])), seen
+
+
+def test_with_no_flags_the_operator_runs_on_the_documented_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The flags' defaults are Options' own (every namespace, /metrics on 127.0.0.1:8080, no
+    /healthz, a resync every 300 s as the README says) and JSON logs, quiet."""
+    from headroom.operator.handlers import Options
+
+    rc, seen = _run_captured([], monkeypatch)
+    assert rc == 0
+    assert seen["options"] == Options()
+    assert seen["metrics"] == (8080, "127.0.0.1")
+    assert seen["logging"] == {"verbose": False, "json_format": True}
+
+
+def test_the_flags_reach_the_operator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Repeated --namespace and --allow-prometheus-url, the resync period, the ports and the log
+    format arrive as given: a flag dropped on the way would watch or serve the wrong thing."""
+    rc, seen = _run_captured(
+        ["-n", "a", "-n", "team-*", "--allow-prometheus-url", "http://*.mon.svc:9090",
+         "--allow-prometheus-url", "http://p:9090", "--resync-seconds", "60",
+         "--metrics-port", "0", "--liveness-port", "8081", "--log-format", "text", "-v"],
+        monkeypatch,
+    )  # fmt: skip
+    assert rc == 0 and "metrics" not in seen  # port 0: no /metrics
+    options = seen["options"]
+    assert options.namespaces == ["a", "team-*"]  # type: ignore[attr-defined]
+    assert options.allowed_prometheus_urls == ["http://*.mon.svc:9090", "http://p:9090"]  # type: ignore[attr-defined]
+    assert (options.resync_seconds, options.liveness_port) == (60.0, 8081)  # type: ignore[attr-defined]
+    assert seen["logging"] == {"verbose": True, "json_format": False}
+
+
+def test_crd_prints_the_crd_yaml_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    """`headroom crd > crds/inferencedeployment.yaml` in a script: the YAML on stdout, exit 0."""
+    import yaml
+
+    assert cli.run_crd(parser().parse_args(["crd"])) == 0
+    doc = yaml.safe_load(capsys.readouterr().out)
+    assert doc["kind"] == "CustomResourceDefinition"
+    assert doc["metadata"]["name"] == "inferencedeployments.headroom.dev"

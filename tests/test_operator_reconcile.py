@@ -905,3 +905,84 @@ def test_the_pod_runs_as_the_image_s_user_without_api_credentials() -> None:
     (engine,) = [c for c in pod["containers"] if c["name"] == "engine"]
     (models,) = [m for m in engine["volumeMounts"] if m["name"] == "models"]
     assert models["readOnly"] is True
+
+
+def test_a_name_conflict_is_looked_at_again_every_30_s() -> None:
+    """README: while a child's name is someone else's, the operator looks again every 30 s (no
+    watch event says when the object in the way is gone)."""
+    kube = FakeKube()
+    kube.objects[("Deployment", "ns", "chat")] = _someone_elses("Deployment")
+    out = reconcile(kube, body(SPEC), NOW)
+    assert out.retry_after == 30.0
+
+
+@pytest.mark.parametrize(("kind", "status"), [("Service", 403), ("ServiceMonitor", 500)])
+def test_a_child_that_cannot_be_read_stops_the_reconcile_before_any_apply(
+    kind: str, status: int
+) -> None:
+    """The ownership check skips one refused read only, of a monitoring kind RBAC denies (its
+    apply becomes a warning): any other is raised, nothing applied blind, for kopf to retry."""
+    kube = FakeKube(monitoring=frozenset({"ServiceMonitor"}))
+    read = kube.get
+
+    def get(api_version: str, kind_: str, namespace: str | None, name: str) -> Any:
+        if kind_ == kind:
+            raise KubeError(status, "Forbidden" if status == 403 else "InternalError", "no")
+        return read(api_version, kind_, namespace, name)
+
+    kube.get = get  # type: ignore[method-assign]
+    with pytest.raises(KubeError, match=str(status)):
+        reconcile(kube, body(SPEC), NOW)
+    assert kube.applies == []
+
+
+def test_advisory_keeps_the_published_decision_over_sizing_and_spec_replicas() -> None:
+    """In advisory mode desiredReplicas is the scaling loop's published decision: a reconcile
+    carries it, resetting it neither to the sized count nor to spec.replicas (the HPA's)."""
+    kube = FakeKube()
+    advisory = {**SPEC, "scaling": {"mode": "advisory"}}
+    first = reconcile(kube, body(advisory), NOW)
+    assert first.status["desiredReplicas"] == REPLICAS  # nothing decided yet: the sized count
+    status = {**first.status, "desiredReplicas": 7}  # the tick decided 7
+    out = reconcile(kube, body(advisory, status=status), NOW + 1)
+    assert out.status["desiredReplicas"] == 7
+    out = reconcile(kube, body({**advisory, "replicas": 6}, status=status), NOW + 2)
+    assert (out.status["replicas"], out.status["desiredReplicas"]) == (6, 7)
+
+
+def test_a_deployment_that_keeps_moving_is_read_three_more_times_at_most() -> None:
+    """STALE_READ_ATTEMPTS (3) guarded applies, each after a fresh read, then one without the
+    precondition: a rollout's status writes cost a bounded number of round trips."""
+    kube = FakeKube()
+    reconcile(kube, body(SPEC), NOW)
+    dep = kube.objects[("Deployment", "ns", "chat")]
+    read = kube.get
+    reads: list[str] = []
+
+    def get(api_version: str, kind: str, namespace: str | None, name: str) -> Any:
+        if api_version:  # not FakeKube.apply answering with the object
+            reads.append(kind)
+        out = read(api_version, kind, namespace, name)
+        if kind == "Service":  # a status write lands between every read and its apply
+            dep["metadata"]["resourceVersion"] = kube._bump()
+        return out
+
+    kube.get = get  # type: ignore[method-assign]
+    reconcile(kube, body(SPEC), NOW)
+    assert reads.count("Deployment") == 1 + 3
+
+
+def test_a_valid_spec_that_cannot_be_sized_gets_a_condition_not_an_exception() -> None:
+    """A spec the schema takes but sizing refuses (vLLM asked to load the headroom engine's
+    'tiny' test model) is InvalidSpec with sizing's reason, and nothing is applied."""
+    kube = FakeKube()
+    spec = {**SPEC, "model": {"preset": "llama-3.1-8b", "path": "tiny"},
+            "engine": {"runtime": "vllm"}}  # fmt: skip
+    assert parse(spec).spec is not None and parse(spec).sizing is None
+    out = reconcile(kube, body(spec), NOW)
+    assert kube.applies == []
+    feasible = cond(out.status, "Feasible")
+    assert (feasible["status"], feasible["reason"]) == ("False", "InvalidSpec")
+    assert "cannot load 'tiny'" in feasible["message"]
+    assert cond(out.status, "Ready")["reason"] == "InvalidSpec"
+    assert [(e.type, e.reason) for e in out.events] == [("Warning", "InvalidSpec")]

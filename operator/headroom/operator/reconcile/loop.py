@@ -42,7 +42,7 @@ CONFLICT_RETRY_SECONDS = 30.0
 MONITORING_GV = "monitoring.coreos.com/v1"
 MONITORING_KINDS = frozenset({"ServiceMonitor", "PrometheusRule"})
 # Reads of the Deployment one reconcile makes when it keeps changing between read and apply;
-# past that, kopf runs the handler again a few seconds later.
+# past that, it is applied from the freshest read without the precondition (_apply_fresh).
 STALE_READ_ATTEMPTS = 3
 
 
