@@ -11,12 +11,16 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 import pytest
+import torch
 
-from headroom.engine.async_engine import AsyncEngine, EngineClosed
+from headroom.engine import engine as engine_module
+from headroom.engine.async_engine import AsyncEngine, EngineClosed, _Sink
 from headroom.engine.config import EngineConfig
 from headroom.engine.engine import Engine
-from headroom.engine.errors import RequestRejected
+from headroom.engine.errors import EngineConfigError, RequestFailed, RequestRejected
+from headroom.engine.health import EngineHealth
 from headroom.engine.outputs import RequestOutput
+from headroom.engine.requests import Completion, Request
 from headroom.engine.sampling import SamplingParams
 
 CONFIG = EngineConfig(model="tiny", num_blocks=128, max_model_len=512, num_threads=1)
@@ -243,3 +247,214 @@ async def test_a_command_that_raises_does_not_kill_the_engine_thread(
     assert calls >= 1 and len(ids) == GREEDY.max_tokens
     assert engine.running
     assert "engine command failed" in caplog.text
+
+
+# -- pinned by mutation testing --------------------------------------------------------------
+
+
+async def test_closing_the_stream_early_aborts_its_request(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream closed before its last output aborts the request, rather than letting it run
+    on to `max_tokens` with nobody reading."""
+    aborted: list[str] = []
+    real_abort = engine.engine.abort
+
+    def recording_abort(request_id: str) -> RequestOutput | None:
+        aborted.append(request_id)
+        return real_abort(request_id)
+
+    monkeypatch.setattr(engine.engine, "abort", recording_abort)
+    long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
+    stream = engine.stream("quitter", [256, 7, 8], long)
+    assert not (await stream.__anext__()).finished
+    await stream.aclose()
+    await _until(lambda: aborted == ["quitter"])
+    await _until(lambda: engine.stats().kv.used == 0)
+    assert engine.stats().generation_tokens_total < long.max_tokens
+
+
+async def test_shutdown_lets_running_requests_finish_within_the_grace() -> None:
+    """`shutdown(grace_s)` refuses new streams at once, lets a running request finish on its
+    own, returns as soon as it has (not at the end of the grace), and then reports True."""
+    eng = AsyncEngine.from_config(CONFIG)
+    await eng.start()
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    task = asyncio.create_task(_collect(eng.stream("graced", [256, 3], long)))
+    await _until(lambda: eng.stats().requests.running == 1)
+    shutting = asyncio.create_task(eng.shutdown(grace_s=3600.0))
+    await asyncio.sleep(0)  # one loop turn: shutdown has begun its grace period
+    assert not shutting.done()
+    with pytest.raises(EngineClosed):
+        await eng.stream("late", [256, 4], GREEDY).__anext__()
+    # It returns once the request is done, not at the end of the grace (a correctness bound).
+    assert await asyncio.wait_for(shutting, 120) is True
+    ids, _, last = await task
+    assert last.outputs[0].finish_reason == "length" and len(ids) == long.max_tokens
+    assert eng.thread is None and not eng.running
+
+
+async def test_a_stream_is_refused_once_the_engine_thread_has_stopped(
+    engine: AsyncEngine,
+) -> None:
+    """A stream opened after the engine thread ended (still marked accepting) gets
+    `EngineClosed` at once instead of queueing a request no thread will ever handle."""
+    engine._commands.put(None)  # the thread's stop signal, without shutdown's bookkeeping
+    await _until(lambda: not engine.running)
+    with pytest.raises(EngineClosed, match="not accepting"):
+        await asyncio.wait_for(engine.stream("orphan", [256, 1], GREEDY).__anext__(), 30)
+
+
+async def test_the_first_entry_wakes_a_stream_waiting_on_an_empty_sink() -> None:
+    """An entry put into an empty sink from the engine thread wakes the stream already waiting
+    on it: a request whose only output is its last (or an error) must not hang."""
+    sink = _Sink(asyncio.get_running_loop())
+    getter = asyncio.create_task(sink.get())
+    await asyncio.sleep(0)  # one loop turn: the getter is now waiting on the empty sink
+    assert not getter.done()
+    error = RequestFailed("lonely", RuntimeError("boom"))
+    await asyncio.to_thread(sink.put, error)
+    assert await asyncio.wait_for(getter, 30) is error
+
+
+async def test_steps_are_numbered_from_one_for_the_watchdog(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine thread reports steps 1, 2, 3, ... to `health`, whose stuck-step reason names
+    the step by that number."""
+    started: list[int] = []
+    real_started = engine.health.step_started
+
+    def recording_started(step: int) -> None:
+        started.append(step)
+        real_started(step)
+
+    monkeypatch.setattr(engine.health, "step_started", recording_started)
+    await _collect(engine.stream("counted", [256, 1], GREEDY))
+    assert len(started) >= GREEDY.max_tokens
+    assert started == list(range(1, len(started) + 1))
+
+
+async def test_aborts_queued_during_a_step_all_take_effect_before_the_next_step(
+    engine: AsyncEngine,
+) -> None:
+    """Every command queued while a step runs is handled before the next step: two aborts
+    sent during one step leave no step that runs with only one of them applied."""
+    hold, entered, release = threading.Event(), threading.Event(), threading.Event()
+    batch_sizes: list[int] = []
+    real_step = engine.engine.step
+
+    def held_step() -> list[RequestOutput]:
+        batch_sizes.append(engine.engine.num_requests)
+        if hold.is_set():
+            hold.clear()
+            entered.set()
+            release.wait()
+        return real_step()
+
+    engine.engine.step = held_step  # type: ignore[method-assign]
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    tasks = [asyncio.create_task(_collect(engine.stream(rid, [256, 9, 10], long))) for rid in "ab"]
+    await _until(lambda: engine.stats().requests.running == 2)
+    hold.set()
+    assert await asyncio.to_thread(entered.wait, 60), "the engine never stepped"
+    engine.abort("a")
+    engine.abort("b")
+    release.set()
+    for task in tasks:
+        _, _, last = await _while_alive(engine, task)
+        assert last.outputs[0].finish_reason == "abort"
+    await _until(lambda: engine.stats().requests.running == 0)
+    assert batch_sizes[-1] == 2, batch_sizes
+
+
+class _HealthThatRaisesOnTheEngineThread(EngineHealth):
+    """Healthy to the event loop, but its check raises on the engine thread: an `_Add` whose
+    handling fails outside `Engine.add_request`."""
+
+    @property
+    def healthy(self) -> bool:
+        if threading.current_thread().name == "headroom-engine":
+            raise RuntimeError("broken health check")
+        return True
+
+
+async def test_a_request_whose_command_raises_fails_its_stream_instead_of_hanging() -> None:
+    """A submit command that raises on the engine thread ends its stream with that error
+    (the thread logs it and goes on); the stream is not left waiting forever."""
+    eng = AsyncEngine(Engine.from_config(CONFIG), _HealthThatRaisesOnTheEngineThread())
+    await eng.start()
+    try:
+        with pytest.raises(RuntimeError, match="broken health check"):
+            await asyncio.wait_for(eng.stream("doomed", [256, 1], GREEDY).__anext__(), 30)
+        assert eng.running
+    finally:
+        await eng.shutdown(grace_s=0)
+
+
+async def test_a_failed_decode_is_the_requests_problem_not_a_failed_step(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request whose decoding raises fails alone, and `health` counts no failed step: the
+    forward pass worked, so it is not a step failure towards turning unhealthy."""
+    real_on_token = engine.engine._on_token
+
+    def on_token(req: Request, comp: Completion, token: int, now: float) -> None:
+        if req.request_id == "undecodable":
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        real_on_token(req, comp, token, now)
+
+    monkeypatch.setattr(engine.engine, "_on_token", on_token)
+    with pytest.raises(RequestFailed, match="UnicodeDecodeError"):
+        await _collect(engine.stream("undecodable", [256, 1], GREEDY))
+    assert engine.health.failed_steps_total == 0 and engine.health.consecutive_failures == 0
+
+
+def test_ttft_and_tpot_are_measured_from_arrival_and_first_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TTFT is first token minus arrival; TPOT is (last - first token) / (tokens - 1), for
+    completions of two or more tokens only (a one-token completion has no inter-token time)."""
+    ticks = iter(range(10, 1000))
+    monkeypatch.setattr(engine_module, "steady_time", lambda: float(next(ticks)))
+    eng = Engine.from_config(CONFIG)
+    for rid, arrival, max_tokens in (("four", 7.0, 4), ("one", 9.0, 1), ("two", 9.0, 2)):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        eng.add_request(rid, [256, 1, 2], params, arrival_time=arrival)
+    while eng.has_unfinished():  # steps at t = 10, 11, 12, 13
+        eng.step()
+    stats = eng.stats()
+    ttft, tpot = stats.time_to_first_token_seconds, stats.time_per_output_token_seconds
+    assert (ttft.count, ttft.sum) == (3, pytest.approx(3.0 + 1.0 + 1.0))
+    assert (tpot.count, tpot.sum) == (2, pytest.approx((11 - 10) / 1 + (13 - 10) / 3))
+
+
+def test_kv_cache_memory_bytes_sizes_the_pool_in_whole_blocks_down_to_one() -> None:
+    """Without `num_blocks`, the pool is `kv_cache_memory_bytes // bytes per block` whole
+    blocks: one block and a bit is a one-block pool, less than one block is refused."""
+    per_block = Engine.from_config(CONFIG).bytes_per_token * CONFIG.block_size
+    for blocks in (1, 3):
+        memory = blocks * per_block + 1
+        config = EngineConfig(model="tiny", num_threads=1, kv_cache_memory_bytes=memory)
+        assert Engine.from_config(config).config.num_blocks == blocks
+    short = EngineConfig(model="tiny", num_threads=1, kv_cache_memory_bytes=per_block - 1)
+    with pytest.raises(EngineConfigError, match="holds no block"):
+        Engine.from_config(short)
+
+
+def test_a_pool_too_small_for_max_model_len_names_the_memory_it_needs() -> None:
+    """The refusal of an explicit `max_model_len` the pool cannot hold gives the KV memory
+    that would: blocks needed (rounded up) times bytes per block."""
+    per_block = Engine.from_config(CONFIG).bytes_per_token * CONFIG.block_size
+    need = -(-500 // CONFIG.block_size)
+    small = EngineConfig(model="tiny", num_threads=1, num_blocks=need - 1, max_model_len=500)
+    with pytest.raises(EngineConfigError) as err:
+        Engine.from_config(small)
+    assert f"--kv-cache-memory to at least {need * per_block:,} bytes" in str(err.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without a CUDA GPU")
+def test_asking_for_cuda_without_a_gpu_is_refused() -> None:
+    """`device="cuda"` on a host where torch sees no GPU is a clear error, not a late one."""
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        Engine.from_config(EngineConfig(model="tiny", num_threads=1, device="cuda"))
