@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import csv
 import http.server
 import io
@@ -19,6 +20,14 @@ import pytest
 from engine_process import ServerProcess, free_port
 
 from headroom.engine.loadgen.cli import add_arguments, run
+from headroom.engine.loadgen.client import (
+    RunState,
+    Target,
+    _error_message,
+    request_body,
+    run_load,
+)
+from headroom.engine.loadgen.workload import LengthDist, RequestSpec, WorkloadSpec
 
 
 @pytest.fixture(scope="module")
@@ -422,3 +431,167 @@ def test_a_calibration_answer_without_a_usable_count_exits_2_with_the_reason(
     assert _load("--url", scripted.url, "--model", "m", "-n", "1", "--no-stats") == 2
     err = capsys.readouterr().err
     assert says in err and "give --tokens-per-word" in err and "Traceback" not in err, err
+
+
+def test_a_request_body_streams_with_usage_and_sends_ignore_eos_only_when_asked() -> None:
+    """vLLM runs outputs to max_tokens only on `ignore_eos: true`; chat sends `messages`."""
+    req = RequestSpec(
+        index=0, prompt="hi there", prompt_tokens=2, max_tokens=7, shared_prefix=False
+    )
+    path, body = request_body(Target(), "m", req)
+    assert path == "/completions"
+    assert body == {"model": "m", "max_tokens": 7, "temperature": 0.0, "stream": True,
+                    "stream_options": {"include_usage": True}, "ignore_eos": True,
+                    "prompt": "hi there"}  # fmt: skip
+    path, body = request_body(Target(endpoint="chat", ignore_eos=False, temperature=0.5), "m", req)
+    assert path == "/chat/completions" and "ignore_eos" not in body and "prompt" not in body
+    assert (body["messages"], body["temperature"]) == (
+        [{"role": "user", "content": "hi there"}],
+        0.5,
+    )
+
+
+def test_an_error_body_without_a_message_is_reported_as_its_first_200_characters() -> None:
+    """A non-JSON error page becomes the record's message, cut so the JSON report stays small."""
+    assert _error_message(None, "x" * 300) == "x" * 200
+    assert _error_message({"error": {"message": "m" * 300}}, "fallback") == "m" * 300
+    assert _error_message({"error": "flat"}, "fallback") == "fallback"
+
+
+def test_a_stream_cut_before_done_names_how_many_events_arrived_and_keeps_the_finish_reason(
+    scripted: Scripted, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Events without [DONE] are `stream_cut` (not `no_stream`); a finished one keeps its reason."""
+    cut = _chunk("a") + b'data: {"choices": [{"text": "b", "finish_reason": "length"}]}\n\n'
+    scripted.body = cut
+    assert _load("--url", scripted.url, "--model", "m", "--tokens-per-word", "1", "-n", "1",
+                 "--no-stats", "--json", "-") == 1  # fmt: skip
+    (rec,) = json.loads(capsys.readouterr().out)["records"]
+    assert (rec["ok"], rec["error"]) == (False, "stream_cut")
+    assert rec["error_message"] == "the stream ended after 2 events without [DONE]"
+    scripted.body = cut + b"data: [DONE]\n\n"
+    assert _load("--url", scripted.url, "--model", "m", "--tokens-per-word", "1", "-n", "1",
+                 "--no-stats", "--json", "-") == 0  # fmt: skip
+    (rec,) = json.loads(capsys.readouterr().out)["records"]
+    assert (rec["ok"], rec["finish_reason"], rec["output_tokens"]) == (True, "length", 2)
+
+
+@pytest.mark.parametrize(
+    ("body", "errors", "output_tokens"),
+    [
+        (_events('{"choices": [{"text": "a"}]}',
+                 '{"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}}'), 0, 6),
+        (b'data: {"choices": [{"text": "a"}]}\n\n', 3, 0),  # cut off: no [DONE]
+    ],
+)  # fmt: skip
+def test_the_progress_callbacks_last_state_counts_every_request_once(
+    scripted: Scripted, body: bytes, errors: int, output_tokens: int
+) -> None:
+    """The progress bar's closing line reads the last RunState: started = done = all, none left."""
+    scripted.body = body
+    seen: list[RunState] = []
+    spec = WorkloadSpec(num_requests=3, concurrency=2, prompt_len=LengthDist(mean=4),
+                        output_len=LengthDist(mean=2))  # fmt: skip
+    target = Target(base_url=scripted.url, model="m")
+    result = asyncio.run(
+        run_load(
+            spec, target, tokens_per_word=1.0, on_progress=lambda s, _: seen.append(s.model_copy())
+        )
+    )
+    assert len(result.records) == 3
+    last = seen[-1]
+    assert (last.started, last.done, last.in_flight) == (3, 3, 0)
+    assert (last.errors, last.output_tokens) == (errors, output_tokens)
+
+
+class Recorder:
+    """A server that counts `base` + `per_word` tokens per prompt word for a calibration request,
+    streams one token otherwise, and records every request body and the most streams open at
+    once. A stream waits up to `hold_s` for a second one to open, so requests sent together
+    overlap."""
+
+    def __init__(self, hold_s: float = 0.3) -> None:
+        self.base, self.per_word = 3, 2
+        self.bodies: list[dict[str, Any]] = []
+        self.in_flight = self.most_in_flight = 0
+        cond = threading.Condition()
+        rec = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self._send(b'{"object": "list", "data": [{"id": "m"}]}', "application/json")
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                rec.bodies.append(body)
+                if not body.get("stream"):
+                    text = body.get("prompt") or body["messages"][0]["content"]
+                    usage = {"prompt_tokens": rec.base + rec.per_word * len(text.split())}
+                    self._send(json.dumps({"usage": usage}).encode(), "application/json")
+                    return
+                with cond:
+                    rec.in_flight += 1
+                    rec.most_in_flight = max(rec.most_in_flight, rec.in_flight)
+                    cond.notify_all()
+                    cond.wait_for(lambda: rec.in_flight > 1, timeout=hold_s)
+                    rec.in_flight -= 1  # before the answer: the client's next request follows it
+                self._send(_events('{"choices": [{"text": "a"}]}'), "text/event-stream")
+
+            def _send(self, payload: bytes, content_type: str) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+@pytest.fixture
+def recorder() -> Iterator[Recorder]:
+    srv = Recorder()
+    threading.Thread(target=srv.server.serve_forever, daemon=True).start()
+    yield srv
+    srv.server.shutdown()
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_calibration_is_the_token_difference_of_two_greedy_one_token_prompts_per_word(
+    recorder: Recorder, endpoint: Any
+) -> None:
+    """3 + 2 tokens per word: the 16- and 80-word prompts' difference gives 2.0 (the 3 cancels)."""
+    spec = WorkloadSpec(num_requests=1, concurrency=1, prompt_len=LengthDist(mean=4),
+                        output_len=LengthDist(mean=1))  # fmt: skip
+    result = asyncio.run(run_load(spec, Target(base_url=recorder.url, endpoint=endpoint)))
+    assert (result.model, result.tokens_per_word) == ("m", 2.0)
+    calibration = [b for b in recorder.bodies if not b.get("stream")]
+    assert [(b["max_tokens"], b["temperature"]) for b in calibration] == [(1, 0.0)] * 2
+
+
+def test_a_ramp_sends_no_more_requests_at_once_than_its_current_level(recorder: Recorder) -> None:
+    """Worker 1 waits while the ramp is at level 1 (for the first 300 s of 600), so the two
+    requests go one after the other."""
+    spec = WorkloadSpec(num_requests=2, concurrency=1, ramp_to=2, ramp_s=600,
+                        prompt_len=LengthDist(mean=4), output_len=LengthDist(mean=1))  # fmt: skip
+    result = asyncio.run(
+        run_load(spec, Target(base_url=recorder.url, model="m"), tokens_per_word=1)
+    )
+    assert [(r.ok, r.concurrency) for r in result.records] == [(True, 1), (True, 1)]
+    assert recorder.most_in_flight == 1
+
+
+def test_a_calibration_where_the_longer_prompt_counts_fewer_tokens_names_both_counts(
+    recorder: Recorder,
+) -> None:
+    """100 - 1 per word: 84 tokens for 16 words, 20 for 80, so no ratio can be read off."""
+    recorder.base, recorder.per_word = 100, -1
+    spec = WorkloadSpec(num_requests=1, concurrency=1, prompt_len=LengthDist(mean=4))
+    with pytest.raises(RuntimeError) as info:
+        asyncio.run(run_load(spec, Target(base_url=recorder.url)))
+    assert str(info.value) == (
+        "calibration: the 80-word prompt counted 20 tokens, no more than the 16-word prompt's "
+        "84; give --tokens-per-word"
+    )

@@ -188,6 +188,25 @@ def test_tojson_forwards_every_option_as_transformers_does() -> None:
     assert render("ensure_ascii=True, indent=2") == json.dumps(value, indent=2)
 
 
+def test_special_tokens_are_the_string_or_added_token_entries_ending_in_token(
+    tmp_path: Path,
+) -> None:
+    """A null, number or content-less AddedToken entry is no variable, nor is a non-token key."""
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {"content": "<s>", "lstrip": False},
+                "eos_token": "</s>",
+                "pad_token": None,
+                "unk_token": {"lstrip": False},
+                "sep_token": 5,
+                "tokenizer_class": "LlamaTokenizer",
+            }
+        )
+    )
+    assert load_chat_template(tmp_path).tokens == {"bos_token": "<s>", "eos_token": "</s>"}
+
+
 # --- chat prompts against transformers -------------------------------------------------------
 
 CHAT = [
@@ -209,6 +228,9 @@ HF_TEMPLATES = {
     "{% endfor %}",
     "generation": "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
     "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}",
+    # Indented tags on their own lines: trim_blocks and lstrip_blocks drop the tag lines.
+    "indented": "{% for m in messages %}\n  {% if m.role == 'user' %}\nU: {{ m.content }}\n"
+    "  {% else %}\n{{ m.role }}: {{ m.content }}\n  {% endif %}\n{% endfor %}",
 }
 
 
@@ -250,3 +272,19 @@ def test_chat_prompt_ids_match_transformers_apply_chat_template(tmp_path: Path, 
     assert ids == _hf_ids(hf, CHAT)
     assert ids[0] != 0 or name == "writes_bos"  # BOS only where the template writes it
     assert ids.count(0) <= 1
+
+
+def test_named_templates_without_a_default_are_refused_as_transformers_does(
+    tmp_path: Path,
+) -> None:
+    """A list of named templates is read for its 'default'; with none, transformers raises
+    rather than pick one: so does headroom (the server then answers chat with 400)."""
+    named = [{"name": "tool_use", "template": "TOOLS:{{ messages[0]['content'] }}"},
+             {"name": "rag", "template": "RAG:{{ messages[0]['content'] }}"}]  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    with pytest.raises(TemplateCompileError, match="names tool_use, rag and none 'default'"):
+        load_chat_template(tmp_path)
+    assert isinstance(serving_chat_template(tmp_path), UnusableTemplate)
+    default = [*named, {"name": "default", "template": "D:{{ messages[0]['content'] }}"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": default}))
+    assert load_chat_template(tmp_path).render([{"role": "user", "content": "hi"}]) == "D:hi"

@@ -50,7 +50,7 @@ class ChatTemplateError(ValueError):
 
 
 class TemplateCompileError(ValueError):
-    """The model's chat template is not valid Jinja."""
+    """The model's chat template is not valid Jinja, or not one template to use."""
 
 
 def _raise(message: str) -> None:
@@ -157,7 +157,8 @@ def default_template() -> ChatTemplate:
 def load_chat_template(model: str | Path) -> ChatTemplate:
     """The model directory's own template, else the default one (`model="tiny"` included).
     Raises ValueError (or OSError) naming the file when tokenizer_config.json or
-    chat_template.jinja cannot be read, TemplateCompileError when the template is not Jinja."""
+    chat_template.jinja cannot be read, TemplateCompileError when the template is not Jinja (or
+    the config names templates but no 'default', as transformers refuses)."""
     if str(model) == "tiny":
         return default_template()
     root = Path(model).expanduser()
@@ -174,7 +175,13 @@ def load_chat_template(model: str | Path) -> ChatTemplate:
     raw = config.get("chat_template")
     if isinstance(raw, list):
         named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
-        raw = named.get("default") or next(iter(named.values()), None)
+        if named and "default" not in named:
+            # transformers refuses too: rendering the first would serve, say, the tool-use one.
+            raise TemplateCompileError(
+                f"{config_path}: chat_template names {', '.join(map(str, named))} and none "
+                "'default', the one chat would use"
+            )
+        raw = named.get("default")
     if isinstance(raw, str) and raw.strip():
         return ChatTemplate(raw, f"{config_path} (chat_template)", tokens)
     tmpl = default_template()
