@@ -314,3 +314,24 @@ def test_a_stale_non_finite_value_outside_a_context_does_not_reach_decode(poison
         outs.append(TorchBackend().decode(q, cache, lens, tables, d**-0.5))
     assert outs[1].isfinite().all()
     torch.testing.assert_close(outs[1], outs[0])
+
+
+@pytest.mark.parametrize("lens", [[0, 0], [5, 0], [0, 3, 0]], ids=["all", "one", "two"])
+def test_a_zero_length_context_decodes_to_zeros(lens: list[int]) -> None:
+    """A row with no context attends to nothing: zeros, as the CUDA kernel gives (it was NaN
+    beside a longer row and a ValueError alone), and the other rows are unchanged."""
+    bs, hkv, heads, d = 4, 2, 4, 8
+    cache = allocate_layer_cache(4, bs, hkv, d, torch.float32)
+    TorchBackend().write_kv(torch.randn(8, hkv, d), torch.randn(8, hkv, d), cache, torch.arange(8))
+    q = torch.randn(len(lens), heads, d)
+    tables = torch.tensor([[0, 1]] * len(lens))
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = TorchBackend().decode(q, cache, seq_lens, tables, d**-0.5)
+    for i, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(out[i], torch.zeros(heads, d))
+        else:
+            alone = TorchBackend().decode(
+                q[i : i + 1], cache, seq_lens[i : i + 1], tables[:1], d**-0.5
+            )
+            torch.testing.assert_close(out[i : i + 1], alone)

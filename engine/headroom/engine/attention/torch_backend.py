@@ -173,9 +173,12 @@ class TorchBackend:
             num_seqs, kv_heads, groups, head_dim
         )
         out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32, device=device)
+        # Rows without context (sorted last) attend to nothing: zeros, as the CUDA kernel gives.
+        live = _prefix_above(lens, 0)
+        out[live:] = 0.0
         rows_per_group = max(1, _SCORE_BYTES // (num_heads * 4 * max(1, lens[0])))
-        for g0 in range(0, num_seqs, rows_per_group):
-            g1 = min(num_seqs, g0 + rows_per_group)
+        for g0 in range(0, live, rows_per_group):
+            g1 = min(live, g0 + rows_per_group)
             out[g0:g1] = self._decode_group(
                 q[g0:g1], cache, lens[g0:g1], lo_pos[g0:g1], tables[g0:g1]
             ).reshape(g1 - g0, num_heads, head_dim)
