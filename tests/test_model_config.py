@@ -59,6 +59,19 @@ def test_a_hand_built_config_is_a_plain_llama() -> None:
     )
 
 
+def test_the_parameter_estimate_reads_the_shape_as_the_fields_do() -> None:
+    """A shape given as strings or whole floats (a YAML or JSON config) validates to the same
+    ints, so it gets the same Llama estimate, not the field's floor of 1."""
+    lax = {**SHAPE, "num_layers": "4", "hidden_size": 8.0, "num_kv_heads": "1", "vocab_size": "10"}
+    cfg = ModelConfig(**lax)
+    assert cfg == ModelConfig(**SHAPE)
+    assert cfg.num_parameters == estimate_parameters(4, 8, 16, 2, 1, 4, 10) > 1
+    tied = ModelConfig(**SHAPE, tie_word_embeddings="true")
+    assert tied.num_parameters == estimate_parameters(4, 8, 16, 2, 1, 4, 10, tied=True)
+    with pytest.raises(ValidationError, match="num_layers"):  # refused by its field, as before
+        ModelConfig(**{**SHAPE, "num_layers": 4.5})
+
+
 def test_the_rope_settings_are_immutable() -> None:
     """Every config built without `rope` shares one default RopeConfig: changing it in place
     would change the rotary frequencies of all of them."""

@@ -7,9 +7,9 @@ Both spellings of RoPE settings are read: transformers 5 writes `rope_parameters
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from headroom.contract.budget import ModelArch, estimate_parameters
 from headroom.contract.budget import from_hf_dict as arch_from_hf_dict
@@ -36,6 +36,22 @@ class RopeConfig(BaseModel):
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+_T = TypeVar("_T")
+# What the Llama estimate reads, in its argument order.
+_ESTIMATE_SHAPE = (
+    "num_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_kv_heads",
+    "head_dim", "vocab_size",
+)  # fmt: skip
+
+
+def _lax(kind: type[_T], value: Any) -> _T | None:
+    """`value` as a field of type `kind` reads it, or None where that would fail."""
+    try:
+        return TypeAdapter(kind).validate_python(value)
+    except ValidationError:
+        return None
 
 
 class ModelConfig(ModelArch):
@@ -68,19 +84,16 @@ class ModelConfig(ModelArch):
             data.setdefault("sliding_window", min(windows))
             data.setdefault("num_sliding_window_layers", len(windows))
         if data.get("num_parameters") is None:
-            fields = ("num_layers", "hidden_size", "intermediate_size", "num_attention_heads")
-            if all(isinstance(data.get(f), int) for f in fields):
-                heads = data["num_attention_heads"]
+            # Read the shape as the fields will (pydantic's lax mode: "4" and 4.0 are 4), or a
+            # shape given as strings or floats would get the field's floor of 1 parameter.
+            ints = {f: _lax(int, data.get(f)) for f in _ESTIMATE_SHAPE}
+            tied = _lax(bool, data.get("tie_word_embeddings", False))
+            layers, hidden, inter, heads, kv_heads, head_dim, vocab = ints.values()
+            if layers and hidden and inter and heads and vocab and tied is not None:
                 data["num_parameters"] = estimate_parameters(
-                    data["num_layers"],
-                    data["hidden_size"],
-                    data["intermediate_size"],
-                    heads,
-                    data.get("num_kv_heads") or heads,
-                    data.get("head_dim") or data["hidden_size"] // heads,
-                    data.get("vocab_size", 1),
-                    tied=bool(data.get("tie_word_embeddings", False)),
-                )
+                    layers, hidden, inter, heads, kv_heads or heads,
+                    head_dim or hidden // heads, vocab, tied=tied,
+                )  # fmt: skip
         return data
 
     @model_validator(mode="after")
