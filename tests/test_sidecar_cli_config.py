@@ -140,15 +140,19 @@ def test_an_unknown_log_level_is_a_bad_flag(capsys: pytest.CaptureFixture[str]) 
     assert "unknown --log-level 'chatty'" in capsys.readouterr().err
 
 
-def test_a_port_already_taken_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
-    """Not a bad flag but a failure to start: exit 1, naming the address."""
-    with socket.socket() as taken:
+def test_a_port_already_taken_exits_1(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not a bad flag but a failure to start: exit 1, naming the address, and that alone: it
+    does not poll the engine first (an engine_down there would send the reader to the engine)."""
+    with socket.socket() as taken, caplog.at_level(logging.DEBUG):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         code = sidecar_main(["--engine-url", URL, "--host", "127.0.0.1", "--port", str(port)])
     assert code == 1
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert not [r for r in caplog.records if "engine_" in r.getMessage()]
 
 
 def test_a_host_that_does_not_resolve_is_a_bad_flag(

@@ -356,3 +356,39 @@ async def test_python_m_headroom_sidecar_serves_metrics() -> None:
             proc.terminate()
             await proc.wait()
     assert proc.returncode == 0  # clean shutdown on SIGTERM
+
+
+async def test_serve_polls_once_it_listens() -> None:
+    """`serve` holds the poll loop until its port is bound, then polls: the engine shows up in
+    /healthz and /metrics, and `stop` ends it with the port released."""
+    from engine_process import free_port
+
+    from headroom.sidecar.server import serve
+
+    engine = SyntheticEngine(capacity=1000, model="tiny")
+    engine.set_used(100)
+    async with TestServer(engine.app()) as eng_srv, ClientSession() as http:
+        port = free_port()
+        cfg = SidecarConfig(
+            engine_url=str(eng_srv.make_url("/")), host="127.0.0.1", port=port,
+            interval=0.2, timeout=0.2,
+        )  # fmt: skip
+        stop = asyncio.Event()
+        task = asyncio.create_task(serve(cfg, stop))
+        url = f"http://127.0.0.1:{port}/healthz"
+
+        async def health() -> dict[str, Any]:
+            try:
+                async with http.get(url) as resp:
+                    return dict(await resp.json())
+            except OSError:  # not listening yet
+                return {}
+
+        body = await _wait(health, lambda b: b.get("engine_up") is True, "/healthz", 10.0)
+        assert body["status"] == "ok"
+        stop.set()
+        await asyncio.wait_for(task, 10.0)
+    with socket.socket() as again:  # released (its closed connections may linger in TIME_WAIT)
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", port))
+        again.listen()

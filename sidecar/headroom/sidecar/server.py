@@ -32,8 +32,13 @@ CONFIG_KEY = web.AppKey("config", SidecarConfig)
 TASK_KEY = web.AppKey("poll_task", asyncio.Task[None])
 
 
-def build_app(cfg: SidecarConfig, clock: Callable[[], float] = time.monotonic) -> web.Application:
-    """The sidecar as an aiohttp application; the poll loop runs for the app's lifetime."""
+def build_app(
+    cfg: SidecarConfig,
+    clock: Callable[[], float] = time.monotonic,
+    listening: asyncio.Event | None = None,
+) -> web.Application:
+    """The sidecar as an aiohttp application; the poll loop runs for the app's lifetime, from
+    when `listening` is set if one is given."""
     state = PollState(horizon=max(cfg.window, cfg.forecast_window) + cfg.interval)
     registry = make_registry(SidecarCollector(state, cfg, clock))
     app = web.Application()
@@ -59,7 +64,13 @@ def build_app(cfg: SidecarConfig, clock: Callable[[], float] = time.monotonic) -
         timeout = aiohttp.ClientTimeout(total=None)  # the poller applies its own per-poll deadline
         async with aiohttp.ClientSession(timeout=timeout) as session:
             poller = Poller(cfg, state, session, clock)
-            app[TASK_KEY] = asyncio.create_task(poller.run(), name="headroom-sidecar-poll")
+
+            async def run() -> None:
+                if listening is not None:
+                    await listening.wait()
+                await poller.run()
+
+            app[TASK_KEY] = asyncio.create_task(run(), name="headroom-sidecar-poll")
             yield
             app[TASK_KEY].cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -74,18 +85,21 @@ def build_app(cfg: SidecarConfig, clock: Callable[[], float] = time.monotonic) -
 
 async def serve(cfg: SidecarConfig, stop: asyncio.Event | None = None) -> None:
     """Run the sidecar until `stop` is set (or forever)."""
-    runner = web.AppRunner(build_app(cfg), access_log=None)
+    # Polling starts once the port is ours: a sidecar that cannot listen exits with that
+    # reason alone, not after an engine_down from a poll it had no business making.
+    listening = asyncio.Event()
+    runner = web.AppRunner(build_app(cfg, listening=listening), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port)
-    await site.start()
-    log.info(
-        "event=sidecar_listening host=%s port=%d engine=%s source=%s",
-        cfg.host,
-        cfg.port,
-        cfg.poll_url,
-        cfg.source,
-    )
     try:
+        await web.TCPSite(runner, cfg.host, cfg.port).start()
+        listening.set()
+        log.info(
+            "event=sidecar_listening host=%s port=%d engine=%s source=%s",
+            cfg.host,
+            cfg.port,
+            cfg.poll_url,
+            cfg.source,
+        )
         await (stop or asyncio.Event()).wait()
     finally:
         await runner.cleanup()
