@@ -111,6 +111,21 @@ def test_blocks_that_contradict_the_occupancy_make_the_pod_silent() -> None:
     assert usable(sample_from_report(report(used_blocks=420, capacity_blocks=2))) is None
     near = usable(sample_from_report(report(occupancy=0.42, used_blocks=440)))
     assert near is not None and near.used_blocks == 440  # rounding, not another unit
+    assert usable(sample_from_report(report(occupancy=0.42, used_blocks=480))) is None
+
+
+def test_a_small_pool_may_disagree_by_one_block() -> None:
+    """One block of 8 is 12.5 %: an engine whose ratio counts a block the sidecar does not (or
+    rounds) must not make its pod silent; two blocks off is another unit, as on a large pool."""
+    off_by_one = usable(
+        sample_from_report(report(occupancy=3 / 8, used_blocks=4, capacity_blocks=8))
+    )
+    assert off_by_one is not None and off_by_one.used_blocks == 4
+    assert usable(sample_from_report(report(occupancy=3 / 8, used_blocks=2, capacity_blocks=8)))
+    assert (
+        usable(sample_from_report(report(occupancy=3 / 8, used_blocks=5, capacity_blocks=8)))
+        is None
+    )
 
 
 @pytest.mark.parametrize("age", [-1e6, -120.0, math.nan])

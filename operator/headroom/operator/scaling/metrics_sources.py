@@ -99,6 +99,13 @@ def _counters_ok(c: CounterSample | None) -> CounterSample | None:
     return c if c is not None and all(0 <= v <= _MAX_TOTAL for v in values) else None
 
 
+def _slack_blocks(capacity: float) -> float:
+    """How far used blocks may sit from occupancy x capacity: the rounding share of the pool,
+    and at least one block (a pool of 8 blocks moves 12.5 % a block, an engine's ratio may
+    count its null block or round, and a pod must not go silent for that)."""
+    return max((_MAX_OCCUPANCY - 1) * capacity, 1.0)
+
+
 def usable(sample: PodSample | None) -> PodSample | None:
     """`sample` with every figure a decision can use, or None when its occupancy or time is not
     a number: one pod's NaN or 1e400 must make that pod silent, not raise in the loop (which
@@ -113,7 +120,7 @@ def usable(sample: PodSample | None) -> PodSample | None:
     if any(not 0 <= c <= _MAX_COUNT for c in counts):
         return None
     used, capacity = sample.used_blocks, sample.capacity_blocks
-    if used is not None and capacity and abs(used / capacity - occ) > _MAX_OCCUPANCY - 1:
+    if used is not None and capacity and abs(used - occ * capacity) > _slack_blocks(capacity):
         # Every source's occupancy is used / capacity: blocks that say otherwise (tokens
         # counted as blocks, 16x) are no pool's, and present KV is sized from them.
         return None
