@@ -657,6 +657,34 @@ async def test_a_resync_of_the_previous_spec_never_lands_after_the_new_one(
     assert kube.statuses[-1][1]["observedGeneration"] == 2
 
 
+async def test_a_resync_cancelled_mid_apply_holds_the_lock_until_its_apply_is_over(
+    posted: list[tuple[str, str, str]],
+) -> None:
+    """A cancel (the operator exiting, a peering pause) does not stop the worker thread that
+    applies: the reconcile waits for it before it lets go of the object, so the new spec's
+    reconcile does not run beside the old apply and get applied over."""
+    kube = _HeldKube()
+    old = await _created_at(kube, "/models/old")
+    kube.held_path = "/models/old"
+    new = copy.deepcopy(old)
+    new["metadata"]["generation"] = 2
+    new["spec"] = _spec_at("/models/new")
+    ctx = Context(Options(), kube)
+    resync = asyncio.create_task(handlers._reconcile(ctx, old))
+    assert await asyncio.to_thread(kube.holding.wait, 30)
+    resync.cancel()
+    update = asyncio.create_task(handlers._reconcile(ctx, new))
+    await asyncio.sleep(0.2)
+    assert not resync.done() and not update.done()  # both wait on the apply in flight
+    assert _deployed_path(kube) == "/models/old" and kube.applies == []
+    kube.release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await resync
+    await update
+    assert _deployed_path(kube) == "/models/new"
+    assert kube.statuses[-1][1]["observedGeneration"] == 2
+
+
 async def test_a_resync_read_before_the_new_spec_was_applied_applies_nothing(
     posted: list[tuple[str, str, str]],
 ) -> None:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from ipaddress import IPv4Address
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import aiohttp
 import kopf
@@ -63,6 +63,7 @@ from headroom.operator.status import (
 )
 
 log = logging.getLogger("headroom.operator")
+T = TypeVar("T")
 FINALIZER = f"{GROUP}/finalizer"
 SourceFactory = Callable[[str, "Context"], MetricsSource]
 LOOPBACK = IPv4Address("127.0.0.1")
@@ -346,11 +347,24 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> None:
         await _reconcile_now(ctx, body)
 
 
+async def _applied_even_if_cancelled(work: asyncio.Future[T]) -> T:
+    """`work`'s result; cancelled, it still waits for `work` (a worker thread applying, which
+    no cancel stops) before it gives up, so the object's lock is held until the apply is over:
+    a newer generation's reconcile beside it could be applied over."""
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait({work})  # a second cancel ends this wait
+        if work.done() and not work.cancelled() and work.exception() is not None:
+            log.warning("a cancelled reconcile's apply failed: %s", work.exception())
+        raise
+
+
 async def _reconcile_now(ctx: Context, body: dict[str, Any]) -> None:
     try:
-        outcome = await asyncio.to_thread(
+        outcome = await _applied_even_if_cancelled(asyncio.ensure_future(asyncio.to_thread(
             reconcile, ctx.kube, body, ctx.clock(), ctx.options.images
-        )
+        )))  # fmt: skip
     except KubeError as exc:
         meta = body["metadata"]
         if namespace_terminating(exc.status, exc.message):
