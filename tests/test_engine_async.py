@@ -294,6 +294,25 @@ async def test_shutdown_lets_running_requests_finish_within_the_grace() -> None:
     assert eng.thread is None and not eng.running
 
 
+async def test_shutdown_serves_the_requests_waiting_for_kv_too() -> None:
+    """A draining pod's queue is served, not turned away: a request admitted but waiting for
+    blocks when the drain begins runs once the first frees its blocks, within the grace. Only
+    new streams are refused (the server's 503)."""
+    eng = AsyncEngine.from_config(
+        EngineConfig(model="tiny", num_blocks=4, block_size=16, max_model_len=64, num_threads=1)
+    )
+    await eng.start()
+    both = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # 3 of the 4 blocks
+    first = asyncio.create_task(_collect(eng.stream("first", [256, 5], both)))
+    await _until(lambda: eng.stats().requests.running == 1)
+    queued = asyncio.create_task(_collect(eng.stream("queued", [256, 6], both)))
+    await _until(lambda: eng.stats().requests.waiting == 1)
+    assert await asyncio.wait_for(eng.shutdown(grace_s=3600.0), 120) is True
+    for task in (first, queued):
+        ids, _, last = await task
+        assert last.outputs[0].finish_reason == "length" and len(ids) == both.max_tokens
+
+
 async def test_a_stream_is_refused_once_the_engine_thread_has_stopped(
     engine: AsyncEngine,
 ) -> None:
