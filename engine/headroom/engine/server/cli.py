@@ -12,6 +12,7 @@ import re
 import socket
 import sys
 import threading
+from fractions import Fraction
 
 from pydantic import ValidationError
 
@@ -53,10 +54,11 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"invalid size {text!r}: use bytes or a unit (KiB, MiB, GiB, K, M, G)"
         )
-    number = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if not math.isfinite(number):
+    unit = _UNITS[m.group(2).lower()]
+    if not math.isfinite(float(m.group(1)) * unit):
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: not a finite number")
-    value = int(number)
+    # Exact: in floats 4.1G is 4,099,999,999.9... and truncates a byte short.
+    value = int(Fraction(m.group(1)) * unit)
     if value < 1:
         raise argparse.ArgumentTypeError(f"size must be at least 1 byte, got {text!r}")
     return value
@@ -146,9 +148,9 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerSetting
         attention_backend=args.attention_backend,
         seed=args.seed,
     )
-    name = args.served_model_name or (
-        "tiny" if args.model == "tiny" else os.path.basename(os.path.normpath(args.model))
-    )
+    # The directory's own name: `--model .` or `~/m/` is the directory, not "." or "".
+    path = os.path.abspath(os.path.expanduser(args.model))
+    name = args.served_model_name or ("tiny" if args.model == "tiny" else os.path.basename(path))
     settings = ServerSettings(
         served_model_name=name,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
