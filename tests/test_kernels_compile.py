@@ -224,3 +224,145 @@ def test_bench_compile_only_runs_the_real_toolchain(
     summary = re.search(r"^verdicts: \d+ PASS, (\d+) MISS", out, re.M)
     assert summary, out
     assert code == (0 if summary.group(1) == "0" else 1)
+
+
+# ---------------------------------------------------------------- compile.py's own logic
+
+
+def test_instantiation_lines_use_the_kernels_kv_kind_numbers() -> None:
+    """The KV kind each variant passes its template is common.cuh's `KvKind`: a wrong number
+    still compiles, to a kernel that reads the cache in another format."""
+    enum = re.search(r"enum KvKind \{([^}]*)\}", (kc.KERNEL_DIR / "common.cuh").read_text())
+    assert enum, "common.cuh no longer declares enum KvKind"
+    kinds = {
+        name.removeprefix("KV_").lower(): value
+        for name, value in re.findall(r"(KV_\w+) = (\d+)", enum.group(1))
+    }
+    assert kinds == {"auto": "0", "fp8": "1", "int8": "2"}
+    for kv in kc.KV_DTYPES:
+        assert kc.decode_variant("bf16", kv, 64).macro_args[1] == kinds[kv]
+        assert kc.cache_write_variant("fp16", kv).macro_args[1] == kinds[kv]
+    assert kc.decode_variant("fp16", "int8", 128).instantiation() == (
+        "HEADROOM_DECODE_KERNEL(paged_attention_decode_fp16_int8_d128, __half, 2, 128)"
+    )
+
+
+def test_release_mismatch_names_both_versions_as_major_dot_minor(tmp_path: Path) -> None:
+    """13050 in cuda_runtime_api.h is release 13.5, two ints, shown as `13.5` (not `13.5.0`);
+    13000 is 13.0, not a 12.x."""
+    (tmp_path / "cuda_runtime_api.h").write_text("#define CUDART_VERSION 13000\n")
+    assert kc.header_cuda_version(tmp_path) == (13, 0)
+    (tmp_path / "cuda_runtime_api.h").write_text("#define CUDART_VERSION 13050\n")
+    version = kc.header_cuda_version(tmp_path)
+    assert version == (13, 5) and all(type(n) is int for n in version)
+    with pytest.raises(kc.KernelCompileError, match=r"NVRTC is 12\.8 but the headers is 13\.5;"):
+        kc.check_same_release("the headers", version, (12, 8))
+    kc.check_same_release("the headers", version, (13, 5))
+
+
+def _fake_ptxas(tmp_path: Path, name: str, body: str) -> Path:
+    """An executable shell script standing in for ptxas."""
+    exe = tmp_path / name
+    exe.write_text("#!/bin/sh\n" + body)
+    exe.chmod(0o755)
+    return exe
+
+
+def test_ptxas_version_refuses_output_it_cannot_read(tmp_path: Path) -> None:
+    """No `release X.Y` in the output, or a failing exit status, is a KernelCompileError."""
+    assert kc.ptxas_version(_fake_ptxas(tmp_path, "ok", "echo 'release 13.2, V13.2.51'\n")) == (
+        13,
+        2,
+    )
+    with pytest.raises(kc.KernelCompileError, match="cannot tell the version"):
+        kc.ptxas_version(_fake_ptxas(tmp_path, "mute", "echo 'no version here'\n"))
+    failing = _fake_ptxas(tmp_path, "failing", "echo 'release 13.2'; echo broken >&2; exit 3\n")
+    with pytest.raises(kc.KernelCompileError, match="broken"):
+        kc.ptxas_version(failing)
+
+
+def test_ptxas_usage_parses_its_report_and_reports_its_failure(tmp_path: Path) -> None:
+    """ptxas gets the PTX as a file and `-v --gpu-name`; its report is parsed from stderr and
+    stdout, and a failing ptxas is a KernelCompileError carrying its stderr."""
+    major, minor = kc.toolchain().nvrtc
+    version = f"if [ \"$1\" = --version ]; then echo 'release {major}.{minor}'; exit 0; fi\n"
+    report = _fake_ptxas(
+        tmp_path,
+        "report",
+        version
+        + 'echo "$@" > "$0.args"; cp "$4" "$0.ptx"\n'
+        + "echo \"ptxas info    : Compiling entry function 'k' for '$3'\" >&2\n"
+        + "echo 'ptxas info    : Used 40 registers, used 0 barriers, 400 bytes cmem[0]'\n",
+    )
+    (usage,) = kc.ptxas_usage(".version 9.0\n", "sm_90", report)
+    assert (usage.kernel, usage.registers, usage.shared_bytes) == ("k", 40, 0)
+    assert (tmp_path / "report.args").read_text().split()[:3] == ["-v", "--gpu-name", "sm_90"]
+    assert (tmp_path / "report.ptx").read_text() == ".version 9.0\n"
+    failing = _fake_ptxas(
+        tmp_path, "failing", version + "echo 'ptxas fatal: bad PTX' >&2; exit 255\n"
+    )
+    with pytest.raises(
+        kc.KernelCompileError, match=r"ptxas failed \(sm_80\):\nptxas fatal: bad PTX"
+    ):
+        kc.ptxas_usage("garbage", "sm_80", failing)
+
+
+def test_parse_ptxas_report_resets_the_stack_frame_per_kernel() -> None:
+    """A kernel whose report has no stack-frame line has none, not the previous kernel's; a
+    `Used` line outside any entry function is no kernel."""
+    text = """ptxas info    : Used 9 registers
+ptxas info    : Compiling entry function 'foo' for 'sm_90'
+    16 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads
+ptxas info    : Used 64 registers, used 0 barriers
+ptxas info    : Compiling entry function 'bar' for 'sm_90'
+ptxas info    : Used 32 registers, used 0 barriers
+"""
+    foo, bar = kc.parse_ptxas_report(text)
+    assert (foo.kernel, foo.stack_bytes, foo.spill_store_bytes, foo.spill_load_bytes) == (
+        "foo",
+        16,
+        8,
+        8,
+    )
+    assert (bar.kernel, bar.registers) == ("bar", 32)
+    assert (bar.stack_bytes, bar.spill_store_bytes, bar.spill_load_bytes) == (0, 0, 0)
+
+
+def test_include_dir_search_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HEADROOM_CUDA_INCLUDE wins, and one without the headers is refused rather than passed
+    over; without it or the wheels' headers, CUDA_PATH's include folder is used, and with none
+    of them the error says what to install or set."""
+    import site
+
+    import cuda.pathfinder
+
+    def include(name: str) -> Path:
+        folder = tmp_path / name / "include"
+        folder.mkdir(parents=True)
+        for header in ("cuda_bf16.h", "cuda_fp16.h", "cuda_fp8.h"):
+            (folder / header).write_text("\n")
+        return folder
+
+    monkeypatch.setattr(cuda.pathfinder, "find_nvidia_header_directory", lambda lib: None)
+    monkeypatch.setattr(site, "getsitepackages", lambda: [str(tmp_path / "site")])
+    monkeypatch.setattr(site, "getusersitepackages", lambda: str(tmp_path / "user"))
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.setenv("CUDA_PATH", str(include("cuda_path").parent))
+    monkeypatch.setenv("HEADROOM_CUDA_INCLUDE", str(include("override")))
+    kc.cuda_include_dir.cache_clear()
+    try:
+        assert kc.cuda_include_dir() == tmp_path / "override" / "include"
+        (tmp_path / "override" / "include" / "cuda_fp8.h").unlink()
+        kc.cuda_include_dir.cache_clear()
+        with pytest.raises(kc.KernelCompileError, match=r"HEADROOM_CUDA_INCLUDE=.* no cuda_fp8\.h"):
+            kc.cuda_include_dir()
+        monkeypatch.delenv("HEADROOM_CUDA_INCLUDE")
+        kc.cuda_include_dir.cache_clear()
+        assert kc.cuda_include_dir() == tmp_path / "cuda_path" / "include"
+        monkeypatch.delenv("CUDA_PATH")
+        kc.cuda_include_dir.cache_clear()
+        if not Path("/usr/local/cuda/include/cuda_fp8.h").is_file():
+            with pytest.raises(kc.KernelCompileError, match="set HEADROOM_CUDA_INCLUDE"):
+                kc.cuda_include_dir()
+    finally:
+        kc.cuda_include_dir.cache_clear()

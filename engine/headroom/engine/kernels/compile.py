@@ -187,7 +187,14 @@ def cuda_include_dir() -> Path:
     candidates: list[Path] = []
     override = os.environ.get("HEADROOM_CUDA_INCLUDE")
     if override:
-        candidates.append(Path(override))
+        # Told where: headers found anywhere else would not be the ones the user chose.
+        missing = [h for h in _HEADERS_NEEDED if not (Path(override) / h).is_file()]
+        if missing:
+            raise KernelCompileError(
+                f"HEADROOM_CUDA_INCLUDE={override} has no {', '.join(missing)}: point it at "
+                "a CUDA include folder, or unset it to search the nvidia wheels and CUDA_PATH"
+            )
+        return Path(override)
     try:
         from cuda.pathfinder import find_nvidia_header_directory
 
