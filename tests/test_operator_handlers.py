@@ -685,6 +685,48 @@ async def test_a_resync_cancelled_mid_apply_holds_the_lock_until_its_apply_is_ov
     assert kube.statuses[-1][1]["observedGeneration"] == 2
 
 
+class _HeldStatusKube(FakeKube):
+    """Status writes of one generation wait until released: a reconcile caught writing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held_generation = 0  # set once the object exists
+        self.holding = threading.Event()
+        self.release = threading.Event()
+
+    def apply_status(self, owner: Any, status: dict[str, Any], **kw: Any) -> Any:
+        if self.held_generation and status.get("observedGeneration") == self.held_generation:
+            self.holding.set()
+            assert self.release.wait(30), "the held status write was never released"
+        return super().apply_status(owner, status, **kw)
+
+
+async def test_a_resync_cancelled_mid_status_write_lets_the_new_status_land_last(
+    posted: list[tuple[str, str, str]],
+) -> None:
+    """The status write after the apply runs in a worker thread too: cancelled there, the
+    reconcile still holds the lock until it lands, so the new generation's status is last."""
+    kube = _HeldStatusKube()
+    old = await _created_at(kube, "/models/old")
+    kube.held_generation = 1
+    new = copy.deepcopy(old)
+    new["metadata"]["generation"] = 2
+    new["spec"] = _spec_at("/models/new")
+    ctx = Context(Options(), kube)
+    resync = asyncio.create_task(handlers._reconcile(ctx, old))
+    assert await asyncio.to_thread(kube.holding.wait, 30)
+    resync.cancel()
+    update = asyncio.create_task(handlers._reconcile(ctx, new))
+    await asyncio.sleep(0.2)
+    assert not update.done()
+    kube.release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await resync
+    await update
+    assert _deployed_path(kube) == "/models/new"
+    assert [s["observedGeneration"] for _, s in kube.statuses][-2:] == [1, 2]
+
+
 async def test_a_resync_read_before_the_new_spec_was_applied_applies_nothing(
     posted: list[tuple[str, str, str]],
 ) -> None:

@@ -344,27 +344,28 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> None:
                       key[0], key[1], stamp[1], last[1], extra=log_fields(*key))  # fmt: skip
             return
         ctx.reconciled[key] = stamp
-        await _reconcile_now(ctx, body)
+        await _finished_even_if_cancelled(asyncio.ensure_future(_reconcile_now(ctx, body)))
 
 
-async def _applied_even_if_cancelled(work: asyncio.Future[T]) -> T:
-    """`work`'s result; cancelled, it still waits for `work` (a worker thread applying, which
-    no cancel stops) before it gives up, so the object's lock is held until the apply is over:
-    a newer generation's reconcile beside it could be applied over."""
+async def _finished_even_if_cancelled(work: asyncio.Future[T]) -> T:
+    """`work`'s result; cancelled, it still waits for `work` to finish before it gives up. The
+    worker threads that apply children and write status run on whatever cancels their caller,
+    so the object's lock is held until they are done: a newer generation's reconcile beside
+    them would be written over."""
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:
         await asyncio.wait({work})  # a second cancel ends this wait
         if work.done() and not work.cancelled() and work.exception() is not None:
-            log.warning("a cancelled reconcile's apply failed: %s", work.exception())
+            log.warning("a cancelled reconcile ended with: %s", work.exception())
         raise
 
 
 async def _reconcile_now(ctx: Context, body: dict[str, Any]) -> None:
     try:
-        outcome = await _applied_even_if_cancelled(asyncio.ensure_future(asyncio.to_thread(
+        outcome = await asyncio.to_thread(
             reconcile, ctx.kube, body, ctx.clock(), ctx.options.images
-        )))  # fmt: skip
+        )
     except KubeError as exc:
         meta = body["metadata"]
         if namespace_terminating(exc.status, exc.message):
