@@ -87,3 +87,27 @@ def test_toolchain_says_what_it_used() -> None:
     text = kc.toolchain().describe()
     assert f"NVRTC {'.'.join(map(str, kc.nvrtc_version()))}" in text
     assert str(kc.cuda_include_dir()) in text
+
+
+def test_a_toolchain_refusal_is_the_reason_the_cuda_backend_gives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_toolchain: None
+) -> None:
+    """On a GPU machine whose HEADROOM_CUDA_INCLUDE lacks the headers, `--attention-backend
+    cuda` is refused with that reason, not a generic "CuPy or its runtime unavailable" (and
+    `auto` logs it as it falls back to torch)."""
+    import cupy
+
+    from headroom.engine.attention import BackendUnavailable, select_backend
+    from headroom.engine.attention import cuda_runtime as cr
+
+    monkeypatch.setenv("HEADROOM_CUDA_INCLUDE", str(tmp_path))  # no headers there
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", lambda: 1)
+    cr.cuda_unavailable_reason.cache_clear()
+    try:
+        with pytest.raises(BackendUnavailable) as info:
+            select_backend("cuda", torch.device("cuda"), 128, 16, torch.float16)
+    finally:
+        cr.cuda_unavailable_reason.cache_clear()
+    assert "the cuda attention backend cannot run: KernelCompileError: " in str(info.value)
+    assert f"HEADROOM_CUDA_INCLUDE={tmp_path} has no cuda_bf16.h" in str(info.value)

@@ -39,7 +39,8 @@ def _cuda_backend_status(device: torch.device) -> str | None:
     except ImportError as exc:  # CuPy missing or the backend module not installed
         return f"the cuda attention backend cannot be imported: {exc}"
     if not cuda_backend.cuda_available():
-        return "the cuda attention backend reports CuPy or its CUDA runtime unavailable"
+        why = cuda_backend.cuda_unavailable_reason() or "CuPy or its CUDA runtime unavailable"
+        return f"the cuda attention backend cannot run: {why}"
     return None
 
 

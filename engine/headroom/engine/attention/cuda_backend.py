@@ -23,6 +23,7 @@ from headroom.engine.attention.cuda_runtime import (
     CupyRuntime,
     KernelRuntime,
     cuda_available,
+    cuda_unavailable_reason,
     default_runtime,
 )
 from headroom.engine.attention.cuda_validate import (
@@ -155,6 +156,7 @@ __all__ = [
     "choose_partition_size",
     "copy_blocks",
     "cuda_available",
+    "cuda_unavailable_reason",
     "debug_checks",
     "default_runtime",
     "num_partitions",

@@ -24,21 +24,27 @@ from headroom.engine.kernels import compile as kc
 
 
 @cache
-def cuda_available() -> bool:
-    """True when torch sees a CUDA GPU, CuPy sees one too, and NVRTC loads."""
+def cuda_unavailable_reason() -> str | None:
+    """None when torch sees a CUDA GPU, CuPy sees one too, and NVRTC loads; else why not (a
+    toolchain refusal, such as a HEADROOM_CUDA_INCLUDE without the headers, word for word)."""
     try:
         import cupy
-    except ImportError:
-        return False
+    except ImportError as exc:
+        return f"CuPy cannot be imported: {exc}"
     if not torch.cuda.is_available():
-        return False
+        return "torch sees no GPU"
     try:
         if cupy.cuda.runtime.getDeviceCount() < 1:
-            return False
+            return "CuPy sees no GPU"
         kc.toolchain()
-    except Exception:  # no driver, no device or no toolchain all mean "not available"
-        return False
-    return True
+    except Exception as exc:  # no driver, no device or no toolchain all mean "not available"
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def cuda_available() -> bool:
+    """True when torch sees a CUDA GPU, CuPy sees one too, and NVRTC loads."""
+    return cuda_unavailable_reason() is None
 
 
 log = logging.getLogger("headroom.engine.attention")
