@@ -195,3 +195,15 @@ def test_a_host_that_does_not_resolve_is_a_bad_flag(
 def test_a_decimal_size_is_exact(text: str, size: int) -> None:
     """A size a unit makes whole is that many bytes: in floats 4.1G was a byte short."""
     assert parse_bytes(text) == size
+
+
+@pytest.mark.parametrize(
+    ("text", "complaint"),
+    [("0e9999999", "at least 1 byte"), ("1e9999999", "not a finite number"),
+     ("1" * 65, "too many digits"), ("0." + "0" * 70 + "1", "too many digits")],
+)  # fmt: skip
+def test_a_size_is_refused_before_it_is_expensive(text: str, complaint: str) -> None:
+    """An exponent or a digit string no size needs is refused at once with its reason, not
+    computed exactly (10**9999999) or left to int conversion's 4,300-digit limit."""
+    with pytest.raises(argparse.ArgumentTypeError, match=complaint):
+        parse_bytes(text)

@@ -359,8 +359,8 @@ async def test_python_m_headroom_sidecar_serves_metrics() -> None:
 
 
 async def test_serve_polls_once_it_listens() -> None:
-    """`serve` holds the poll loop until its port is bound, then polls: the engine shows up in
-    /healthz and /metrics, and `stop` ends it with the port released."""
+    """`serve` polls once it listens (the engine shows up in /healthz), and `stop` ends it with
+    the port released. That it does not poll before (a port taken) is the CLI test's."""
     from engine_process import free_port
 
     from headroom.sidecar.server import serve

@@ -46,6 +46,9 @@ _UNITS = {
     "tib": 2**40,
 }
 
+# Longer than any size a person types; Fraction would refuse past 4,300 digits anyway.
+_MAX_SIZE_CHARS = 64
+
 
 def parse_bytes(text: str) -> int:
     """`4GiB`, `512MiB`, `2G`, `1.5e9` or plain bytes -> bytes."""
@@ -54,11 +57,15 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"invalid size {text!r}: use bytes or a unit (KiB, MiB, GiB, K, M, G)"
         )
-    unit = _UNITS[m.group(2).lower()]
-    if not math.isfinite(float(m.group(1)) * unit):
+    number, unit = m.group(1), _UNITS[m.group(2).lower()]
+    if len(number) > _MAX_SIZE_CHARS:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: too many digits")
+    approx = float(number) * unit
+    if not math.isfinite(approx):
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: not a finite number")
-    # Exact: in floats 4.1G is 4,099,999,999.9... and truncates a byte short.
-    value = int(Fraction(m.group(1)) * unit)
+    # Exact: in floats 4.1G is 4,099,999,999.9... and truncates a byte short. The float
+    # bounds the exponent first, so `0e9999999` never becomes a 10**9999999 to build.
+    value = int(Fraction(number) * unit) if approx >= 1 else 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"size must be at least 1 byte, got {text!r}")
     return value
