@@ -262,13 +262,17 @@ class ServedFakeEngine(FakeEngine):
     health = _Health()
 
 
+# A stream that never ends fails the test rather than hanging it.
+_NO_HANG = aiohttp.ClientTimeout(total=30)
+
+
 async def _stream_completion(engine: FakeEngine, body: dict[str, object]) -> tuple[int, str]:
     st = _state(engine)
     st.tokenizer = object()  # type: ignore[assignment]  # token-id prompts only
     server = TestServer(create_app(st))
     await server.start_server()
     try:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(timeout=_NO_HANG) as http:
             url = str(server.make_url("/v1/completions"))
             async with http.post(url, json={"stream": True, **body}) as resp:
                 return resp.status, await resp.text()
@@ -339,7 +343,7 @@ async def _stream_chat(engine: FakeEngine, body: dict[str, object]) -> tuple[int
     server = TestServer(create_app(st))
     await server.start_server()
     try:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(timeout=_NO_HANG) as http:
             url = str(server.make_url("/v1/chat/completions"))
             messages = [{"role": "user", "content": "hi"}]
             async with http.post(url, json={"stream": True, "messages": messages, **body}) as resp:
@@ -378,6 +382,46 @@ async def test_a_chat_stream_error_before_any_output_is_a_plain_http_error() -> 
     _, first, error = _events(text)
     assert first["choices"][0]["delta"] == {"content": "a"}
     assert error["error"]["code"] == "engine_error"
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+async def test_an_unexpected_error_mid_stream_is_its_last_event(
+    route: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not only an APIError: once the stream has begun, any failure ends it with a 500 error
+    event and [DONE], and is logged. A second response used to be written into the stream's
+    body, and the client waited for an end that never came."""
+    engine = ServedFakeEngine([_out(0, "a", [1]), RuntimeError("boom")])
+    stream = _stream_chat if route == "chat" else _stream_completion
+    status, text = await stream(engine, {} if route == "chat" else {"prompt": [5]})
+    assert status == 200, text
+    error = _events(text)[-1]["error"]
+    assert (error["type"], error["message"]) == (
+        "server_error",
+        "internal server error (see the server log)",
+    )
+    assert "HTTP/1.1" not in text
+    assert any("mid-stream" in r.getMessage() and r.exc_info for r in caplog.records)
+    assert engine.aborted, "the failed request's generation is aborted"
+
+
+async def test_a_failure_after_the_outputs_is_the_streams_last_event_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failure after the outputs (here in the usage chunk) ends the begun stream the same
+    way."""
+    import headroom.engine.server.completions as completions
+
+    def broken(*_: Any) -> Any:
+        raise RuntimeError("usage")
+
+    monkeypatch.setattr(completions, "usage", broken)
+    body = {"prompt": [5], "stream_options": {"include_usage": True}}
+    status, text = await _stream_completion(ServedFakeEngine([_out(0, "a", [1], "length")]), body)
+    assert status == 200, text
+    first, error = _events(text)
+    assert first["choices"][0]["text"] == "a"
+    assert error["error"]["type"] == "server_error"
 
 
 def test_a_template_message_has_a_name_only_when_one_was_sent() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from aiohttp import web
 
 from headroom.engine.sampling import SamplingParams
-from headroom.engine.server.errors import APIError
 from headroom.engine.server.generation import (
     Generation,
     Tally,
@@ -23,7 +22,7 @@ from headroom.engine.server.protocol import (
     new_id,
     now,
 )
-from headroom.engine.server.sse import SSEWriter
+from headroom.engine.server.sse import ClientDisconnected, SSEWriter
 from headroom.engine.server.state import ServerState, state_of
 
 
@@ -72,8 +71,8 @@ async def _stream_completion(
     created = now()
     sse = SSEWriter(request)
     tally = Tally()
-    async with Generation(st, rid, prompts, params) as gen:
-        try:
+    try:
+        async with Generation(st, rid, prompts, params) as gen:
             async for i, out in gen.events():
                 for c in out.outputs:
                     k = i * req.n + c.index
@@ -85,15 +84,15 @@ async def _stream_completion(
                         id=rid, created=created, model=model, choices=[choice]
                     )
                     await sse.send(chunk)
-        except APIError as e:
-            if not sse.response.prepared:
-                raise
-            await sse.send(e.body())
-            await sse.done()
-            return sse.response
-    if req.include_usage:  # as OpenAI: clients that did not ask read choices[0] of every chunk
-        totals = usage(prompt_tokens, tally.completion_tokens)
-        final = CompletionResponse(id=rid, created=created, model=model, choices=[], usage=totals)
-        await sse.send(final)
-    await sse.done()
+        if req.include_usage:  # as OpenAI: clients that did not ask read choices[0] of every chunk
+            totals = usage(prompt_tokens, tally.completion_tokens)
+            final = CompletionResponse(
+                id=rid, created=created, model=model, choices=[], usage=totals
+            )
+            await sse.send(final)
+        await sse.done()
+    except Exception as e:  # once begun, any failure is the stream's last event
+        if not sse.response.prepared or isinstance(e, ClientDisconnected):
+            raise
+        return await sse.fail(e)
     return sse.response

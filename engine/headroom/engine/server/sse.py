@@ -3,11 +3,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel
+
+from headroom.engine.server.errors import APIError
+
+log = logging.getLogger("headroom.server")
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -45,7 +51,7 @@ class SSEWriter:
     def __init__(self, request: web.Request, headers: dict[str, str] | None = None) -> None:
         self._request = request
         self.response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **(headers or {})})
-        self._started = False
+        self._started = self._finished = False
 
     async def start(self) -> None:
         if not self._started:
@@ -66,3 +72,20 @@ class SSEWriter:
             await self.response.write_eof()
         except ConnectionResetError as e:
             raise ClientDisconnected(self.response) from e
+        self._finished = True
+
+    async def fail(self, exc: Exception) -> web.StreamResponse:
+        """End the begun stream with `exc` as an OpenAI error event, then `[DONE]`; anything
+        but an `APIError` is logged and said as a 500. Once begun, an error cannot be a
+        response of its own: its status line would land in this one's body, and the client
+        would wait for an end that never comes."""
+        error = exc if isinstance(exc, APIError) else None
+        if error is None:
+            req = self._request
+            log.error("unhandled error mid-stream in %s %s", req.method, req.path, exc_info=exc)
+            error = APIError(500, "internal server error (see the server log)")
+        if not self._finished:
+            with contextlib.suppress(ClientDisconnected):
+                await self.send(error.body())
+                await self.done()
+        return self.response
