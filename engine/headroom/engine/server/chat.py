@@ -32,7 +32,7 @@ from headroom.engine.server.protocol import (
     new_id,
     now,
 )
-from headroom.engine.server.sse import ClientDisconnected, SSEWriter
+from headroom.engine.server.sse import SSEWriter
 from headroom.engine.server.state import ServerState, state_of
 
 
@@ -112,7 +112,7 @@ async def _stream_chat(
             id=rid, created=created, model=model, choices=choices, usage=totals
         )
 
-    try:
+    async with sse.failures_as_last_event():
         async with Generation(st, rid, [ids], params) as gen:
             opened = False
             async for _, out in gen.events():
@@ -140,12 +140,4 @@ async def _stream_chat(
         if req.include_usage:  # as OpenAI: clients that did not ask read choices[0] of every chunk
             await sse.send(chunk([], usage(len(ids), tally.completion_tokens)))
         await sse.done()
-    except Exception as e:  # once begun, any failure is the stream's last event
-        if not sse.response.prepared or isinstance(e, ClientDisconnected):
-            raise
-        return await sse.fail(e)
-    return sse.response
-    if req.include_usage:  # as OpenAI: clients that did not ask read choices[0] of every chunk
-        await sse.send(chunk([], usage(len(ids), tally.completion_tokens)))
-    await sse.done()
     return sse.response

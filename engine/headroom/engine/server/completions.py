@@ -22,7 +22,7 @@ from headroom.engine.server.protocol import (
     new_id,
     now,
 )
-from headroom.engine.server.sse import ClientDisconnected, SSEWriter
+from headroom.engine.server.sse import SSEWriter
 from headroom.engine.server.state import ServerState, state_of
 
 
@@ -71,7 +71,7 @@ async def _stream_completion(
     created = now()
     sse = SSEWriter(request)
     tally = Tally()
-    try:
+    async with sse.failures_as_last_event():
         async with Generation(st, rid, prompts, params) as gen:
             async for i, out in gen.events():
                 for c in out.outputs:
@@ -91,8 +91,4 @@ async def _stream_completion(
             )
             await sse.send(final)
         await sse.done()
-    except Exception as e:  # once begun, any failure is the stream's last event
-        if not sse.response.prepared or isinstance(e, ClientDisconnected):
-            raise
-        return await sse.fail(e)
     return sse.response

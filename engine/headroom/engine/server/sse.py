@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -73,6 +74,17 @@ class SSEWriter:
         except ConnectionResetError as e:
             raise ClientDisconnected(self.response) from e
         self._finished = True
+
+    @contextlib.asynccontextmanager
+    async def failures_as_last_event(self) -> AsyncIterator[None]:
+        """Around the streaming: a failure once the response has begun ends it (`fail`); one
+        before is raised, to be the request's own HTTP error; a client gone is raised."""
+        try:
+            yield
+        except Exception as e:
+            if not self.response.prepared or isinstance(e, ClientDisconnected):
+                raise
+            await self.fail(e)
 
     async def fail(self, exc: Exception) -> web.StreamResponse:
         """End the begun stream with `exc` as an OpenAI error event, then `[DONE]`; anything
