@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
@@ -26,3 +27,18 @@ def posted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
 
     monkeypatch.setattr("kopf.event", event)
     return out
+
+
+@pytest.fixture
+def unresolvable_host(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A host name the resolver answers "no such name" for, without asking one (CI may have
+    none, and a real lookup may wait on it); other names resolve as before."""
+    name, resolve = "nowhere.test", socket.getaddrinfo
+
+    def lookup(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == name:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return resolve(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    return name

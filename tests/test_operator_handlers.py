@@ -634,53 +634,30 @@ def _spec_at(path: str) -> dict[str, Any]:
     return {**SPEC, "model": {"preset": "llama-3.1-8b", "path": path}}
 
 
+@pytest.mark.parametrize("cancelled", [False, True])
 async def test_a_resync_of_the_previous_spec_never_lands_after_the_new_one(
-    posted: list[tuple[str, str, str]],
+    posted: list[tuple[str, str, str]], cancelled: bool
 ) -> None:
-    # The resync reconciles the spec as it read it; a GitOps sync of a new generation can land
-    # while its applies are in flight. The old spec's Deployment must not be applied over the
-    # new one (a rollout back, then the drift check's rollout forward), nor its status last.
+    """The resync reconciles the spec as it read it; a GitOps sync of a new generation can land
+    while its applies are in flight. The old spec's Deployment must not be applied over the
+    new one (a rollout back, then the drift check's rollout forward), nor its status last.
+    Cancelled (the operator exiting, a peering pause), the resync still waits for the worker
+    thread that applies, which no cancel stops, before it lets go of the object."""
     kube = _HeldKube()
-    old = await _created_at(kube, "/models/old")
+    old, new = await _generations_1_and_2(kube)
     kube.held_path = "/models/old"
-    new = copy.deepcopy(old)
-    new["metadata"]["generation"] = 2
-    new["spec"] = _spec_at("/models/new")
     ctx = Context(Options(), kube)
     resync = asyncio.create_task(handlers._reconcile(ctx, old))
     assert await asyncio.to_thread(kube.holding.wait, 30)
-    update = asyncio.create_task(handlers._reconcile(ctx, new))
-    await asyncio.sleep(0.2)
-    kube.release.set()
-    await asyncio.gather(resync, update)
-    assert _deployed_path(kube) == "/models/new"
-    assert kube.statuses[-1][1]["observedGeneration"] == 2
-
-
-async def test_a_resync_cancelled_mid_apply_holds_the_lock_until_its_apply_is_over(
-    posted: list[tuple[str, str, str]],
-) -> None:
-    """A cancel (the operator exiting, a peering pause) does not stop the worker thread that
-    applies: the reconcile waits for it before it lets go of the object, so the new spec's
-    reconcile does not run beside the old apply and get applied over."""
-    kube = _HeldKube()
-    old = await _created_at(kube, "/models/old")
-    kube.held_path = "/models/old"
-    new = copy.deepcopy(old)
-    new["metadata"]["generation"] = 2
-    new["spec"] = _spec_at("/models/new")
-    ctx = Context(Options(), kube)
-    resync = asyncio.create_task(handlers._reconcile(ctx, old))
-    assert await asyncio.to_thread(kube.holding.wait, 30)
-    resync.cancel()
+    if cancelled:
+        resync.cancel()
     update = asyncio.create_task(handlers._reconcile(ctx, new))
     await asyncio.sleep(0.2)
     assert not resync.done() and not update.done()  # both wait on the apply in flight
     assert _deployed_path(kube) == "/models/old" and kube.applies == []
     kube.release.set()
-    with pytest.raises(asyncio.CancelledError):
-        await resync
-    await update
+    outcome = await asyncio.gather(resync, update, return_exceptions=True)
+    assert isinstance(outcome[0], asyncio.CancelledError) == cancelled and outcome[1] is None
     assert _deployed_path(kube) == "/models/new"
     assert kube.statuses[-1][1]["observedGeneration"] == 2
 
@@ -707,11 +684,8 @@ async def test_a_resync_cancelled_mid_status_write_lets_the_new_status_land_last
     """The status write after the apply runs in a worker thread too: cancelled there, the
     reconcile still holds the lock until it lands, so the new generation's status is last."""
     kube = _HeldStatusKube()
-    old = await _created_at(kube, "/models/old")
+    old, new = await _generations_1_and_2(kube)
     kube.held_generation = 1
-    new = copy.deepcopy(old)
-    new["metadata"]["generation"] = 2
-    new["spec"] = _spec_at("/models/new")
     ctx = Context(Options(), kube)
     resync = asyncio.create_task(handlers._reconcile(ctx, old))
     assert await asyncio.to_thread(kube.holding.wait, 30)
@@ -731,10 +705,7 @@ async def test_a_resync_read_before_the_new_spec_was_applied_applies_nothing(
     posted: list[tuple[str, str, str]],
 ) -> None:
     kube = _HeldKube()
-    old = await _created_at(kube, "/models/old")
-    new = copy.deepcopy(old)
-    new["metadata"]["generation"] = 2
-    new["spec"] = _spec_at("/models/new")
+    old, new = await _generations_1_and_2(kube)
     ctx = Context(Options(), kube)
     await handlers._reconcile(ctx, new)
     kube.applies.clear()
@@ -754,6 +725,16 @@ async def test_a_resync_read_before_the_new_spec_was_applied_applies_nothing(
     forget: Any = handlers.forget  # kopf's decorator types it as its registry's callback
     forget(name="chat", namespace="ns", memo=kopf.Memo(ctx=ctx))
     assert ctx.reconciled == {} and ctx.reconciling == {}
+
+
+async def _generations_1_and_2(kube: FakeKube) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The object created (and reconciled) at /models/old, and its generation 2 at /models/new
+    as a GitOps sync would bring it."""
+    old = await _created_at(kube, "/models/old")
+    new = copy.deepcopy(old)
+    new["metadata"]["generation"] = 2
+    new["spec"] = _spec_at("/models/new")
+    return old, new
 
 
 async def _created_at(kube: FakeKube, path: str) -> dict[str, Any]:

@@ -156,19 +156,11 @@ def test_a_port_already_taken_exits_1(
 
 
 def test_a_host_that_does_not_resolve_is_a_bad_flag(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    unresolvable_host: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An unresolvable --host is the user's typo (exit 2), not a failure to start (exit 1)."""
-    resolve = socket.getaddrinfo
-
-    def nowhere(host: Any, *args: Any, **kwargs: Any) -> Any:
-        if host == "nowhere.test":
-            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
-        return resolve(host, *args, **kwargs)
-
-    monkeypatch.setattr(socket, "getaddrinfo", nowhere)
-    assert sidecar_main(["--engine-url", URL, "--host", "nowhere.test", "--port", "0"]) == 2
-    assert "--host nowhere.test: " in capsys.readouterr().err
+    assert sidecar_main(["--engine-url", URL, "--host", unresolvable_host, "--port", "0"]) == 2
+    assert f"--host {unresolvable_host}: " in capsys.readouterr().err
 
 
 def test_a_validated_config_cannot_be_changed() -> None:
