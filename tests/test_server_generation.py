@@ -424,6 +424,52 @@ async def test_a_failure_after_the_outputs_is_the_streams_last_event_too(
     assert error["error"]["type"] == "server_error"
 
 
+async def test_a_failure_after_done_sends_no_second_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`[DONE]` is the client's end: a failure after it (finishing the response) adds no error
+    event and no second `[DONE]` after it."""
+    from aiohttp import web
+
+    real, calls = web.StreamResponse.write_eof, [0]
+
+    async def failing(self: web.StreamResponse, data: bytes = b"") -> None:
+        calls[0] += 1
+        if calls[0] == 1:  # the route's own end fails; aiohttp's, after the handler, does not
+            raise RuntimeError("after the end")
+        await real(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write_eof", failing)
+    status, text = await _stream_completion(
+        ServedFakeEngine([_out(0, "a", [1], "length")]), {"prompt": [5]}
+    )
+    assert status == 200, text
+    assert [e["choices"][0]["text"] for e in _events(text)] == ["a"]
+    assert text.count("[DONE]") == 1
+
+
+async def test_a_retry_elsewhere_mid_stream_ends_the_connection() -> None:
+    """An engine closed mid-stream is the 503 "retry on another replica" as the last event,
+    and the kept-alive connection ends after it, as that 503 does on its own: a retry on it
+    would come back to this pod."""
+    st = _state(ServedFakeEngine([_out(0, "a", [1]), EngineClosed("shutting down")]))
+    st.tokenizer = object()  # type: ignore[assignment]
+    server = TestServer(create_app(st))
+    await server.start_server()
+    try:
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        body = json.dumps({"stream": True, "prompt": [5]}).encode()
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        # Read until the server closes; a kept-alive connection would leave this waiting.
+        raw = await asyncio.wait_for(reader.read(), 30)
+        writer.close()
+    finally:
+        await server.close()
+    assert b'"code":"draining"' in raw and raw.count(b"[DONE]") == 1
+
+
 def test_a_template_message_has_a_name_only_when_one_was_sent() -> None:
     """`name` is left out when unset, so a template's `is defined` test holds; developer is
     rendered as system, as vLLM does."""

@@ -52,7 +52,7 @@ class SSEWriter:
     def __init__(self, request: web.Request, headers: dict[str, str] | None = None) -> None:
         self._request = request
         self.response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **(headers or {})})
-        self._started = self._finished = False
+        self._started = self._done_sent = False
 
     async def start(self) -> None:
         if not self._started:
@@ -69,11 +69,11 @@ class SSEWriter:
     async def done(self) -> None:
         """Write the `[DONE]` sentinel and finish the response."""
         await self.send("[DONE]")
+        self._done_sent = True
         try:
             await self.response.write_eof()
         except ConnectionResetError as e:
             raise ClientDisconnected(self.response) from e
-        self._finished = True
 
     @contextlib.asynccontextmanager
     async def failures_as_last_event(self) -> AsyncIterator[None]:
@@ -82,22 +82,27 @@ class SSEWriter:
         try:
             yield
         except Exception as e:
-            if not self.response.prepared or isinstance(e, ClientDisconnected):
+            if not self.response.prepared or isinstance(e, ConnectionResetError):
                 raise
             await self.fail(e)
 
     async def fail(self, exc: Exception) -> web.StreamResponse:
-        """End the begun stream with `exc` as an OpenAI error event, then `[DONE]`; anything
-        but an `APIError` is logged and said as a 500. Once begun, an error cannot be a
-        response of its own: its status line would land in this one's body, and the client
-        would wait for an end that never comes."""
+        """End the begun stream with `exc` as an OpenAI error event, then `[DONE]` (never a
+        second one, and never raising); anything but an `APIError` is logged and said as a
+        500. Once begun, an error cannot be a response of its own: its status line would land
+        in this one's body, and the client would wait for an end that never comes."""
         error = exc if isinstance(exc, APIError) else None
         if error is None:
             req = self._request
             log.error("unhandled error mid-stream in %s %s", req.method, req.path, exc_info=exc)
             error = APIError(500, "internal server error (see the server log)")
-        if not self._finished:
-            with contextlib.suppress(ClientDisconnected):
-                await self.send(error.body())
-                await self.done()
+        if error.close:  # as its own response would: a retry must not come back here
+            self.response.force_close()
+        if self._done_sent:  # the client has its end of the stream already
+            return self.response
+        try:
+            await self.send(error.body())
+            await self.done()
+        except Exception as again:  # nothing left to tell the client, nor to raise
+            log.debug("the stream's error event was not written: %r", again)
         return self.response
