@@ -662,6 +662,39 @@ async def test_a_resync_of_the_previous_spec_never_lands_after_the_new_one(
     assert kube.statuses[-1][1]["observedGeneration"] == 2
 
 
+async def test_a_reconcile_cancelled_twice_still_says_how_it_ended(
+    posted: list[tuple[str, str, str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A second cancel stops the wait for the apply, not the apply: when that fails later, the
+    operator's log says so (asyncio would otherwise report an exception never retrieved)."""
+
+    class Failing(_HeldKube):
+        def apply(self, obj: dict[str, Any], **kw: Any) -> dict[str, Any]:
+            applied = super().apply(obj, **kw)
+            if self.release.is_set():
+                raise RuntimeError("the API server went away")
+            return applied
+
+    kube = Failing()
+    old, _ = await _generations_1_and_2(kube)
+    kube.held_path = "/models/old"
+    resync = asyncio.create_task(handlers._reconcile(Context(Options(), kube), old))
+    assert await asyncio.to_thread(kube.holding.wait, 30)
+    resync.cancel()
+    await asyncio.sleep(0.05)  # the first cancel reached the wait for the apply
+    resync.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await resync
+    with caplog.at_level(logging.DEBUG, logger="headroom.operator"):
+        kube.release.set()
+        for _ in range(500):
+            if any("a cancelled reconcile ended with" in r.getMessage() for r in caplog.records):
+                break
+            await asyncio.sleep(0.02)
+    ended = [r for r in caplog.records if "a cancelled reconcile ended with" in r.getMessage()]
+    assert ended and ended[0].levelno == logging.WARNING
+
+
 class _HeldStatusKube(FakeKube):
     """Status writes of one generation wait until released: a reconcile caught writing."""
 

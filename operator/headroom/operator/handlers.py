@@ -355,10 +355,18 @@ async def _finished_even_if_cancelled(work: asyncio.Future[T]) -> T:
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:
+        # Said whenever it ends, a second cancel having cut this wait short or not.
+        work.add_done_callback(_log_cancelled_outcome)
         await asyncio.wait({work})  # a second cancel ends this wait
-        if work.done() and not work.cancelled() and work.exception() is not None:
-            log.warning("a cancelled reconcile ended with: %s", work.exception())
         raise
+
+
+def _log_cancelled_outcome(work: asyncio.Future[Any]) -> None:
+    """How a reconcile whose caller was cancelled ended; a retry later is routine."""
+    exc = None if work.cancelled() else work.exception()
+    if exc is not None:
+        level = logging.DEBUG if isinstance(exc, kopf.TemporaryError) else logging.WARNING
+        log.log(level, "a cancelled reconcile ended with: %s", exc)
 
 
 async def _reconcile_now(ctx: Context, body: dict[str, Any]) -> None:
