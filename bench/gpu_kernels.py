@@ -486,9 +486,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile_only:
         return finish(verdicts, t0, EXIT_PASS)
     if not cb.cuda_available():
+        why = cb.cuda_unavailable_reason() or "no CUDA GPU visible to torch and CuPy"
         print(
-            "\nno CUDA GPU visible to torch and CuPy: correctness and timing need a GPU and did "
-            f"not run (exit {EXIT_NEEDS_GPU} unless a verdict above missed)"
+            f"\n{why}: correctness and timing need a GPU and did not run "
+            f"(exit {EXIT_NEEDS_GPU} unless a verdict above missed)"
         )
         return finish(verdicts, t0, EXIT_NEEDS_GPU)
     torch.backends.cuda.matmul.allow_tf32 = False  # keep the fp32 reference fp32
