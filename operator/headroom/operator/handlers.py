@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from ipaddress import IPv4Address
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import aiohttp
 import kopf
@@ -63,7 +63,6 @@ from headroom.operator.status import (
 )
 
 log = logging.getLogger("headroom.operator")
-T = TypeVar("T")
 FINALIZER = f"{GROUP}/finalizer"
 SourceFactory = Callable[[str, "Context"], MetricsSource]
 LOOPBACK = IPv4Address("127.0.0.1")
@@ -344,16 +343,16 @@ async def _reconcile(ctx: Context, body: dict[str, Any]) -> None:
                       key[0], key[1], stamp[1], last[1], extra=log_fields(*key))  # fmt: skip
             return
         ctx.reconciled[key] = stamp
-        await _finished_even_if_cancelled(asyncio.ensure_future(_reconcile_now(ctx, body)))
+        await _finished_even_if_cancelled(asyncio.create_task(_reconcile_now(ctx, body)))
 
 
-async def _finished_even_if_cancelled(work: asyncio.Future[T]) -> T:
-    """`work`'s result; cancelled, it still waits for `work` to finish before it gives up. The
+async def _finished_even_if_cancelled(work: asyncio.Future[None]) -> None:
+    """Wait for `work`; cancelled, still wait for it to finish before giving up. The
     worker threads that apply children and write status run on whatever cancels their caller,
     so the object's lock is held until they are done: a newer generation's reconcile beside
     them would be written over."""
     try:
-        return await asyncio.shield(work)
+        await asyncio.shield(work)
     except asyncio.CancelledError:
         # Said whenever it ends, a second cancel having cut this wait short or not.
         work.add_done_callback(_log_cancelled_outcome)

@@ -38,8 +38,7 @@ def _cuda_backend_status(device: torch.device) -> str | None:
         from headroom.engine.attention import cuda_backend
     except ImportError as exc:  # CuPy missing or the backend module not installed
         return f"the cuda attention backend cannot be imported: {exc}"
-    if not cuda_backend.cuda_available():
-        why = cuda_backend.cuda_unavailable_reason() or "CuPy or its CUDA runtime unavailable"
+    if (why := cuda_backend.cuda_unavailable_reason()) is not None:
         return f"the cuda attention backend cannot run: {why}"
     return None
 

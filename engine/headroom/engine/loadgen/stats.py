@@ -118,21 +118,22 @@ def summarize_engine(samples: Sequence[StatsSample]) -> EngineSummary | None:
         hits += cur.hits_tokens - base_h
         preempt += cur.preemptions - base_p
     capacity = samples[-1].capacity
-    peak_used = max(s.used for s in samples)
-    mean_used = _run_mean_used(samples)
-    if mean_used is None:
-        mean_used = sum(s.used for s in samples) / len(samples)
-    else:
-        # Polls can all fall between short requests; the run's mean is a floor on its peak.
-        peak_used = max(peak_used, min(math.ceil(mean_used - 1e-6), capacity))
-    peak = min(1.0, peak_used / capacity) if capacity else 0.0
-    mean = min(1.0, mean_used / capacity) if capacity else 0.0
     if any(s.capacity != capacity for s in samples):
         # A restart resized the pool: each poll is read against its own, and the peak is
         # reported as the blocks of the fullest poll.
         fullest = max(reversed(samples), key=lambda s: s.occupancy)  # the latest on a tie
         capacity, peak_used, peak = fullest.capacity, fullest.used, fullest.occupancy
         mean = sum(s.occupancy for s in samples) / len(samples)
+    else:
+        peak_used = max(s.used for s in samples)
+        mean_used = _run_mean_used(samples)
+        if mean_used is None:
+            mean_used = sum(s.used for s in samples) / len(samples)
+        else:
+            # Polls can all fall between short requests; the run's mean is a floor on its peak.
+            peak_used = max(peak_used, min(math.ceil(mean_used - 1e-6), capacity))
+        peak = min(1.0, peak_used / capacity) if capacity else 0.0
+        mean = min(1.0, mean_used / capacity) if capacity else 0.0
     return EngineSummary(
         samples=len(samples),
         capacity_blocks=capacity,

@@ -77,16 +77,17 @@ class SSEWriter:
 
     @contextlib.asynccontextmanager
     async def failures_as_last_event(self) -> AsyncIterator[None]:
-        """Around the streaming: a failure once the response has begun ends it (`fail`); one
-        before is raised, to be the request's own HTTP error; a client gone is raised."""
+        """Around the streaming: a failure once the response has begun ends it (`_end_with`); one
+        before is raised, to be the request's own HTTP error; a client gone is raised. The
+        caller returns `response` after it, ended either way."""
         try:
             yield
         except Exception as e:
             if not self.response.prepared or isinstance(e, ConnectionResetError):
                 raise
-            await self.fail(e)
+            await self._end_with(e)
 
-    async def fail(self, exc: Exception) -> web.StreamResponse:
+    async def _end_with(self, exc: Exception) -> None:
         """End the begun stream with `exc` as an OpenAI error event, then `[DONE]` (never a
         second one, and never raising); anything but an `APIError` is logged and said as a
         500. Once begun, an error cannot be a response of its own: its status line would land
@@ -99,10 +100,9 @@ class SSEWriter:
         if error.close:  # as its own response would: a retry must not come back here
             self.response.force_close()
         if self._done_sent:  # the client has its end of the stream already
-            return self.response
+            return
         try:
             await self.send(error.body())
             await self.done()
         except Exception as again:  # nothing left to tell the client, nor to raise
             log.debug("the stream's error event was not written: %r", again)
-        return self.response
