@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import csv
 import http.server
 import io
@@ -159,11 +160,34 @@ def test_bad_flags_and_unreachable_server(capsys: pytest.CaptureFixture[str]) ->
         assert says in err and "Traceback" not in err, err
 
 
+class _QuietHandler(http.server.BaseHTTPRequestHandler):
+    """A stub server's request handler that logs nothing: the test's output stays its own."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _stub(handler: type[http.server.BaseHTTPRequestHandler]) -> tuple[http.server.HTTPServer, str]:
+    """A server for `handler` on 127.0.0.1 at a free port, not serving yet, and its URL."""
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+@contextlib.contextmanager
+def _serving(srv: http.server.HTTPServer) -> Iterator[None]:
+    """`srv` answering in a thread until the block ends."""
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield
+    finally:
+        srv.shutdown()
+
+
 @pytest.fixture
 def web_page() -> Iterator[str]:
     """A server that answers every request 200 with a web page: the wrong port, say."""
 
-    class Page(http.server.BaseHTTPRequestHandler):
+    class Page(_QuietHandler):
         def _page(self) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/html")
@@ -172,13 +196,9 @@ def web_page() -> Iterator[str]:
 
         do_GET = do_POST = _page
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
+    srv, url = _stub(Page)
+    with _serving(srv):
+        yield url
 
 
 def test_a_200_that_is_not_an_event_stream_is_not_a_served_request(
@@ -243,7 +263,7 @@ class Scripted:
         self.parts_written: list[int] = []
         scripted = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(_QuietHandler):
             def do_GET(self) -> None:
                 self._answer(b'{"object": "list", "data": [{"id": "m"}]}', "application/json")
 
@@ -277,19 +297,14 @@ class Scripted:
                 readable, _, _ = select.select([self.connection], [], [], wait_s)
                 return bool(readable) and self.connection.recv(1) == b""
 
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server, self.url = _stub(Handler)
 
 
 @pytest.fixture
 def scripted() -> Iterator[Scripted]:
     srv = Scripted()
-    threading.Thread(target=srv.server.serve_forever, daemon=True).start()
-    yield srv
-    srv.server.shutdown()
+    with _serving(srv.server):
+        yield srv
 
 
 def _events(*events: str) -> bytes:
@@ -517,7 +532,7 @@ class Recorder:
         cond = threading.Condition()
         rec = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(_QuietHandler):
             def do_GET(self) -> None:
                 self._send(b'{"object": "list", "data": [{"id": "m"}]}', "application/json")
 
@@ -543,19 +558,14 @@ class Recorder:
                 self.end_headers()
                 self.wfile.write(payload)
 
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server, self.url = _stub(Handler)
 
 
 @pytest.fixture
 def recorder() -> Iterator[Recorder]:
     srv = Recorder()
-    threading.Thread(target=srv.server.serve_forever, daemon=True).start()
-    yield srv
-    srv.server.shutdown()
+    with _serving(srv.server):
+        yield srv
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

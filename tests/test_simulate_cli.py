@@ -742,44 +742,34 @@ def test_profile_says_the_weights_do_not_fit_not_the_context(
 
 
 @pytest.mark.parametrize(
-    ("args", "needle"),
+    ("command", "args", "needle"),
     [
-        (["--rate", "100"], None),
-        (["--rate", "0.5"], None),
-        (["--rate", "100.5"], "--rate must be at most 100, got 100.5"),
-        (["--decode-tps", "inf"], "--decode-tps must be a positive number, got inf"),
-        (["--block-size", "1"], None),
-        (["--block-size", "1024"], None),
-        (["--block-size", "1025"], "--block-size must be in [1, 1024], got 1025"),
+        ("profile", ["--rate", "100"], None),
+        ("profile", ["--rate", "0.5"], None),
+        ("profile", ["--rate", "100.5"], "--rate must be at most 100, got 100.5"),
+        ("profile", ["--decode-tps", "inf"], "--decode-tps must be a positive number, got inf"),
+        ("profile", ["--block-size", "1"], None),
+        ("profile", ["--block-size", "1024"], None),
+        ("profile", ["--block-size", "1025"], "--block-size must be in [1, 1024], got 1025"),
+        ("simulate", ["--seeds", "1"], None),
+        ("simulate", ["--seeds", "100"], None),
+        ("simulate", ["--seeds", "101"], "--seeds must be in [1, 100], got 101"),
+        ("simulate", ["--rate", "100"], None),
+        ("simulate", ["--rate", "101"], "--rate must be at most 100, got 101"),
+        ("simulate", ["--quantiles", "0.5,0.99"], None),
     ],
 )
-def test_profile_takes_each_bound_of_its_arguments_and_nothing_past_it(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], needle: str | None
+def test_each_command_takes_each_bound_of_its_arguments_and_nothing_past_it(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    command: str,
+    args: list[str],
+    needle: str | None,
 ) -> None:
     """A value at a bound passes the checks and fails only on the spec, which is missing."""
     gone = tmp_path / "gone.yaml"
-    code, err = in_process(capsys, "profile", AZURE, "--spec", gone, *args)
-    assert code == 2 and err.startswith(f"headroom profile: {needle or f'{gone}: cannot read'}")
-
-
-@pytest.mark.parametrize(
-    ("args", "needle"),
-    [
-        (["--seeds", "1"], None),
-        (["--seeds", "100"], None),
-        (["--seeds", "101"], "--seeds must be in [1, 100], got 101"),
-        (["--rate", "100"], None),
-        (["--rate", "101"], "--rate must be at most 100, got 101"),
-        (["--quantiles", "0.5,0.99"], None),
-    ],
-)
-def test_simulate_takes_each_bound_of_its_arguments_and_nothing_past_it(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], needle: str | None
-) -> None:
-    """A value at a bound passes the checks and fails only on the spec, which is missing."""
-    gone = tmp_path / "gone.yaml"
-    code, err = in_process(capsys, "simulate", AZURE, "--spec", gone, *args)
-    assert code == 2 and err.startswith(f"headroom simulate: {needle or f'{gone}: cannot read'}")
+    code, err = in_process(capsys, command, AZURE, "--spec", gone, *args)
+    assert code == 2 and err.startswith(f"headroom {command}: {needle or f'{gone}: cannot read'}")
 
 
 def test_quantiles_are_distinct_and_ascending_from_0_5_to_0_99_inclusive() -> None:
