@@ -22,6 +22,9 @@ help:
 	@echo "make e2e    end-to-end scenarios on the real control plane"
 	@echo "make image  build the headroom and headroom-engine images here (no registry), run and export them"
 	@echo "make lock   re-resolve uv.lock after editing the ranges in pyproject.toml"
+	@echo "make venv   only install .venv from uv.lock (the headroom command is .venv/bin/headroom)"
+	@echo "make crd    regenerate the CRD from the pydantic models (and the chart's copy)"
+	@echo "make cluster-up / cluster-down   keep a test control plane running for manual work"
 
 venv:
 	@scripts/venv.sh

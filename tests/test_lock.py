@@ -171,7 +171,7 @@ def test_the_operator_and_sidecar_install_without_torch(tmp_path: Path) -> None:
     served = subprocess.run([str(headroom), "serve", "--model", "tiny"], capture_output=True,
                             text=True, timeout=120)  # fmt: skip
     assert served.returncode == 2
-    assert "headroom[engine]" in served.stderr and "torch" in served.stderr
+    assert "pip install '.[engine]'" in served.stderr and "torch" in served.stderr
     assert "Traceback" not in served.stderr
     trace = tmp_path / "trace.csv"
     trace.write_text("arrival_s,prompt_tokens,output_tokens\n0.0,100,10\n")
@@ -179,7 +179,7 @@ def test_the_operator_and_sidecar_install_without_torch(tmp_path: Path) -> None:
     for args in (["profile", str(trace)], ["simulate", str(trace), "--spec", str(spec)]):
         proc = subprocess.run([str(headroom), *args], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, (args, proc.stderr)
-        assert "headroom[sim]" in proc.stderr and "numpy" in proc.stderr, proc.stderr
+        assert "pip install '.[sim]'" in proc.stderr and "numpy" in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
         helped = subprocess.run([str(headroom), args[0], "--help"], capture_output=True, text=True)
         assert helped.returncode == 0 and "TRACE" in helped.stdout, helped.stderr

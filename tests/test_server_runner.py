@@ -127,6 +127,8 @@ async def test_a_stats_listener_binds_the_main_host_and_serves_no_api(
     settings = ServerSettings(served_model_name="tiny")
     async with _serving_while_loading(monkeypatch, listen, settings) as (out, _):
         assert f"/health /ready /stats on http://127.0.0.1:{sport}" in out.getvalue()
+        # The API's port is bound before the load: the line must not read as ready.
+        assert f"listening on http://127.0.0.1:{port}, loading the model" in out.getvalue()
         status, body = await asyncio.to_thread(_get, f"http://127.0.0.1:{sport}/ready")
         assert (status, body["reason"]) == (503, "loading")
         status, _ = await asyncio.to_thread(_get, f"http://127.0.0.1:{sport}/v1/models")

@@ -405,6 +405,37 @@ def test_a_target_above_what_the_engine_admits_to_is_simulated_not_refused(
     assert code == 0, err
 
 
+@pytest.mark.parametrize(
+    ("scaling", "named"),
+    [
+        ({"targetOccupancy": 0.5, "scaleOutOccupancy": 0.6},
+         "(not the spec's targetOccupancy 0.5 and scaleOutOccupancy 0.6)"),
+        ({"targetOccupancy": 0.95, "scaleOutOccupancy": 0.99},
+         "(not the spec's scaleOutOccupancy 0.99)"),
+        ({}, None),
+    ],
+    ids=["both", "one", "none"],
+)  # fmt: skip
+def test_simulate_names_the_spec_s_occupancy_settings_it_replaced(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    scaling: dict[str, float],
+    named: str | None,
+) -> None:
+    """The sweep turns forecastQuantile alone, at the occupancy its band is sized for: the
+    header names the spec's own settings it did not use, and says nothing when there are none."""
+    trace = short_trace(tmp_path / "short.csv", minutes=3)
+    spec = spec_file(tmp_path / "chat.yaml", **scaling)
+    code = main(["simulate", str(trace), "--spec", str(spec), "--seeds", "1", "--quantiles", "0.9"])
+    out = " ".join(capsys.readouterr().out.split())  # the header wraps
+    assert code == 0
+    assert "target occupancy 0.95 and scale-out line 0.975" in out
+    if named is None:
+        assert "not the spec's" not in out
+    else:
+        assert named in out
+
+
 # ------------------------------------------------------------------------------------ progress
 
 
@@ -474,7 +505,7 @@ def test_without_numpy_profile_and_simulate_exit_2_naming_the_sim_extra(tmp_path
             f"raise SystemExit(main({args!r}))"
         )
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-        assert_clean_exit_2(r, "needs numpy", "pip install 'headroom[sim]'")
+        assert_clean_exit_2(r, "needs numpy", "pip install '.[sim]' in a headroom checkout")
 
 
 def test_without_matplotlib_simulate_png_exits_2_before_any_replay(tmp_path: Path) -> None:
@@ -493,7 +524,7 @@ def test_without_matplotlib_simulate_png_exits_2_before_any_replay(tmp_path: Pat
         f"raise SystemExit(main({args!r}))"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-    assert_clean_exit_2(r, "needs matplotlib", "headroom[sim]")
+    assert_clean_exit_2(r, "needs matplotlib", "pip install '.[sim]'")
     assert "forecastQuantile" not in r.stderr  # no replay ran
 
 

@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(
             f"headroom {command}: needs {root}, which this install lacks: it comes with the "
-            f"{extra} extra (pip install 'headroom[{extra}]')",
+            f"{extra} extra (pip install '.[{extra}]' in a headroom checkout)",
             file=sys.stderr,
         )
         return 2

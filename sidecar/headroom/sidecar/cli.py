@@ -63,21 +63,31 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "exported as headroom_kv_blocks_planned, to compare with the running pool's "
         "headroom_kv_blocks_capacity",
     )
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    p.add_argument("--port", type=int, default=SIDECAR_PORT, help="port to listen on")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between polls")
-    p.add_argument("--timeout", type=float, default=0.8, help="seconds before a poll is abandoned")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default %(default)s)")
+    p.add_argument(
+        "--port", type=int, default=SIDECAR_PORT, help="port to listen on (default %(default)s)"
+    )
+    p.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between polls (default %(default)s)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=0.8,
+        help="seconds before a poll is abandoned (default %(default)s)",
+    )
     p.add_argument(
         "--window",
         type=float,
         default=60.0,
-        help="seconds of history for the hit ratio and preemption rate",
+        help="seconds of history for the hit ratio and preemption rate (default %(default)s)",
     )
     p.add_argument(
         "--forecast-window",
         type=float,
         default=30.0,
-        help="seconds of occupancy history the saturation slope is fitted over",
+        help="seconds of occupancy history the saturation slope is fitted over (default "
+        "%(default)s)",
     )
     p.add_argument("--pod", default=env("POD_NAME", ""), help="pod label (default $POD_NAME)")
     p.add_argument(

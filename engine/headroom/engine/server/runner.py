@@ -249,7 +249,12 @@ async def serve(
         main, listen.host, listen.port, limits, {"access_log": access_log, "lingering_time": linger}
     )
     listeners.append(listener)
-    print(f"headroom serve: listening on http://{listen.host}:{port}", file=out, flush=True)
+    # Probes get answers during a load of minutes; "ready" below says when it can serve.
+    print(
+        f"headroom serve: listening on http://{listen.host}:{port}, loading the model",
+        file=out,
+        flush=True,
+    )
     if listen.separate_stats:
         ops = web.AppRunner(
             create_app(state, api=False), access_log=None, shutdown_timeout=HANDLER_FLUSH_S

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from headroom.operator.crd.models import InferenceDeploymentSpec
     from headroom.operator.reconcile.sizing import Parsed, Sizing
+    from headroom.operator.scaling.decide import Policy
     from headroom.operator.simulate.progress import Progress
     from headroom.operator.simulate.trace import Trace
 
@@ -153,6 +154,21 @@ def quantiles(text: str) -> tuple[float, ...]:
                 f"--quantiles: {q:g} is outside [0.5, 0.99] (scaling.forecastQuantile's range)"
             )
     return tuple(sorted(set(values)))
+
+
+def _occupancy_replaced(spec: InferenceDeploymentSpec, policy: Policy) -> list[str]:
+    """The occupancy settings the spec states that the sweep replaced ("targetOccupancy 0.5"):
+    it turns forecastQuantile alone, at the occupancy its band is sized for."""
+    scaling = spec.scaling
+    pairs = (
+        ("target_occupancy", "targetOccupancy", policy.target_occupancy),
+        ("scale_out_occupancy", "scaleOutOccupancy", policy.scale_out_occupancy),
+    )
+    return [
+        f"{name} {getattr(scaling, field):g}"
+        for field, name, used in pairs
+        if field in scaling.model_fields_set and getattr(scaling, field) != used
+    ]
 
 
 def _progress(args: argparse.Namespace) -> Progress:
@@ -373,7 +389,8 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.json:
         out = render.simulate_json(trace, args.rate, pod, shape, settings, best, floors)
     else:
-        lines = render.simulate_header(trace, args.rate, seeds, pod, shape, settings[0])
+        replaced = _occupancy_replaced(sf.spec, settings[0].policy)
+        lines = render.simulate_header(trace, args.rate, seeds, pod, shape, settings[0], replaced)
         lines += [
             "",
             *render.simulate_table(settings, best),

@@ -196,10 +196,18 @@ def _figure(s: Setting, attr: str, case: str) -> float:
 
 
 def simulate_header(
-    trace: Trace, rate: float, seeds: Sequence[int], pod: str, shape: PodShape, s: Setting
+    trace: Trace,
+    rate: float,
+    seeds: Sequence[int],
+    pod: str,
+    shape: PodShape,
+    s: Setting,
+    replaced: Sequence[str] = (),
 ) -> list[str]:
-    """What was replayed on what, fixed before the table is read."""
+    """What was replayed on what, fixed before the table is read; `replaced` names the spec's
+    own occupancy settings the sweep did not use ("targetOccupancy 0.5")."""
     pol = s.policy
+    instead = f" (not the spec's {' and '.join(replaced)})" if replaced else ""
     return [
         *_wrapped(
             "trace",
@@ -219,8 +227,8 @@ def simulate_header(
             "policy",
             f"the operator's decide() every {pol.interval_seconds:g} s with the spec's scaling "
             f"(replicas {pol.min_replicas}-{pol.max_replicas}), target occupancy "
-            f"{pol.target_occupancy:g} and scale-out line {pol.scale_out_occupancy:g}; one row "
-            "per forecastQuantile",
+            f"{pol.target_occupancy:g} and scale-out line {pol.scale_out_occupancy:g}{instead}; "
+            "one row per forecastQuantile",
             8,
         ),
         *_wrapped(
