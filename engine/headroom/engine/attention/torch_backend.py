@@ -219,7 +219,9 @@ class TorchBackend:
             (kv_heads, n_chunks, rows, groups, c_tok), _NEG_INF, dtype=torch.float32, device=device
         )
         q_heads = q.unbind(1)
-        masks: dict[int, torch.Tensor] = {}  # chunk -> [row, token] slots outside each row
+        # chunk -> (its first row masked, [row, token] slots outside each row) for each run of
+        # rows that does not see the whole chunk
+        masks: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for j, b0, b1, r0, r1 in plan:
             n_tok = (b1 - b0) * bs
             k = self._gather_into(cache, tables[r0:r1, b0:b1].reshape(-1), True)
@@ -231,14 +233,20 @@ class TorchBackend:
                 else:  # the last, shorter chunk: its slab is not contiguous
                     scores[h, j, r0:r1, :, :n_tok] = torch.bmm(*qk)
             c0 = b0 * bs
-            partial = lens[r1 - 1] < c0 + n_tok or lo_pos[r0] > c0
-            if partial:
+            # Sorted by length, the rows whose window starts inside the chunk are a prefix and
+            # those ending inside it a suffix. The rows between see all of it and are not
+            # masked: a masked fill costs more per score than the matmul that wrote it.
+            window_end = r0 + _prefix_above(lo_pos[r0:r1], c0)
+            ends = max(window_end, r0 + _prefix_above(lens[r0:r1], c0 + n_tok - 1))
+            for s0, s1 in ((r0, window_end), (ends, r1)):
+                if s0 == s1:
+                    continue
                 pos = torch.arange(c0, c0 + n_tok, device=device)
-                row_hi = torch.tensor(lens[r0:r1], device=device)
-                row_lo = torch.tensor(lo_pos[r0:r1], device=device)
+                row_hi = torch.tensor(lens[s0:s1], device=device)
+                row_lo = torch.tensor(lo_pos[s0:s1], device=device)
                 invalid = (pos[None, :] >= row_hi[:, None]) | (pos[None, :] < row_lo[:, None])
-                scores[:, j, r0:r1, :, :n_tok].masked_fill_(invalid[None, :, None, :], _NEG_INF)
-                masks[j] = invalid
+                scores[:, j, s0:s1, :, :n_tok].masked_fill_(invalid[None, :, None, :], _NEG_INF)
+                masks.setdefault(j, []).append((s0 - r0, invalid))
         peak = scores.amax(dim=(1, 4), keepdim=True)
         probs = scores.sub_(peak).exp_()
         denom = probs.sum(dim=(1, 4))  # [Hkv, R, G]
@@ -247,11 +255,12 @@ class TorchBackend:
         for j, b0, b1, r0, r1 in plan:
             n_tok = (b1 - b0) * bs
             v = self._gather_into(cache, tables[r0:r1, b0:b1].reshape(-1), False)
-            if j in masks:
+            for s0, invalid in masks.get(j, ()):
                 # A masked slot weighs 0, but 0 x a stale NaN or inf (a freed sequence's, or
                 # block 0 padding a shorter table) is NaN: zero it, as the CUDA kernel skips it
                 # (by index: a fill over the whole chunk cost ~1 ms a partial chunk).
-                v.view(-1, kv_heads, head_dim)[masks[j].reshape(-1)] = 0.0
+                rows_v = v.view(r1 - r0, n_tok, kv_heads, head_dim)[s0 : s0 + len(invalid)]
+                rows_v.view(-1, kv_heads, head_dim)[invalid.reshape(-1)] = 0.0
             v_heads = v.view(r1 - r0, n_tok, kv_heads, head_dim).unbind(2)
             for h in range(kv_heads):
                 acc_heads[h][r0:r1].baddbmm_(probs[h, j, r0:r1, :, :n_tok], v_heads[h])
