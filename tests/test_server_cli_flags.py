@@ -137,8 +137,8 @@ def test_a_size_under_one_byte_is_refused(text: str) -> None:
 def test_the_served_name_is_the_flag_else_the_model_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Clients ask for the model directory's name (a trailing slash aside, `.` too) unless
-    renamed."""
+    """Clients ask for the model directory's name (a trailing slash aside, `.` too; the root's
+    is its path, not an empty name refused as a flag never given) unless renamed."""
     model = tmp_path / "my-model"
     assert _configs("--model", f"{model}/")[1].served_model_name == "my-model"
     model.mkdir()
@@ -149,6 +149,7 @@ def test_the_served_name_is_the_flag_else_the_model_directory(
     assert _configs("--model", str(model), "--served-model-name", "m")[1].served_model_name == "m"
     assert _configs("--served-model-name", "m")[1].served_model_name == "m"
     assert _configs()[1].served_model_name == "tiny"
+    assert _configs("--model", "/")[1].served_model_name == "/"
 
 
 def test_the_api_key_flag_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -155,9 +155,12 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerSetting
         attention_backend=args.attention_backend,
         seed=args.seed,
     )
-    # The directory's own name: `--model .` or `~/m/` is the directory, not "." or "".
+    # The directory's own name: `--model .` or `~/m/` is the directory, not "." or ""; the
+    # root has no name but its path.
     path = os.path.abspath(os.path.expanduser(args.model))
-    name = args.served_model_name or ("tiny" if args.model == "tiny" else os.path.basename(path))
+    name = args.served_model_name or (
+        "tiny" if args.model == "tiny" else os.path.basename(path) or path
+    )
     settings = ServerSettings(
         served_model_name=name,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
