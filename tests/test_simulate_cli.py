@@ -412,9 +412,10 @@ def test_a_target_above_what_the_engine_admits_to_is_simulated_not_refused(
          "(not the spec's targetOccupancy 0.5 and scaleOutOccupancy 0.6)"),
         ({"targetOccupancy": 0.95, "scaleOutOccupancy": 0.99},
          "(not the spec's scaleOutOccupancy 0.99)"),
-        ({}, None),
+        ({}, "(not the spec's default targetOccupancy 0.85 and default scaleOutOccupancy 0.95)"),
+        ({"targetOccupancy": 0.95, "scaleOutOccupancy": 0.975}, None),
     ],
-    ids=["both", "one", "none"],
+    ids=["both", "one", "defaults", "the-same"],
 )  # fmt: skip
 def test_simulate_names_the_spec_s_occupancy_settings_it_replaced(
     capsys: pytest.CaptureFixture[str],
@@ -423,7 +424,8 @@ def test_simulate_names_the_spec_s_occupancy_settings_it_replaced(
     named: str | None,
 ) -> None:
     """The sweep turns forecastQuantile alone, at the occupancy its band is sized for: the
-    header names the spec's own settings it did not use, and says nothing when there are none."""
+    header names the spec's settings it did not use, stated or defaulted, and nothing when the
+    spec asks for what was simulated."""
     trace = short_trace(tmp_path / "short.csv", minutes=3)
     spec = spec_file(tmp_path / "chat.yaml", **scaling)
     code = main(["simulate", str(trace), "--spec", str(spec), "--seeds", "1", "--quantiles", "0.9"])

@@ -157,17 +157,19 @@ def quantiles(text: str) -> tuple[float, ...]:
 
 
 def _occupancy_replaced(spec: InferenceDeploymentSpec, policy: Policy) -> list[str]:
-    """The occupancy settings the spec states that the sweep replaced ("targetOccupancy 0.5"):
-    it turns forecastQuantile alone, at the occupancy its band is sized for."""
+    """The spec's occupancy settings, stated or its defaults, that the sweep replaced
+    ("targetOccupancy 0.5", "default scaleOutOccupancy 0.95"): it turns forecastQuantile alone,
+    at the occupancy its band is sized for."""
     scaling = spec.scaling
     pairs = (
         ("target_occupancy", "targetOccupancy", policy.target_occupancy),
         ("scale_out_occupancy", "scaleOutOccupancy", policy.scale_out_occupancy),
     )
     return [
-        f"{name} {getattr(scaling, field):g}"
+        f"{'' if field in scaling.model_fields_set else 'default '}{name} "
+        f"{getattr(scaling, field):g}"
         for field, name, used in pairs
-        if field in scaling.model_fields_set and getattr(scaling, field) != used
+        if getattr(scaling, field) != used
     ]
 
 
