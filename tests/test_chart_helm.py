@@ -21,6 +21,7 @@ import yaml
 from e2e.cluster.harness import BuildError, Cluster, build
 from e2e.cluster.pytest_plugin import missing_piece
 from headroom.operator.rbac import cluster_role_rules
+from headroom.operator.reconcile.children import RUN_AS_USER
 
 pytest_plugins = ["e2e.cluster.pytest_plugin"]
 
@@ -135,6 +136,59 @@ def test_default_render(helm: Path) -> None:
         assert labels["app.kubernetes.io/managed-by"] == "Helm"
 
 
+def test_every_object_carries_the_chart_labels_and_a_name(helm: Path) -> None:
+    """Every object, optional ones too, has the chart's labels and a name from the full name."""
+    # Peering, Roles, NetworkPolicy, PrometheusRule and ServiceMonitor rendered as well.
+    objs = render(
+        helm, "operator.peering=hr", "operator.replicas=2", "operator.watchNamespaces={team-a}",
+        "networkPolicy.enabled=true", "metrics.serviceMonitor.enabled=true",
+        "prometheusRule.namespace=monitoring", api_versions=("monitoring.coreos.com/v1",),
+    )  # fmt: skip
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert set(kinds(objs)) == {
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+        "Deployment", "Service", "ServiceMonitor", "PrometheusRule", "ConfigMap",
+        "NetworkPolicy", "ClusterKopfPeering",
+    }  # fmt: skip
+    for o in objs:
+        assert o["metadata"]["labels"] == {
+            "helm.sh/chart": f"headroom-{chart['version']}",
+            "app.kubernetes.io/name": "headroom",
+            "app.kubernetes.io/instance": "headroom",
+            "app.kubernetes.io/component": "operator",
+            "app.kubernetes.io/version": str(chart["appVersion"]),
+            "app.kubernetes.io/managed-by": "Helm",
+            "app.kubernetes.io/part-of": "headroom",
+        } | ({"grafana_dashboard": "1"} if o["kind"] == "ConfigMap" else {}), o["kind"]
+    assert one(objs, "PrometheusRule")["metadata"]["namespace"] == "monitoring"
+    # ... and each is named after the full name (the peering object after operator.peering).
+    names = {o["kind"]: o["metadata"]["name"] for o in objs}
+    assert names == {
+        "ServiceAccount": "headroom", "ClusterRole": "headroom", "ClusterRoleBinding": "headroom",
+        "Role": "headroom", "RoleBinding": "headroom", "Deployment": "headroom",
+        "Service": "headroom-metrics", "ServiceMonitor": "headroom",
+        "PrometheusRule": "headroom-alerts", "ConfigMap": "headroom-dashboard",
+        "NetworkPolicy": "headroom-inference", "ClusterKopfPeering": "hr",
+    }  # fmt: skip
+
+
+def test_the_operator_pod_selector_is_the_charts_fixed_labels(helm: Path) -> None:
+    """The pod selector is fixed: a Deployment's selector is immutable, `helm upgrade` needs it."""
+    # The metrics Service and the ServiceMonitor select by the same labels.
+    objs = render(helm, "metrics.serviceMonitor.enabled=true",
+                  api_versions=("monitoring.coreos.com/v1",))  # fmt: skip
+    selector = {
+        "app.kubernetes.io/name": "headroom",
+        "app.kubernetes.io/instance": "headroom",
+        "app.kubernetes.io/component": "operator",
+    }
+    dep = one(objs, "Deployment")
+    assert dep["spec"]["selector"] == {"matchLabels": selector}
+    assert dep["spec"]["template"]["metadata"]["labels"] == selector
+    assert one(objs, "Service")["spec"]["selector"] == selector
+    assert one(objs, "ServiceMonitor")["spec"]["selector"] == {"matchLabels": selector}
+
+
 def test_operator_deployment_follows_the_values(helm: Path) -> None:
     dep = one(
         render(
@@ -171,6 +225,36 @@ def test_operator_deployment_follows_the_values(helm: Path) -> None:
     assert c["image"].endswith(
         ":" + yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     )
+
+
+def test_the_operator_pod_is_locked_down_by_default(helm: Path) -> None:
+    """values.yaml's security, probe and resource defaults reach the operator's pod as written."""
+    # Non-root with a fixed uid and gid, RuntimeDefault seccomp, no privilege escalation, no
+    # capabilities, a read-only root with a writable emptyDir /tmp (Python and kopf want one).
+    pod = one(render(helm), "Deployment")["spec"]["template"]["spec"]
+    sec = pod["securityContext"]
+    assert sec["runAsNonRoot"] is True and sec["seccompProfile"] == {"type": "RuntimeDefault"}
+    # The images' own user, as the operator's engine pods run.
+    assert sec["runAsUser"] == sec["runAsGroup"] == RUN_AS_USER, sec
+    (c,) = pod["containers"]
+    assert c["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert c["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    assert pod["volumes"] == [{"name": "tmp", "emptyDir": {}}]
+    assert c["imagePullPolicy"] == "IfNotPresent"
+    assert c["livenessProbe"] == {
+        "httpGet": {"path": "/healthz", "port": "health"},
+        "initialDelaySeconds": 10,
+        "periodSeconds": 20,
+        "timeoutSeconds": 5,
+    }
+    assert c["resources"] == {"requests": {"cpu": "50m", "memory": "128Mi"},
+                              "limits": {"memory": "512Mi"}}  # fmt: skip
+    dep = one(render(helm, "image.pullPolicy=Always"), "Deployment")
+    assert dep["spec"]["template"]["spec"]["containers"][0]["imagePullPolicy"] == "Always"
 
 
 def test_bind_addresses_follow_the_values(helm: Path) -> None:
@@ -355,6 +439,20 @@ def test_prometheus_rule_only_where_the_prometheus_operator_is_served(helm: Path
     assert "PrometheusRule" not in kinds(off)
 
 
+def test_monitoring_defaults_where_the_prometheus_operator_is_served(helm: Path) -> None:
+    """Alerts and dashboard on in the release's namespace; ServiceMonitor, NetworkPolicy off."""
+    # The operator's ServiceMonitor needs labels matching your Prometheus': off by default.
+    objs = render(helm, api_versions=("monitoring.coreos.com/v1",))
+    assert kinds(objs)["PrometheusRule"] == 1 and kinds(objs)["ConfigMap"] == 1
+    # Both in the release's namespace unless prometheusRule/grafanaDashboard.namespace say.
+    for kind in ("PrometheusRule", "ConfigMap"):
+        assert one(objs, kind)["metadata"]["namespace"] == NAMESPACE, kind
+    assert "ServiceMonitor" not in kinds(objs) and "NetworkPolicy" not in kinds(objs)
+    sm = one(render(helm, "metrics.serviceMonitor.enabled=true",
+                    api_versions=("monitoring.coreos.com/v1",)), "ServiceMonitor")  # fmt: skip
+    assert sm["spec"]["endpoints"][0]["interval"] == "30s"
+
+
 def test_operator_service_monitor_is_gated_too(helm: Path) -> None:
     on = ("metrics.serviceMonitor.enabled=true",)
     assert "ServiceMonitor" not in kinds(render(helm, *on))
@@ -493,6 +591,18 @@ def test_network_policy_selectors_follow_the_values(helm: Path) -> None:
     } in by_port["metrics"]
 
 
+def test_a_null_monitoring_selector_admits_every_namespace_not_only_its_own(helm: Path) -> None:
+    """`namespaceSelector: null` rendered as is means the policy's own namespace to Kubernetes,
+    which cuts Prometheus off the sidecars; null is "any", as the pod selectors' is."""
+    objs = render(
+        helm, "networkPolicy.enabled=true", "networkPolicy.namespaces={serving}",
+        "networkPolicy.monitoring.namespaceSelector=null",
+    )  # fmt: skip
+    (policy,) = _policies(objs).values()
+    by_port = {r["ports"][0]["port"]: r["from"] for r in policy["spec"]["ingress"]}
+    assert {"namespaceSelector": {}, "podSelector": {}} in by_port["metrics"]
+
+
 def test_network_policy_applies_with_server_dry_run(
     cluster: Cluster, cluster_namespace: str
 ) -> None:
@@ -588,6 +698,53 @@ def test_the_schema_refuses_values_the_operator_or_kubernetes_would(
         said = out.stdout + out.stderr
         assert out.returncode != 0, f"helm {args[0]} accepted {value}"
         assert "don't meet the specifications of the schema" in said and path in said, said
+
+
+# Each value at a bound of what Kubernetes takes (a namespace is a DNS label of at most 63
+# characters, a pull secret {name: ...} with a name): the schema takes it, or refuses it at the
+# path shown. A string "false" for a switch would be true to the templates.
+SCHEMA_BOUNDS: list[tuple[dict[str, Any], str | None]] = [
+    ({"imagePullSecrets": [{"name": "r"}]}, None),
+    ({"imagePullSecrets": [{"name": ""}]}, "/imagePullSecrets/0/name"),
+    ({"imagePullSecrets": [{}]}, "/imagePullSecrets/0"),
+    ({"imagePullSecrets": ["regcred"]}, "/imagePullSecrets/0"),
+    ({"grafanaDashboard": {"namespace": "a" * 63}}, None),
+    ({"grafanaDashboard": {"namespace": "a" * 64}}, "/grafanaDashboard/namespace"),
+    ({"prometheusRule": {"namespace": "a" * 64}}, "/prometheusRule/namespace"),
+    ({"networkPolicy": {"enabled": True, "namespaces": ["a" * 63]}}, None),
+    ({"networkPolicy": {"enabled": True, "namespaces": ["a" * 64]}}, "/networkPolicy/namespaces/0"),
+    ({"metrics": {"serviceMonitor": {"interval": ""}}}, "/metrics/serviceMonitor/interval"),
+    ({"operator": {"prometheusRateWindow": ""}}, "/operator/prometheusRateWindow"),
+    ({"operator": {"healthPort": "8081"}}, "/operator/healthPort"),
+    ({"prometheusRule": {"enabled": "false"}}, "/prometheusRule/enabled"),
+    ({"grafanaDashboard": {"enabled": "false"}}, "/grafanaDashboard/enabled"),
+    *[({"nameOverride": v}, "/nameOverride") for v in ["n", "Y", "off", "On"]],
+    # A plain watched namespace gets a Role: one no namespace can be named fails the install,
+    # and a name twice renders its Role twice (a real install then fails half-way).
+    ({"operator": {"watchNamespaces": ["!a-1", "team-*", "[ab]x", "x?"]}}, None),
+    ({"operator": {"watchNamespaces": ["-a"]}}, "/operator/watchNamespaces/0"),
+    ({"operator": {"watchNamespaces": ["a", "team]"]}}, "/operator/watchNamespaces/1"),
+    ({"operator": {"watchNamespaces": ["a", "a"]}}, "/operator/watchNamespaces"),
+    ({"networkPolicy": {"enabled": True, "namespaces": ["a", "a"]}}, "/networkPolicy/namespaces"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("values", "path"), SCHEMA_BOUNDS, ids=[json.dumps(v)[:60] for v, _ in SCHEMA_BOUNDS]
+)
+def test_the_schema_bounds_are_kubernetes_bounds(
+    helm: Path, tmp_path: Path, values: dict[str, Any], path: str | None
+) -> None:
+    """values.schema.json takes each value Kubernetes takes, and refuses the next one."""
+    file = _values_file(tmp_path, values)
+    if path is None:
+        lint = _run(helm, "lint", "--strict", str(CHART), "-f", file, check=False)
+        assert lint.returncode == 0, lint.stdout + lint.stderr
+        _run(helm, "template", "x", str(CHART), "-f", file)
+    else:
+        said = _refusal(helm, "-f", file)
+        assert "don't meet the specifications of the schema" in said, said
+        assert f"at '{path}'" in said, said
 
 
 # The reviewer's non-default values: every section set, as a real installation would.
@@ -898,6 +1055,30 @@ def test_a_digit_first_metrics_service_from_kubernetes_1_36(helm: Path, tmp_path
     out = _run(helm, "template", "x", str(CHART), "-f", values, "--kube-version", "1.36.0").stdout
     svc = one([d for d in yaml.safe_load_all(out) if d], "Service")
     assert svc["metadata"]["name"] == "1headroom-metrics"
+
+
+def test_a_refused_full_name_says_whether_it_was_cut(helm: Path, tmp_path: Path) -> None:
+    """fullnameOverride is cut to 63 characters: the refusal says so from 64 on, not at 63."""
+    for name, cut in [("1" + "a" * 62, False), ("1" + "a" * 63, True), ("a" * 62 + ".b", True)]:
+        values = {"fullnameOverride": name}
+        said = _refusal(helm, "-f", _values_file(tmp_path, values), lint=False)
+        assert f"fullnameOverride: {name}" in said, said
+        assert ("(cut to 63 characters)" in said) == cut, said
+
+
+def test_the_metrics_service_refusal_names_the_ways_out_that_work(
+    helm: Path, tmp_path: Path
+) -> None:
+    """A full name the metrics Service cannot take: each way out the message names renders."""
+    said = _refusal(helm, "--set", "fullnameOverride=1headroom", lint=False)
+    ways = ({"metrics": {"service": {"enabled": False}}}, {"operator": {"metricsPort": 0}})
+    assert "metrics.service.enabled: false" in said and "operator.metricsPort: 0" in said, said
+    for way in ways:
+        values = _values_file(tmp_path, {"fullnameOverride": "1headroom", **way})
+        objs = [d for d in yaml.safe_load_all(
+            _run(helm, "template", "x", str(CHART), "-f", values).stdout) if d]  # fmt: skip
+        assert "Service" not in kinds(objs)
+        assert one(objs, "Deployment")["metadata"]["name"] == "1headroom"
 
 
 def test_names_render_as_the_strings_they_are(helm: Path, tmp_path: Path) -> None:

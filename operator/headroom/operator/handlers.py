@@ -125,6 +125,15 @@ class Options(BaseModel):
                     f"{ns!r} is not a namespace name or glob (lowercase letters, digits, '-', "
                     "'*', '?', '[...]', a leading '!' to exclude; at most 63 characters)"
                 )
+            # A plain name is taken as one namespace (the chart gives it a Role): one that no
+            # namespace can have would fail the install, or watch nothing.
+            if not re.search(r"[*?\[]", ns) and not re.fullmatch(
+                r"!?[a-z0-9]([-a-z0-9]*[a-z0-9])?", ns
+            ):
+                raise ValueError(
+                    f"{ns!r} is not a namespace name (a name starts and ends with a lowercase "
+                    "letter or digit) or glob ('*', '?', '[...]')"
+                )
         return value
 
     @field_validator("prometheus_url")
