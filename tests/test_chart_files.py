@@ -321,3 +321,13 @@ def test_readme_says_how_to_free_a_namespace_the_finalizer_holds() -> None:
     # The way out when the operator is gone: remove the finalizer by hand.
     assert "kubectl patch" in readme and '"finalizers": null' in readme
     # e2e/test_uninstall_finalizer.py runs that snippet against a namespace stuck by it.
+
+
+def test_the_schema_reads_watched_namespaces_as_the_operator_does() -> None:
+    """operator.watchNamespaces becomes the operator's --namespace flags: the schema's rule is
+    the operator's own expression, so a value helm takes is one the operator starts with."""
+    from headroom.operator.handlers import NAMESPACE_PATTERN
+
+    schema = json.loads(SCHEMA.read_text())
+    items = schema["properties"]["operator"]["properties"]["watchNamespaces"]["items"]
+    assert items["pattern"] == f"^{NAMESPACE_PATTERN.pattern}$"

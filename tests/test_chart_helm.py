@@ -398,10 +398,15 @@ def test_named_namespaces_get_roles_and_the_cluster_role_keeps_only_cluster_scop
         assert_same_rules(cluster_rules + role["rules"], cluster_role_rules())
 
 
-def test_namespace_globs_keep_everything_cluster_wide(helm: Path) -> None:
-    objs = render(helm, "operator.watchNamespaces={team-*}")
+@pytest.mark.parametrize("entry", ["team-*", "team-a\\,team-b", "team-*\\,!team-x"])
+def test_namespace_globs_keep_everything_cluster_wide(helm: Path, entry: str) -> None:
+    """A glob, or kopf's pattern of parts joined by ',' (one entry: the exclusion applies), is
+    passed to the operator as one --namespace and keeps the rules in the ClusterRole."""
+    objs = render(helm, f"operator.watchNamespaces[0]={entry}")
     assert "Role" not in kinds(objs)
     assert_same_rules(one(objs, "ClusterRole")["rules"], cluster_role_rules())
+    args = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert f"--namespace={entry.replace(chr(92), '')}" in args
 
 
 @pytest.mark.parametrize("sets", [(), ("operator.watchNamespaces={a}",), ("operator.peering=p",)])
@@ -660,7 +665,7 @@ BAD_VALUES = [
     ("operator.replicas=-1", "/operator/replicas"),
     ("operator.healthPort=0", "/operator/healthPort"),
     ("operator.metricsPort=70000", "/operator/metricsPort"),
-    ("operator.watchNamespaces[0]=team-a\\,team-b", "/operator/watchNamespaces/0"),
+    ("operator.watchNamespaces[0]=team-a\\,", "/operator/watchNamespaces/0"),
     ("operator.metricsHost=localhost", "/operator/metricsHost"),
     # An address and a port, or colons alone: the operator reads an IP address, nothing else.
     ("operator.metricsHost=0.0.0.0:8080", "/operator/metricsHost"),
@@ -721,9 +726,11 @@ SCHEMA_BOUNDS: list[tuple[dict[str, Any], str | None]] = [
     *[({"nameOverride": v}, "/nameOverride") for v in ["n", "Y", "off", "On"]],
     # A plain watched namespace gets a Role: one no namespace can be named fails the install,
     # and a name twice renders its Role twice (a real install then fails half-way).
-    ({"operator": {"watchNamespaces": ["!a-1", "team-*", "[ab]x", "x?"]}}, None),
+    ({"operator": {"watchNamespaces": ["!a-1", "team-*", "[ab]x", "x?", "t-*,!t-x"]}}, None),
     ({"operator": {"watchNamespaces": ["-a"]}}, "/operator/watchNamespaces/0"),
     ({"operator": {"watchNamespaces": ["a", "team]"]}}, "/operator/watchNamespaces/1"),
+    ({"operator": {"watchNamespaces": ["a["]}}, "/operator/watchNamespaces/0"),
+    ({"operator": {"watchNamespaces": ["a,"]}}, "/operator/watchNamespaces/0"),
     ({"operator": {"watchNamespaces": ["a", "a"]}}, "/operator/watchNamespaces"),
     ({"networkPolicy": {"enabled": True, "namespaces": ["a", "a"]}}, "/networkPolicy/namespaces"),
 ]  # fmt: skip

@@ -98,7 +98,7 @@ def test_peering_priority_and_rate_window_flags() -> None:
 def test_namespace_globs_negations_and_a_prometheus_url_are_taken() -> None:
     from headroom.operator.handlers import Options
 
-    names = ["team-*", "!kube-*", "a", "!a-1", "[ab]x", "x?"]
+    names = ["team-*", "!kube-*", "a", "!a-1", "[ab]x", "x?", "team-*,!team-x", "a, !b", "[!a]x"]
     o = Options(namespaces=names, prometheus_url="http://prom.mon:9090/x")
     assert o.namespaces == names
 
@@ -114,8 +114,12 @@ def test_namespace_globs_negations_and_a_prometheus_url_are_taken() -> None:
         # Each would watch nothing, or fail every scaling tick, and say so only in its logs.
         (["--namespace", ""], "--namespace: '' is not a namespace name or glob"),
         (["--namespace", "Team-A"], "--namespace: 'Team-A' is not a namespace name"),
-        (["--namespace=-a"], "--namespace: '-a' is not a namespace name (a name starts"),
-        (["--namespace", "!team]"], "--namespace: '!team]' is not a namespace name (a name"),
+        # ... as would a plain name no namespace can have (the chart gives it a Role), an
+        # unclosed '[' (a literal to fnmatch) and an empty part.
+        (["--namespace=-a"], "--namespace: '-a' is not a namespace name or glob: a name is"),
+        (["--namespace", "!team]"], "--namespace: '!team]' is not a namespace name or glob"),
+        (["--namespace", "team-[ab"], "--namespace: 'team-[ab' is not a namespace name or glob"),
+        (["--namespace", "a,"], "--namespace: 'a,' is not a namespace name or glob"),
         (["--prometheus-url", "prometheus:9090"], "--prometheus-url: must be an http://"),
         (["--prometheus-url", "http://p:99999"], "--prometheus-url: the port must be a number"),
         # The engine's image is derived as REPO-engine:TAG: a digest or no tag leaves none.

@@ -32,7 +32,8 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         action="append",
         dest="namespaces",
         metavar="NS",
-        help="watch this namespace (repeatable; globs like 'team-*' work)",
+        help="watch this namespace (repeatable; globs like 'team-*' work, and kopf's patterns: "
+        "each is watched on its own, so 'team-*,!team-x' excludes team-x in one)",
     )
     scope.add_argument(
         "--all-namespaces", "-A", action="store_true", help="watch every namespace (default)"

@@ -74,6 +74,16 @@ STOP_CHECKER = "stop-flag checker"
 DRAWN_PRIORITIES = 1_000_000_000
 
 
+# A namespace pattern as kopf reads it (parts joined by ',', spaces beside a ',' ignored), each
+# part a namespace name or a glob that can match one, '!' in front to exclude. The chart's
+# values.schema.json has the same expression.
+_NS_NAME = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+_NS_CLASS = r"\[!?[-a-z0-9]+\]"
+_NS_GLOB = rf"([-a-z0-9]|{_NS_CLASS})*([*?]|{_NS_CLASS})([-a-z0-9*?]|{_NS_CLASS})*"
+_NS_PART = rf"!?({_NS_NAME}|{_NS_GLOB})"
+NAMESPACE_PATTERN = re.compile(rf"{_NS_PART}( *, *{_NS_PART})*")
+
+
 class Options(BaseModel):
     """`headroom operator` settings."""
 
@@ -117,22 +127,17 @@ class Options(BaseModel):
     @field_validator("namespaces")
     @classmethod
     def _namespace_patterns(cls, value: list[str]) -> list[str]:
-        # kopf takes names, globs (team-*) and negations (!kube-*): an empty one, or one no
-        # namespace can match, would watch nothing and say nothing.
+        # kopf takes names, globs (team-*) and negations (!kube-*), and reads parts joined by
+        # ',' as one pattern. One that no namespace can match (an empty one, '-a', an unclosed
+        # '[') would watch nothing and say nothing; a plain name gets a Role from the chart.
         for ns in value:
-            if not re.fullmatch(r"!?[a-z0-9*?\[\]-]{1,63}", ns):
+            if not NAMESPACE_PATTERN.fullmatch(ns):
                 raise ValueError(
-                    f"{ns!r} is not a namespace name or glob (lowercase letters, digits, '-', "
-                    "'*', '?', '[...]', a leading '!' to exclude; at most 63 characters)"
-                )
-            # A plain name is taken as one namespace (the chart gives it a Role): one that no
-            # namespace can have would fail the install, or watch nothing.
-            if not re.search(r"[*?\[]", ns) and not re.fullmatch(
-                r"!?[a-z0-9]([-a-z0-9]*[a-z0-9])?", ns
-            ):
-                raise ValueError(
-                    f"{ns!r} is not a namespace name (a name starts and ends with a lowercase "
-                    "letter or digit) or glob ('*', '?', '[...]')"
+                    f"{ns!r} is not a namespace name or glob: a name is lowercase letters, "
+                    "digits and '-', a letter or digit at each end, at most 63 characters; a "
+                    "glob has '*', '?' or a closed '[...]'; a leading '!' excludes, and parts "
+                    "joined by ',' are one pattern ('team-*,!team-x': each --namespace is "
+                    "watched on its own, so an exclusion goes in the same one)"
                 )
         return value
 
