@@ -444,6 +444,27 @@ def test_prometheus_rule_only_where_the_prometheus_operator_is_served(helm: Path
     assert "PrometheusRule" not in kinds(off)
 
 
+def test_a_runbook_base_url_gives_every_alert_an_absolute_runbook_url(helm: Path) -> None:
+    """The file's runbook links are relative to README.md, which Alertmanager cannot open: with
+    runbookBaseURL each alert also gets runbook_url, that URL and its section's anchor."""
+    base = "https://git.example.com/headroom/blob/main/README.md"
+    monitoring = ("monitoring.coreos.com/v1",)
+    objs = render(helm, f"prometheusRule.runbookBaseURL={base}", api_versions=monitoring)
+    rules = [r for g in one(objs, "PrometheusRule")["spec"]["groups"] for r in g["rules"]]
+    for file_rule, rule in zip(
+        [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]],
+        rules,
+        strict=True,
+    ):
+        runbook = file_rule["annotations"]["runbook"]
+        assert runbook.startswith("README.md#"), runbook
+        expected = dict(
+            file_rule["annotations"], runbook_url=base + runbook.removeprefix("README.md")
+        )
+        assert rule["annotations"] == expected, rule["alert"]
+    assert len(rules) >= 5
+
+
 def test_monitoring_defaults_where_the_prometheus_operator_is_served(helm: Path) -> None:
     """Alerts and dashboard on in the release's namespace; ServiceMonitor, NetworkPolicy off."""
     # The operator's ServiceMonitor needs labels matching your Prometheus': off by default.
@@ -658,6 +679,7 @@ def test_dashboard_labels_can_be_dropped(helm: Path) -> None:
 # half-way through the install; the schema refuses it first, naming the value.
 BAD_VALUES = [
     ("operator.logFormat=xml", "/operator/logFormat"),
+    ("prometheusRule.runbookBaseURL=README.md", "/prometheusRule/runbookBaseURL"),
     ("operator.prometheusRateWindow=abc", "/operator/prometheusRateWindow"),
     ("operator.prometheusUrl=prometheus:9090", "/operator/prometheusUrl"),
     ("operator.prometheusUrl=http://prometheus:0", "/operator/prometheusUrl"),
