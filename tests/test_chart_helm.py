@@ -844,6 +844,39 @@ def test_the_schema_accepts_the_defaults_and_a_realistic_values_file(
     assert build_parser("operator").parse_args([*c["command"][1:], *c["args"]])
 
 
+def test_the_pod_takes_the_scheduling_and_pull_values_as_written(
+    helm: Path, tmp_path: Path
+) -> None:
+    """Pull secrets, scheduling, labels, annotations, env and flags reach the operator's pod."""
+    # A private registry's pod without its pull secret never starts; a tainted node's without
+    # its toleration never schedules: each must arrive as the values file wrote it.
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(REALISTIC_VALUES))
+    out = _run(helm, "template", "x", str(CHART), "-f", str(values)).stdout
+    pod = one([d for d in yaml.safe_load_all(out) if d], "Deployment")["spec"]["template"]
+    spec = pod["spec"]
+    for key in ("imagePullSecrets", "nodeSelector", "tolerations", "affinity", "priorityClassName"):
+        assert spec[key] == REALISTIC_VALUES[key], key
+    assert pod["metadata"]["labels"]["team"] == "ml"
+    assert pod["metadata"]["annotations"] == REALISTIC_VALUES["podAnnotations"]
+    (c,) = spec["containers"]
+    assert {"name": "FOO", "value": "bar"} in c["env"]
+    assert c["args"][-1] == "--resync-seconds=60"
+
+
+def test_a_numeric_app_version_stays_a_string(helm: Path, tmp_path: Path) -> None:
+    """`helm package --app-version 1.10`: the version label is the string 1.10, not the float."""
+    # Unquoted, YAML reads the label as 1.1 (a number), which the API server refuses as a label.
+    _run(helm, "package", str(CHART), "--app-version", "1.10", "--destination", str(tmp_path))
+    (package,) = tmp_path.glob("headroom-*.tgz")
+    out = _run(helm, "template", "headroom", str(package), "--namespace", NAMESPACE).stdout
+    objs = [d for d in yaml.safe_load_all(out) if d]
+    for o in objs:
+        assert o["metadata"]["labels"]["app.kubernetes.io/version"] == "1.10", o["kind"]
+    (c,) = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == "ghcr.io/headroom-dev/headroom:1.10"
+
+
 # ---------------------------------------------------------------------------- NOTES.txt
 
 _NOTES_PROBE = """{{- define "headroom.test.notes" }}
