@@ -192,6 +192,55 @@ def test_alert_rules_pass_promtool(tmp_path: Path) -> None:
     assert "SUCCESS: 1 rules found" in res.stdout
 
 
+def test_saturation_soon_fires_with_the_lookahead_left_on_a_steady_fill(tmp_path: Path) -> None:
+    """The alert's forecast must hold for 2 minutes, falling a second a second on a steady fill:
+    it fires as the forecast reaches the lookahead (a pod's start), not 2 minutes after."""
+    assert shutil.which("promtool"), "promtool is not installed: make tools installs it"
+    s = spec(scaling={"saturationLookaheadSeconds": 180})
+    (tmp_path / "rules.yaml").write_text(
+        yaml.safe_dump({"groups": [{"name": "headroom", "rules": alert_rules(OWNER, s)}]})
+    )
+    series = (
+        'headroom_kv_saturation_eta_seconds{namespace="team-a",inferencedeployment="chat",'
+        'pod="chat-0"}'
+    )
+    soon = {"severity": "warning", "namespace": "team-a", "inferencedeployment": "chat",
+            "pod": "chat-0"}  # fmt: skip
+    (rule,) = alert_rules(OWNER, s)
+    said = dict(rule["annotations"])  # at 255 s the forecast is 165 s
+    said["description"] = (
+        said["description"]
+        .replace("{{ $labels.pod }}", "chat-0")
+        .replace("{{ $value | humanizeDuration }}", "2m 45s")
+    )
+    test = {
+        "rule_files": ["rules.yaml"],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                # 420 s at t = 0, a second less each second: 180 s left at t = 240 s.
+                "input_series": [{"series": series, "values": "420-15x40"}],
+                "alert_rule_test": [
+                    {"eval_time": "225s", "alertname": "HeadroomKVSaturationSoon",
+                     "exp_alerts": []},
+                    {"eval_time": "255s", "alertname": "HeadroomKVSaturationSoon",
+                     "exp_alerts": [{"exp_labels": soon, "exp_annotations": said}]},
+                ],
+            }
+        ],
+    }  # fmt: skip
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(test))
+    res = subprocess.run(
+        ["promtool", "test", "rules", "test.yaml"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
 def test_no_alert_is_both_the_charts_and_a_deployments() -> None:
     # The chart's PrometheusRule and each deployment's would fire the same alert twice.
     chart = yaml.safe_load((ROOT / "charts/headroom/files/headroom-alerts.yaml").read_text())

@@ -773,7 +773,9 @@ class ScalingSpec(CRDModel):
         ge=1,
         le=86400,
         description=(
-            "the HeadroomKVSaturationSoon alert fires when a pod's saturation ETA is below this"
+            "the HeadroomKVSaturationSoon alert fires with this many seconds left before a "
+            "pod's KV cache fills (its forecast under this plus 2 minutes, for 2 minutes): a "
+            "pod's start time, so a scale-out can still help"
         ),
     )
     pod_start_seconds: int = Field(

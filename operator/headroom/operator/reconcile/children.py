@@ -382,6 +382,10 @@ def service_monitor(owner: Owner, interval_seconds: int) -> dict[str, Any]:
     }
 
 
+# How long HeadroomKVSaturationSoon's forecast must hold before it fires.
+SOON_FOR_S = 120
+
+
 def alert_rules(owner: Owner, spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
     """The alerts only this deployment's spec can set: its saturation lookahead. The per-pod
     alerts every deployment shares (cache full, preempting, engine down, pool below plan) are
@@ -392,9 +396,12 @@ def alert_rules(owner: Owner, spec: InferenceDeploymentSpec) -> list[dict[str, A
     return [
         {
             "alert": "HeadroomKVSaturationSoon",
+            # The forecast must hold for SOON_FOR_S before the alert fires, and on a steady fill
+            # it falls a second a second meanwhile: the threshold counts that time in, so the
+            # alert fires with the lookahead left (a pod's start), not the lookahead less 2 min.
             "expr": f"min by (namespace, inferencedeployment, pod) "
-            f"(headroom_kv_saturation_eta_seconds{{{sel}}}) < {lookahead}",
-            "for": "2m",
+            f"(headroom_kv_saturation_eta_seconds{{{sel}}}) < {lookahead + SOON_FOR_S}",
+            "for": f"{SOON_FOR_S}s",
             "labels": {"severity": "warning"},
             "annotations": {
                 "summary": f"{target}: a pod's KV cache fills within {lookahead}s",
