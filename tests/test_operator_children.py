@@ -207,12 +207,13 @@ def test_saturation_soon_fires_with_the_lookahead_left_on_a_steady_fill(tmp_path
     soon = {"severity": "warning", "namespace": "team-a", "inferencedeployment": "chat",
             "pod": "chat-0"}  # fmt: skip
     (rule,) = alert_rules(OWNER, s)
-    said = dict(rule["annotations"])  # at 255 s the forecast is 165 s
-    said["description"] = (
-        said["description"]
-        .replace("{{ $labels.pod }}", "chat-0")
-        .replace("{{ $value | humanizeDuration }}", "2m 45s")
-    )
+    said = {  # at 255 s the forecast is 165 s
+        k: v.replace("{{ $labels.pod }}", "chat-0").replace(
+            "{{ $value | humanizeDuration }}", "2m 45s"
+        )
+        for k, v in rule["annotations"].items()
+    }
+    assert "chat-0 is forecast to fill in 2m 45s (lookahead 180s)" in said["summary"]
     test = {
         "rule_files": ["rules.yaml"],
         "evaluation_interval": "15s",
@@ -239,6 +240,15 @@ def test_saturation_soon_fires_with_the_lookahead_left_on_a_steady_fill(tmp_path
         cwd=tmp_path,
     )
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("lookahead", [60, 420])
+def test_saturation_soon_holds_two_minutes_below_the_lookahead_plus_two(lookahead: int) -> None:
+    """The split the steady-fill test relies on, for any lookahead: held 2 minutes, below the
+    lookahead plus those 2 minutes (a shorter hold below a lower line passes a single ramp)."""
+    (rule,) = alert_rules(OWNER, spec(scaling={"saturationLookaheadSeconds": lookahead}))
+    assert rule["for"] == "120s"
+    assert rule["expr"].endswith(f") < {lookahead + 120}"), rule["expr"]
 
 
 def test_no_alert_is_both_the_charts_and_a_deployments() -> None:

@@ -404,7 +404,8 @@ def alert_rules(owner: Owner, spec: InferenceDeploymentSpec) -> list[dict[str, A
             "for": f"{SOON_FOR_S}s",
             "labels": {"severity": "warning"},
             "annotations": {
-                "summary": f"{target}: a pod's KV cache fills within {lookahead}s",
+                "summary": f"{target}: pod {{{{ $labels.pod }}}} is forecast to fill in "
+                f"{{{{ $value | humanizeDuration }}}} (lookahead {lookahead}s)",
                 "description": "Pod {{ $labels.pod }} saturates in {{ $value | humanizeDuration }}"
                 " at the current growth (this InferenceDeployment's "
                 "scaling.saturationLookaheadSeconds).",
