@@ -57,13 +57,24 @@ def _run(helm: Path, *args: str, check: bool = True) -> subprocess.CompletedProc
     return proc
 
 
-def render(helm: Path, *sets: str, api_versions: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """`helm template` of the chart with `--set` values; the objects it renders."""
-    args = ["template", "headroom", str(CHART), "--namespace", NAMESPACE]
+def render(
+    helm: Path,
+    *sets: str,
+    api_versions: tuple[str, ...] = (),
+    files: tuple[str, ...] = (),
+    release: str = "headroom",
+    chart: Path = CHART,
+    extra: tuple[str, ...] = (),
+) -> list[dict[str, Any]]:
+    """`helm template` of `chart` as `release` with `--set` values and values `files`; the
+    objects it renders."""
+    args = ["template", release, str(chart), "--namespace", NAMESPACE, *extra]
     for s in sets:
         args += ["--set", s]
     for v in api_versions:
         args += ["--api-versions", v]
+    for f in files:
+        args += ["-f", f]
     out = _run(helm, *args).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
@@ -655,8 +666,7 @@ def test_kopf_namespace_patterns_keep_everything_cluster_wide(helm: Path, patter
 
 def test_a_long_release_name_keeps_the_metrics_service_a_dns_label(helm: Path) -> None:
     release = "inference-platform-llm-autoscaler-production-eu1"  # 48 characters, no "headroom"
-    out = _run(helm, "template", release, str(CHART), "--namespace", NAMESPACE).stdout
-    (svc,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "Service"]
+    (svc,) = [d for d in render(helm, release=release) if d["kind"] == "Service"]
     name = svc["metadata"]["name"]
     assert len(name) <= 63 and name.endswith("-metrics"), name
 
@@ -769,7 +779,7 @@ def test_the_schema_bounds_are_kubernetes_bounds(
     if path is None:
         lint = _run(helm, "lint", "--strict", str(CHART), "-f", file, check=False)
         assert lint.returncode == 0, lint.stdout + lint.stderr
-        _run(helm, "template", "x", str(CHART), "-f", file)
+        render(helm, files=(file,), release="x")
     else:
         said = _refusal(helm, "-f", file)
         assert "don't meet the specifications of the schema" in said, said
@@ -828,14 +838,12 @@ REALISTIC_VALUES: dict[str, Any] = {
 def test_the_schema_accepts_the_defaults_and_a_realistic_values_file(
     helm: Path, tmp_path: Path
 ) -> None:
-    values = tmp_path / "values.yaml"
-    values.write_text(yaml.safe_dump(REALISTIC_VALUES))
-    for extra in ([], ["-f", str(values)]):
+    values = _values_file(tmp_path, REALISTIC_VALUES)
+    for extra in ([], ["-f", values]):
         lint = _run(helm, "lint", "--strict", str(CHART), *extra, check=False)
         assert lint.returncode == 0, lint.stdout + lint.stderr
-        _run(helm, "template", "x", str(CHART), *extra)
-    out = _run(helm, "template", "x", str(CHART), "-f", str(values)).stdout
-    dep = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment")
+    render(helm, release="x")
+    dep = one(render(helm, files=(values,), release="x"), "Deployment")
     (c,) = dep["spec"]["template"]["spec"]["containers"]
     assert "--prometheus-rate-window=2m30s" in c["args"] and "--log-format=text" in c["args"]
     # Schema-valid values are operator-valid: `headroom operator` parses what was rendered.
@@ -850,10 +858,8 @@ def test_the_pod_takes_the_scheduling_and_pull_values_as_written(
     """Pull secrets, scheduling, labels, annotations, env and flags reach the operator's pod."""
     # A private registry's pod without its pull secret never starts; a tainted node's without
     # its toleration never schedules: each must arrive as the values file wrote it.
-    values = tmp_path / "values.yaml"
-    values.write_text(yaml.safe_dump(REALISTIC_VALUES))
-    out = _run(helm, "template", "x", str(CHART), "-f", str(values)).stdout
-    pod = one([d for d in yaml.safe_load_all(out) if d], "Deployment")["spec"]["template"]
+    values = _values_file(tmp_path, REALISTIC_VALUES)
+    pod = one(render(helm, files=(values,), release="x"), "Deployment")["spec"]["template"]
     spec = pod["spec"]
     for key in ("imagePullSecrets", "nodeSelector", "tolerations", "affinity", "priorityClassName"):
         assert spec[key] == REALISTIC_VALUES[key], key
@@ -869,8 +875,7 @@ def test_a_numeric_app_version_stays_a_string(helm: Path, tmp_path: Path) -> Non
     # Unquoted, YAML reads the label as 1.1 (a number), which the API server refuses as a label.
     _run(helm, "package", str(CHART), "--app-version", "1.10", "--destination", str(tmp_path))
     (package,) = tmp_path.glob("headroom-*.tgz")
-    out = _run(helm, "template", "headroom", str(package), "--namespace", NAMESPACE).stdout
-    objs = [d for d in yaml.safe_load_all(out) if d]
+    objs = render(helm, chart=package)
     for o in objs:
         assert o["metadata"]["labels"]["app.kubernetes.io/version"] == "1.10", o["kind"]
     (c,) = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
@@ -1025,8 +1030,7 @@ def test_a_quoted_numeric_tag_in_a_values_file_is_the_tag(
 ) -> None:
     values = tmp_path / "values.yaml"
     values.write_text(f'image:\n  tag: "{tag}"\n')
-    out = _run(helm, "template", "x", str(CHART), "-f", str(values)).stdout
-    dep = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment")
+    dep = one(render(helm, files=(str(values),), release="x"), "Deployment")
     (c,) = dep["spec"]["template"]["spec"]["containers"]
     assert c["image"] == f"ghcr.io/headroom-dev/headroom:{tag}"
     assert f"--headroom-image=ghcr.io/headroom-dev/headroom:{tag}" in c["args"]
@@ -1072,8 +1076,7 @@ KEPT_NAMES: list[dict[str, Any]] = [
 def test_names_the_previous_chart_took_still_render(
     helm: Path, tmp_path: Path, values: dict[str, Any]
 ) -> None:
-    out = _run(helm, "template", "x", str(CHART), "-f", _values_file(tmp_path, values)).stdout
-    objs = [d for d in yaml.safe_load_all(out) if d]
+    objs = render(helm, files=(_values_file(tmp_path, values),), release="x")
     full = values.get("fullnameOverride") or f"x-{values['nameOverride']}"
     assert one(objs, "Deployment")["metadata"]["name"] == full
     label = values.get("nameOverride", "headroom")
@@ -1114,8 +1117,8 @@ def test_names_kubernetes_would_refuse_are_refused_with_the_value(
 
 def test_a_digit_first_metrics_service_from_kubernetes_1_36(helm: Path, tmp_path: Path) -> None:
     values = _values_file(tmp_path, {"fullnameOverride": "1headroom"})
-    out = _run(helm, "template", "x", str(CHART), "-f", values, "--kube-version", "1.36.0").stdout
-    svc = one([d for d in yaml.safe_load_all(out) if d], "Service")
+    objs = render(helm, files=(values,), release="x", extra=("--kube-version", "1.36.0"))
+    svc = one(objs, "Service")
     assert svc["metadata"]["name"] == "1headroom-metrics"
 
 
@@ -1137,8 +1140,7 @@ def test_the_metrics_service_refusal_names_the_ways_out_that_work(
     assert "metrics.service.enabled: false" in said and "operator.metricsPort: 0" in said, said
     for way in ways:
         values = _values_file(tmp_path, {"fullnameOverride": "1headroom", **way})
-        objs = [d for d in yaml.safe_load_all(
-            _run(helm, "template", "x", str(CHART), "-f", values).stdout) if d]  # fmt: skip
+        objs = render(helm, files=(values,), release="x")
         assert "Service" not in kinds(objs)
         assert one(objs, "Deployment")["metadata"]["name"] == "1headroom"
 
@@ -1151,8 +1153,7 @@ def test_names_render_as_the_strings_they_are(helm: Path, tmp_path: Path) -> Non
         "serviceAccount": {"name": "robot.v2"},
         "operator": {"peering": "a.b-c", "replicas": 2},
     }
-    out = _run(helm, "template", "x", str(CHART), "-f", _values_file(tmp_path, values)).stdout
-    objs = [d for d in yaml.safe_load_all(out) if d]
+    objs = render(helm, files=(_values_file(tmp_path, values),), release="x")
     dep = one(objs, "Deployment")
     pod = dep["spec"]["template"]
     assert pod["spec"]["priorityClassName"] == "high.priority-1"
@@ -1301,8 +1302,8 @@ def test_pod_labels_cannot_repeat_the_selector_labels(helm: Path, key: str) -> N
 def test_a_null_gateway_selector_selects_every_pod(helm: Path, tmp_path: Path) -> None:
     values = {"networkPolicy": {"enabled": True, "namespaces": ["team-a"],
                                 "gateway": {"podSelector": None}}}  # fmt: skip
-    out = _run(helm, "template", "x", str(CHART), "-f", _values_file(tmp_path, values)).stdout
-    (policy,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "NetworkPolicy"]
+    objs = render(helm, files=(_values_file(tmp_path, values),), release="x")
+    (policy,) = [d for d in objs if d["kind"] == "NetworkPolicy"]
     by_port = {r["ports"][0]["port"]: r["from"] for r in policy["spec"]["ingress"]}
     assert by_port["http"] == [{"podSelector": {}}]
 
