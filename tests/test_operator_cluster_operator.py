@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from kopf._core.reactor import observation
 from prometheus_client import generate_latest
 
 from e2e.cluster.harness import Cluster
@@ -108,16 +109,17 @@ class Levels:
 class InProcessOperator:
     """`operate()` in a thread with its own event loop; stop() ends it cleanly."""
 
-    def __init__(self, kubeconfig: Path, levels: Levels) -> None:
+    def __init__(self, kubeconfig: Path, levels: Levels, namespaces: tuple[str, ...] = ("t-*",)):
         self.kubeconfig = kubeconfig
         self.levels = levels
+        self.namespaces = list(namespaces)
         self.metrics = OperatorMetrics()
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
     def start(self) -> None:
         self.stop_flag, self.ready_flag = threading.Event(), threading.Event()
-        options = Options(namespaces=["t-*"], metrics_port=0)
+        options = Options(namespaces=self.namespaces, metrics_port=0)
         kube = Kube(load_configuration(str(self.kubeconfig)), discovery_ttl=1.0)
 
         def source(kind: str, ctx: Context) -> Levels:
@@ -242,6 +244,40 @@ def test_children_owner_references_budget_and_readiness(
     table = cluster.kubectl("get", "infd", "chat", "-n", ns).stdout
     assert "True" in table.splitlines()[1]
     operator.check()
+
+
+def test_a_namespace_created_while_the_operator_starts_is_watched(
+    cluster: Cluster, operator_kubeconfig: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kopf lists the namespaces, then lists them again as its watch starts and took nothing
+    from that second listing: a namespace created between the two was never watched (CI saw
+    the first reconcile of this module time out). The window is held open here: the namespace
+    is created after the first listing, before the watch starts."""
+    listed, created = threading.Event(), threading.Event()
+    watcher = observation.queueing.watcher
+
+    async def late_watch(**kwargs: Any) -> None:
+        if kwargs["resource"].plural == "namespaces":
+            listed.set()
+            while not created.is_set():
+                await asyncio.sleep(0.05)
+        await watcher(**kwargs)
+
+    monkeypatch.setattr(observation.queueing, "watcher", late_watch)
+    pattern = f"late-{os.getpid() % 100000}-*"
+    ns = pattern.replace("*", str(int(time.time() * 1000) % 100000))
+    op = InProcessOperator(operator_kubeconfig, Levels(), namespaces=(pattern,))
+    op.start()
+    try:
+        assert listed.wait(60), "kopf's namespace watch never started"
+        cluster.create_namespace(ns)
+        created.set()
+        apply_cr(cluster, ns, "late", SPEC)
+        reconciled(cluster, ns, "late")
+        op.check()
+    finally:
+        op.stop()
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 def test_never_writes_spec(

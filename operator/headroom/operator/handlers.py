@@ -36,6 +36,7 @@ from headroom.contract.ports import SIDECAR_PORT
 from headroom.contract.urls import http_url
 from headroom.operator.crd.models import GROUP, HEADROOM_IMAGE, KIND, PLURAL, VERSION
 from headroom.operator.kube import Kube, KubeError, owner_of, with_retries
+from headroom.operator.namespace_watch import watch_listed_namespaces
 from headroom.operator.readiness import READINESS_MANAGER, figures, readiness
 from headroom.operator.reconcile.apply_errors import namespace_terminating, permanent_apply_error
 from headroom.operator.reconcile.children import SELECTOR_LABEL, Owner, render
@@ -769,6 +770,8 @@ async def operate(
     host = options.liveness_host
     at = f"[{host}]" if host.version == 6 else str(host)
     liveness = f"http://{at}:{options.liveness_port}/healthz" if options.liveness_port else None
+    if options.namespaces:
+        watch_listed_namespaces()
     await kopf.operator(
         registry=REGISTRY,
         memo=kopf.Memo(ctx=ctx),
