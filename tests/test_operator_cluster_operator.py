@@ -28,6 +28,7 @@ from kopf._core.reactor import observation
 from prometheus_client import generate_latest
 
 from e2e.cluster.harness import Cluster
+from headroom.operator import observers
 from headroom.operator.crd.models import InferenceDeploymentSpec
 from headroom.operator.crd.schema import CRD_NAME, crd_yaml
 from headroom.operator.handlers import FINALIZER, Context, Options, operate
@@ -253,6 +254,8 @@ def test_a_namespace_created_while_the_operator_starts_is_watched(
     from that second listing: a namespace created between the two was never watched (CI saw
     the first reconcile of this module time out). The window is held open here: the namespace
     is created after the first listing, before the watch starts."""
+    for name, original in observers.ORIGINALS.items():  # operate() itself must amend kopf
+        monkeypatch.setattr(observation, name, original)
     listed, created = threading.Event(), threading.Event()
     watcher = observation.queueing.watcher
 
@@ -275,6 +278,8 @@ def test_a_namespace_created_while_the_operator_starts_is_watched(
         apply_cr(cluster, ns, "late", SPEC)
         reconciled(cluster, ns, "late")
         op.check()
+        # While this operator runs, so its finalizer is removed and the namespace can go.
+        cluster.kubectl("delete", "infd", "late", "-n", ns, "--timeout=60s")
     finally:
         op.stop()
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)

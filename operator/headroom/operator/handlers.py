@@ -36,7 +36,7 @@ from headroom.contract.ports import SIDECAR_PORT
 from headroom.contract.urls import http_url
 from headroom.operator.crd.models import GROUP, HEADROOM_IMAGE, KIND, PLURAL, VERSION
 from headroom.operator.kube import Kube, KubeError, owner_of, with_retries
-from headroom.operator.namespace_watch import watch_listed_namespaces
+from headroom.operator.observers import watch_listed
 from headroom.operator.readiness import READINESS_MANAGER, figures, readiness
 from headroom.operator.reconcile.apply_errors import namespace_terminating, permanent_apply_error
 from headroom.operator.reconcile.children import SELECTOR_LABEL, Owner, render
@@ -73,6 +73,8 @@ STOP_CHECKER = "stop-flag checker"
 # Priorities drawn for peering replicas lie below this: an operator started by hand with
 # `--priority` at or above it outranks (and pauses) every replica, kopf's way to debug live.
 DRAWN_PRIORITIES = 1_000_000_000
+# The API groups of the CRDs this operator needs kopf to serve: its own and kopf's peering.
+SERVED_GROUPS = (GROUP, "kopf.dev", "zalando.org")
 
 
 # A namespace pattern as kopf reads it (parts joined by ',', spaces beside a ',' ignored), each
@@ -770,8 +772,7 @@ async def operate(
     host = options.liveness_host
     at = f"[{host}]" if host.version == 6 else str(host)
     liveness = f"http://{at}:{options.liveness_port}/healthz" if options.liveness_port else None
-    if options.namespaces:
-        watch_listed_namespaces()
+    watch_listed(SERVED_GROUPS)
     await kopf.operator(
         registry=REGISTRY,
         memo=kopf.Memo(ctx=ctx),
