@@ -65,6 +65,21 @@ def test_engine_allocates_exactly_the_planned_pool() -> None:
     assert f["--stats-port"] == "8001"  # probes and the sidecar: a listener of their own
 
 
+@pytest.mark.parametrize("runtime", ["headroom", "vllm", "sglang"])
+@pytest.mark.parametrize("served", [None, "chat-model"])
+def test_the_sidecar_labels_its_series_with_the_name_the_engine_serves(
+    runtime: str, served: str | None
+) -> None:
+    # Learnt from the engine, the `model` label was missing from a sidecar restarted while its
+    # engine was down: every alert on the pod's series resolved and began again as a new one.
+    model = {"preset": "llama-3.1-8b", "path": "/models/l8b", "servedModelName": served}
+    s = spec(engine={"runtime": runtime}, model=model)
+    c = containers(deployment(OWNER, s, size(s), replicas=1))
+    name = flags(c["engine"]["args"])["--served-model-name"]
+    assert name == (served or "llama-3.1-8b")
+    assert flags(c["sidecar"]["args"])["--model"] == name
+
+
 def test_pod_requests_gpus_probes_and_runs_hardened() -> None:
     s = spec()
     dep = deployment(OWNER, s, size(s), replicas=3)
@@ -189,48 +204,18 @@ def test_alert_rules_pass_promtool(tmp_path: Path) -> None:
         ["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60
     )
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "SUCCESS: 1 rules found" in res.stdout
+    assert "SUCCESS: 2 rules found" in res.stdout
 
 
-def test_saturation_soon_fires_with_the_lookahead_left_on_a_steady_fill(tmp_path: Path) -> None:
-    """The alert's forecast must hold for 2 minutes, falling a second a second on a steady fill:
-    it fires as the forecast reaches the lookahead (a pod's start), not 2 minutes after."""
+def _promtool_rule_test(
+    tmp_path: Path, s: InferenceDeploymentSpec, cases: list[dict[str, Any]]
+) -> None:
+    """Run `promtool test rules` on this deployment's alert rules, evaluated every 15 s."""
     assert shutil.which("promtool"), "promtool is not installed: make tools installs it"
-    s = spec(scaling={"saturationLookaheadSeconds": 180})
     (tmp_path / "rules.yaml").write_text(
         yaml.safe_dump({"groups": [{"name": "headroom", "rules": alert_rules(OWNER, s)}]})
     )
-    series = (
-        'headroom_kv_saturation_eta_seconds{namespace="team-a",inferencedeployment="chat",'
-        'pod="chat-0"}'
-    )
-    soon = {"severity": "warning", "namespace": "team-a", "inferencedeployment": "chat",
-            "pod": "chat-0"}  # fmt: skip
-    (rule,) = alert_rules(OWNER, s)
-    said = {  # at 255 s the forecast is 165 s
-        k: v.replace("{{ $labels.pod }}", "chat-0").replace(
-            "{{ $value | humanizeDuration }}", "2m 45s"
-        )
-        for k, v in rule["annotations"].items()
-    }
-    assert "chat-0 is forecast to fill in 2m 45s (lookahead 180s)" in said["summary"]
-    test = {
-        "rule_files": ["rules.yaml"],
-        "evaluation_interval": "15s",
-        "tests": [
-            {
-                "interval": "15s",
-                # 420 s at t = 0, a second less each second: 180 s left at t = 240 s.
-                "input_series": [{"series": series, "values": "420-15x40"}],
-                "alert_rule_test": [
-                    {"eval_time": "225s", "alertname": "HeadroomKVSaturationSoon",
-                     "exp_alerts": []},
-                    {"eval_time": "255s", "alertname": "HeadroomKVSaturationSoon",
-                     "exp_alerts": [{"exp_labels": soon, "exp_annotations": said}]},
-                ],
-            }
-        ],
-    }  # fmt: skip
+    test = {"rule_files": ["rules.yaml"], "evaluation_interval": "15s", "tests": cases}
     (tmp_path / "test.yaml").write_text(yaml.safe_dump(test))
     res = subprocess.run(
         ["promtool", "test", "rules", "test.yaml"],
@@ -242,11 +227,80 @@ def test_saturation_soon_fires_with_the_lookahead_left_on_a_steady_fill(tmp_path
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_saturation_soon_fires_with_the_lookahead_left_on_a_steady_fill(tmp_path: Path) -> None:
+    """The alert's forecast must hold for 2 minutes, falling a second a second on a steady fill:
+    it fires as the forecast reaches the lookahead (a pod's start), not 2 minutes after."""
+    s = spec(scaling={"saturationLookaheadSeconds": 180})
+    series = (
+        'headroom_kv_saturation_eta_seconds{namespace="team-a",inferencedeployment="chat",'
+        'pod="chat-0"}'
+    )
+    soon = {"severity": "warning", "namespace": "team-a", "inferencedeployment": "chat",
+            "pod": "chat-0"}  # fmt: skip
+    (rule, _) = alert_rules(OWNER, s)
+    said = {  # at 255 s the forecast is 165 s
+        k: v.replace("{{ $labels.pod }}", "chat-0").replace(
+            "{{ $value | humanizeDuration }}", "2m 45s"
+        )
+        for k, v in rule["annotations"].items()
+    }
+    assert "chat-0 is forecast to fill in 2m 45s (lookahead 180s)" in said["summary"]
+    _promtool_rule_test(tmp_path, s, [
+        {
+            "interval": "15s",
+            # 420 s at t = 0, a second less each second: 180 s left at t = 240 s.
+            "input_series": [{"series": series, "values": "420-15x40"}],
+            "alert_rule_test": [
+                {"eval_time": "225s", "alertname": "HeadroomKVSaturationSoon",
+                 "exp_alerts": []},
+                {"eval_time": "255s", "alertname": "HeadroomKVSaturationSoon",
+                 "exp_alerts": [{"exp_labels": soon, "exp_annotations": said}]},
+            ],
+        }
+    ])  # fmt: skip
+
+
+def test_sidecar_down_fires_for_a_sidecar_of_this_deployment_unscraped_for_5_minutes(
+    tmp_path: Path,
+) -> None:
+    """Prometheus's `up` for the ServiceMonitor's targets: a sidecar it cannot scrape exports
+    nothing, so without this rule every per-pod alert went quiet for that pod."""
+
+    def up(service: str, pod: str) -> str:
+        return (f'up{{job="{service}",namespace="team-a",service="{service}",pod="{pod}",'
+                f'endpoint="metrics",container="sidecar",instance="{pod}:9400"}}')  # fmt: skip
+
+    (_, rule) = alert_rules(OWNER, spec())
+    said = {k: v.replace("{{ $labels.pod }}", "chat-0") for k, v in rule["annotations"].items()}
+    assert (
+        said["summary"]
+        == "team-a/chat: Prometheus cannot scrape the headroom sidecar of pod chat-0"
+    )
+    fired = {"severity": "warning", "job": "chat", "namespace": "team-a", "service": "chat",
+             "pod": "chat-0", "endpoint": "metrics", "container": "sidecar",
+             "instance": "chat-0:9400", "inferencedeployment": "chat"}  # fmt: skip
+    _promtool_rule_test(tmp_path, spec(), [
+        {
+            "interval": "15s",
+            "input_series": [
+                {"series": up("chat", "chat-0"), "values": "1 1 0x30"},  # down from 30 s
+                {"series": up("chat", "chat-1"), "values": "1x32"},
+                {"series": up("other", "other-0"), "values": "0x32"},  # another deployment's
+            ],
+            "alert_rule_test": [
+                {"eval_time": "315s", "alertname": "HeadroomSidecarDown", "exp_alerts": []},
+                {"eval_time": "345s", "alertname": "HeadroomSidecarDown",
+                 "exp_alerts": [{"exp_labels": fired, "exp_annotations": said}]},
+            ],
+        }
+    ])  # fmt: skip
+
+
 @pytest.mark.parametrize("lookahead", [60, 420])
 def test_saturation_soon_holds_two_minutes_below_the_lookahead_plus_two(lookahead: int) -> None:
     """The split the steady-fill test relies on, for any lookahead: held 2 minutes, below the
     lookahead plus those 2 minutes (a shorter hold below a lower line passes a single ramp)."""
-    (rule,) = alert_rules(OWNER, spec(scaling={"saturationLookaheadSeconds": lookahead}))
+    (rule, _) = alert_rules(OWNER, spec(scaling={"saturationLookaheadSeconds": lookahead}))
     assert rule["for"] == "120s"
     assert rule["expr"].endswith(f") < {lookahead + 120}"), rule["expr"]
 

@@ -30,6 +30,7 @@ ALERTS = {
     "HeadroomKVSaturated",
     "HeadroomPreempting",
     "HeadroomEngineDown",
+    "HeadroomEngineFlapping",
     "HeadroomPrefixCacheIneffective",
     "HeadroomKVPoolBelowPlan",
 }

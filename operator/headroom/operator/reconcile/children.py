@@ -27,7 +27,7 @@ from headroom.operator.reconcile.runtimes import (
     sidecar_source_args,
     startup_failure_threshold,
 )
-from headroom.operator.reconcile.sizing import Sizing
+from headroom.operator.reconcile.sizing import Sizing, served_model_name
 
 FIELD_MANAGER = "headroom-operator"
 SELECTOR_LABEL = f"{GROUP}/inferencedeployment"
@@ -233,6 +233,12 @@ def _sidecar_container(
             sidecar_engine_url(run),
             "--port",
             str(SIDECAR_PORT),
+            # The name clients send, which the engine reports too: set from the start, the
+            # `model` label stays the same across a sidecar restarted while its engine is down
+            # (learnt from the engine, it was missing until the engine answered: the alerts on
+            # the pod's series resolved and began again as new ones).
+            "--model",
+            served_model_name(spec, name),
             # The plan, so a running pool smaller than planned can be seen and alerted on.
             "--planned-blocks",
             str(sizing.plan.kv_blocks_per_pod),
@@ -386,11 +392,19 @@ def service_monitor(owner: Owner, interval_seconds: int) -> dict[str, Any]:
 SOON_FOR_S = 120
 
 
+# How long Prometheus must fail to scrape a sidecar before HeadroomSidecarDown fires: longer
+# than a sidecar's restart after its liveness probe fails (3 probes 20 s apart, then a start).
+SIDECAR_DOWN_FOR_S = 300
+
+
 def alert_rules(owner: Owner, spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
-    """The alerts only this deployment's spec can set: its saturation lookahead. The per-pod
-    alerts every deployment shares (cache full, preempting, engine down, pool below plan) are
-    the chart's rule file's, once; rendered here too, each would fire twice under one name."""
+    """The alerts only this deployment can set: its saturation lookahead, and a sidecar its
+    ServiceMonitor's scrape cannot reach. The per-pod alerts every deployment shares (cache
+    full, preempting, engine down, pool below plan) are the chart's rule file's, once; rendered
+    here too, each would fire twice under one name."""
     sel = f'namespace="{owner.namespace}",inferencedeployment="{owner.name}"'
+    # The labels Prometheus gives the ServiceMonitor's targets (the sidecar sets none on `up`).
+    scraped = f'namespace="{owner.namespace}",service="{owner.name}",endpoint="metrics"'
     lookahead = spec.scaling.saturation_lookahead_seconds
     target = f"{owner.namespace}/{owner.name}"
     return [
@@ -410,6 +424,22 @@ def alert_rules(owner: Owner, spec: InferenceDeploymentSpec) -> list[dict[str, A
                 " at the current growth (this InferenceDeployment's "
                 "scaling.saturationLookaheadSeconds).",
                 "runbook": "README.md#headroomkvsaturationsoon",
+            },
+        },
+        {
+            "alert": "HeadroomSidecarDown",
+            # A sidecar Prometheus cannot scrape exports nothing, not even the engine_up of
+            # HeadroomEngineDown: every per-pod alert goes quiet for the pod, so this one says.
+            "expr": f"up{{{scraped}}} == 0",
+            "for": f"{SIDECAR_DOWN_FOR_S}s",
+            "labels": {"severity": "warning", "inferencedeployment": owner.name},
+            "annotations": {
+                "summary": f"{target}: Prometheus cannot scrape the headroom sidecar of pod "
+                "{{ $labels.pod }}",
+                "description": f"For {SIDECAR_DOWN_FOR_S // 60} minutes every scrape of the "
+                "headroom sidecar of pod {{ $labels.pod }} failed, so Prometheus has none of "
+                "its KV metrics: the KV-cache alerts cannot fire for this pod.",
+                "runbook": "README.md#headroomsidecardown",
             },
         },
     ]
