@@ -73,11 +73,17 @@ def test_the_sidecar_labels_its_series_with_the_name_the_engine_serves(
     # Learnt from the engine, the `model` label was missing from a sidecar restarted while its
     # engine was down: every alert on the pod's series resolved and began again as a new one.
     model = {"preset": "llama-3.1-8b", "path": "/models/l8b", "servedModelName": served}
-    s = spec(engine={"runtime": runtime}, model=model)
-    c = containers(deployment(OWNER, s, size(s), replicas=1))
-    name = flags(c["engine"]["args"])["--served-model-name"]
-    assert name == (served or "llama-3.1-8b")
-    assert flags(c["sidecar"]["args"])["--model"] == name
+    own: dict[str, Any] = {  # no preset: the resource's name is served
+        "numLayers": 4, "numAttentionHeads": 8, "numKVHeads": 2, "headDim": 64,
+        "hiddenSize": 512, "vocabSize": 1000, "parameterCount": 10_000_000,
+        "maxPositionEmbeddings": 8192, "path": "/models/m", "servedModelName": served,
+    }  # fmt: skip
+    for m, default in ((model, "llama-3.1-8b"), (own, OWNER.name)):
+        s = spec(engine={"runtime": runtime}, model=m)
+        c = containers(deployment(OWNER, s, size(s), replicas=1))
+        name = flags(c["engine"]["args"])["--served-model-name"]
+        assert name == (served or default)
+        assert flags(c["sidecar"]["args"])["--model"] == name
 
 
 def test_pod_requests_gpus_probes_and_runs_hardened() -> None:
@@ -264,35 +270,64 @@ def test_sidecar_down_fires_for_a_sidecar_of_this_deployment_unscraped_for_5_min
     tmp_path: Path,
 ) -> None:
     """Prometheus's `up` for the ServiceMonitor's targets: a sidecar it cannot scrape exports
-    nothing, so without this rule every per-pod alert went quiet for that pod."""
+    nothing, so without this rule every per-pod alert went quiet for that pod. One in a crash
+    loop (scraped a minute in six) fires too; a deleted pod's alert resolves."""
 
-    def up(service: str, pod: str) -> str:
-        return (f'up{{job="{service}",namespace="team-a",service="{service}",pod="{pod}",'
-                f'endpoint="metrics",container="sidecar",instance="{pod}:9400"}}')  # fmt: skip
+    def up(pod: str, service: str = "chat", ns: str = "team-a", port: str = "metrics") -> str:
+        return (f'up{{job="{service}",namespace="{ns}",service="{service}",pod="{pod}",'
+                f'endpoint="{port}",container="sidecar",instance="{pod}:9400"}}')  # fmt: skip
 
     (_, rule) = alert_rules(OWNER, spec())
     said = {k: v.replace("{{ $labels.pod }}", "chat-0") for k, v in rule["annotations"].items()}
-    assert (
-        said["summary"]
-        == "team-a/chat: Prometheus cannot scrape the headroom sidecar of pod chat-0"
+    assert said["summary"] == (
+        "team-a/chat: Prometheus cannot scrape the headroom sidecar of pod chat-0"
     )
-    fired = {"severity": "warning", "job": "chat", "namespace": "team-a", "service": "chat",
-             "pod": "chat-0", "endpoint": "metrics", "container": "sidecar",
-             "instance": "chat-0:9400", "inferencedeployment": "chat"}  # fmt: skip
+
+    def fired(pod: str) -> dict[str, Any]:
+        labels = {"severity": "warning", "job": "chat", "namespace": "team-a",
+                  "service": "chat", "pod": pod, "endpoint": "metrics", "container": "sidecar",
+                  "instance": f"{pod}:9400", "inferencedeployment": "chat"}  # fmt: skip
+        notes = {k: v.replace("{{ $labels.pod }}", pod) for k, v in rule["annotations"].items()}
+        return {"exp_labels": labels, "exp_annotations": notes}
+
     _promtool_rule_test(tmp_path, spec(), [
         {
             "interval": "15s",
             "input_series": [
-                {"series": up("chat", "chat-0"), "values": "1 1 0x30"},  # down from 30 s
-                {"series": up("chat", "chat-1"), "values": "1x32"},
-                {"series": up("other", "other-0"), "values": "0x32"},  # another deployment's
+                {"series": up("chat-0"), "values": "1 1 0x30"},  # down from 30 s
+                {"series": up("chat-1"), "values": "1x32"},
+                # not this deployment's sidecar: another deployment's, another namespace's
+                # deployment of the same name, another port
+                {"series": up("other-0", service="other"), "values": "0x32"},
+                {"series": up("chat-0", ns="team-b"), "values": "0x32"},
+                {"series": up("chat-1", port="http"), "values": "0x32"},
             ],
             "alert_rule_test": [
                 {"eval_time": "315s", "alertname": "HeadroomSidecarDown", "exp_alerts": []},
                 {"eval_time": "345s", "alertname": "HeadroomSidecarDown",
-                 "exp_alerts": [{"exp_labels": fired, "exp_annotations": said}]},
+                 "exp_alerts": [fired("chat-0")]},
             ],
-        }
+        },
+        {
+            "interval": "15s",
+            "input_series": [
+                # up 60 s in every 6 minutes: each run resets `up == 0`'s for:
+                {"series": up("chat-2"), "values": "1x3 0x19 1x3 0x19 1x3 0x19 1x3 0x19"},
+                # down 8 minutes, then up again: resolved as it answers
+                {"series": up("chat-3"), "values": "1x3 0x31 1x40"},
+                # down, then deleted (its series goes stale)
+                {"series": up("chat-4"), "values": "1x3 0x31 stale"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": "8m", "alertname": "HeadroomSidecarDown",
+                 "exp_alerts": [fired("chat-3"), fired("chat-4")]},
+                # chat-2's loop held 5 minutes (fired at 12 m); chat-3 answers, chat-4 is gone
+                {"eval_time": "13m", "alertname": "HeadroomSidecarDown",
+                 "exp_alerts": [fired("chat-2")]},
+                {"eval_time": "1095s", "alertname": "HeadroomSidecarDown",  # chat-2 answering
+                 "exp_alerts": [fired("chat-2")]},
+            ],
+        },
     ])  # fmt: skip
 
 

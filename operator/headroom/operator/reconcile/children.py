@@ -430,15 +430,20 @@ def alert_rules(owner: Owner, spec: InferenceDeploymentSpec) -> list[dict[str, A
             "alert": "HeadroomSidecarDown",
             # A sidecar Prometheus cannot scrape exports nothing, not even the engine_up of
             # HeadroomEngineDown: every per-pod alert goes quiet for the pod, so this one says.
-            "expr": f"up{{{scraped}}} == 0",
+            # One in a crash loop answers a scrape or two between restarts, each resetting the
+            # `for:`: scraped less than a quarter of 15 minutes counts as down too, while the
+            # pod is still a target (a deleted pod's `up` goes stale and the alert resolves).
+            "expr": f"up{{{scraped}}} == 0 or "
+            f"(avg_over_time(up{{{scraped}}}[15m]) < 0.25 and up{{{scraped}}})",
             "for": f"{SIDECAR_DOWN_FOR_S}s",
             "labels": {"severity": "warning", "inferencedeployment": owner.name},
             "annotations": {
                 "summary": f"{target}: Prometheus cannot scrape the headroom sidecar of pod "
                 "{{ $labels.pod }}",
-                "description": f"For {SIDECAR_DOWN_FOR_S // 60} minutes every scrape of the "
-                "headroom sidecar of pod {{ $labels.pod }} failed, so Prometheus has none of "
-                "its KV metrics: the KV-cache alerts cannot fire for this pod.",
+                "description": f"For {SIDECAR_DOWN_FOR_S // 60} minutes Prometheus has failed "
+                "to scrape the headroom sidecar of pod {{ $labels.pod }}, or scraped it less "
+                "than a quarter of the last 15 minutes (a sidecar in a crash loop): it has few "
+                "or none of the pod's KV metrics, so the KV-cache alerts cannot fire for it.",
                 "runbook": "README.md#headroomsidecardown",
             },
         },
