@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import replace
+from functools import partial
 
 import pytest
 from synthetic_engine import SyntheticEngine
@@ -532,3 +533,49 @@ def test_sglang_first_log_of_an_epoch_counts_departures_from_none() -> None:
     state.record_success(_sglang(4, 0, 400, 2), 0.0)
     state.record_success(_sglang(4, 0, 400, 3), 1.0)  # 3 of its 4 may have finished
     assert state.sglang_held == 100
+
+
+def test_a_counter_that_dips_under_the_same_instance_id_is_held_at_its_highest() -> None:
+    # A series gone from a sum for one poll (a data-parallel rank missing from vLLM's /metrics)
+    # made the exported counter fall, which Prometheus reads as a reset: increase() counted its
+    # whole value again (1,000 preemptions: HeadroomPreempting on a pod that preempted none,
+    # and arrivals for a Prometheus-fed autoscaler). The window counted the climb back as new.
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from headroom.sidecar.collector import SidecarCollector, make_registry
+
+    eng = SyntheticEngine(capacity=1024)
+    eng.instance_id = "fixed"
+    eng.set_used(500)
+    state = _state()
+    names = ("headroom_preemptions_total", "headroom_requests_arrived_total")
+    last = dict.fromkeys(names, 0.0)
+    for t in range(31):
+        dip = t == 25
+        eng.preemptions_total = 400 if dip else 1000
+        eng.requests_arrived_total = eng.requests_finished_total = (1200 if dip else 2500) + t
+        eng.kv_block_seconds_total = 500.0 * t
+        assert not _poll(state, eng, float(t))
+        clock = partial(float, t)
+        text = generate_latest(make_registry(SidecarCollector(state, CFG, clock)))
+        exported = {
+            s.name: s.value
+            for f in text_string_to_metric_families(text.decode())
+            for s in f.samples
+            if s.name in names
+        }
+        assert set(exported) == set(names)
+        for name in names:
+            assert exported[name] >= last[name], (t, name, exported[name], last[name])
+        last = exported
+    fig = figures(state, CFG, now=30.0)
+    assert fig.demand is not None and fig.demand.arrivals == pytest.approx(1.0)
+    assert fig.preemption_rate_per_second == 0.0
+    # A restart still reads as one: the new engine's counters are exported as they are.
+    eng.instance_id = "restarted"
+    eng.preemptions_total, eng.requests_arrived_total = 3, 7
+    assert _poll(state, eng, 31.0)
+    reading = figures(state, CFG, now=31.0).reading
+    assert reading is not None and reading.preemptions_total == 3.0
+    assert reading.requests_arrived_total == 7.0
