@@ -6,8 +6,11 @@ leaves is counted as departed, and that falls when one leaves uncounted (vLLM do
 request its client aborts in `vllm:request_success_total`). A counter must not fall, so each
 poll adds the level's rise and ignores a fall: a request lost that way costs its own arrival
 (or the arrivals it hides within the same poll interval), never a reset. After an engine
-restart (a new instance id, or fewer departures than before) the counter starts again from the
-new server's level. headroom's engine counts its arrivals itself; its readings pass through.
+restart (a new instance id; without ids, fewer departures than before) the counter starts again
+from the new server's level. Fewer departures under the same id are a data-parallel rank's
+series missing from the sum: the counter holds for up to `HOLD_POLLS` polls, so the rank's
+return adds nothing, then counts on from the lower sum (`headroom.sidecar.monotonic`).
+headroom's engine counts its arrivals itself; its readings pass through.
 
 A sidecar that restarts while the server runs starts again from the level too: below what it
 exported before by the requests lost that way, which neither server exports where a new sidecar
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from headroom.sidecar.monotonic import HOLD_POLLS
 from headroom.sidecar.sources import EngineReading
 
 
@@ -36,24 +40,30 @@ class ArrivalCounter:
     _level: float | None = None
     _departed: float | None = None
     _instance_id: str | None = None
+    _held_polls: int = 0
 
     def apply(self, reading: EngineReading) -> EngineReading:
         """`reading` with its arrivals level replaced by the counter."""
         level = reading.requests_arrived_total
         if reading.source == "headroom" or level is None:
             return reading
-        restarted = (
-            None not in (self._instance_id, reading.instance_id)
-            and self._instance_id != reading.instance_id
-        ) or (
+        fell = (
             self._departed is not None
             and reading.requests_departed_total is not None
             and reading.requests_departed_total < self._departed
         )
+        if None not in (self._instance_id, reading.instance_id):
+            restarted = self._instance_id != reading.instance_id
+        else:
+            restarted = fell
         if self.total is None or self._level is None or restarted:
             self.total = level
-        else:
+        elif fell and self._held_polls < HOLD_POLLS:
+            self._held_polls += 1  # the level and departures before the gap stay the base
+            return replace(reading, requests_arrived_total=self.total)
+        elif not fell:
             self.total += max(level - self._level, 0.0)
+        self._held_polls = 0
         self._level, self._departed = level, reading.requests_departed_total
         self._instance_id = reading.instance_id
         return replace(reading, requests_arrived_total=self.total)

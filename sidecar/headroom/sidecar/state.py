@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, cast, get_args
+from typing import Any, Literal, get_args
 
 from headroom.contract.demand import CounterSample, DemandRates, rates
 from headroom.contract.forecast import counter_rate, forecast_saturation, windowed_ratio
 from headroom.sidecar.config import SidecarConfig
+from headroom.sidecar.monotonic import Held
 from headroom.sidecar.sources import EngineReading
 
 ErrorReason = Literal["unreachable", "timeout", "http_status", "garbage", "internal"]
@@ -53,8 +54,8 @@ class PollState:
     # (vLLM, SGLang): sampled at the poll interval, not exact like the engine's own counter.
     # vLLM's used blocks are integrated as reported, SGLang's as `_sglang_demand` reads them.
     integrated_block_seconds: float = 0.0
-    # The highest each cumulative counter has been this epoch (`_held`).
-    held: dict[str, float] = field(default_factory=dict)
+    # Each cumulative counter as exported this epoch: kept from falling (`_held`).
+    counters: dict[str, Held] = field(default_factory=dict)
     # The last value of each restart marker (instance id, counters) in the last reading that
     # had it: a restarted SGLang exports its request counters only after its first request
     # finishes, so comparing with the previous reading alone would miss the fall.
@@ -73,12 +74,13 @@ class PollState:
 
         An SGLang reading is kept (as `last_reading` and in the window) with its arrivals
         replaced by the estimate of `_sglang_demand`, so that `/metrics`, `/saturation` and the
-        demand rates all count the same arrivals; its other fields stay as parsed.
+        demand rates all count the same arrivals. Every reading's counters are kept from falling
+        within an epoch (`_held`); its other fields stay as parsed.
         """
         markers = _markers(reading)
         restarted = _restarted(self.seen, markers)
         epoch = self.epoch + 1 if restarted else self.epoch
-        reading, held = _held(reading, {} if restarted else self.held)
+        reading, counters = _held(reading, {} if restarted else self.counters)
         integrated = 0.0 if restarted else self.integrated_block_seconds
         if not restarted and self.samples and self.last_reading is not None:
             used: float | None = (
@@ -128,7 +130,7 @@ class PollState:
         self.integrated_block_seconds = integrated
         self.sglang_log, self.sglang_arrived = sglang_log, sglang_arrived
         self.sglang_held = sglang_held
-        self.held = held
+        self.counters = counters
         self.seen.update(markers)
         self.polls_total += 1
         self.last_reading = reading
@@ -260,7 +262,8 @@ _COUNTERS = (
 )
 
 
-# Every cumulative counter a reading carries: what /metrics exports and the window's rates use.
+# The cumulative counters a reading carries, each exported and windowed as `Held` (the TTFT and
+# TPOT histograms are exported as read).
 _CUMULATIVE = (
     *_COUNTERS,
     "requests_arrived_total",
@@ -269,23 +272,22 @@ _CUMULATIVE = (
 )
 
 
-def _held(reading: EngineReading, held: dict[str, float]) -> tuple[EngineReading, dict[str, float]]:
-    """`reading` with each counter at the highest it has been this epoch, and those highs.
-
-    Within an engine's life a counter that falls is a series gone from a sum for a poll (a
-    data-parallel rank missing from vLLM's /metrics). Exported as read, Prometheus took the fall
-    for a reset and counted the whole value again; in the window the climb back counted as new.
-    """
-    highs = dict(held)
-    raised: dict[str, float] = {}
+def _held(
+    reading: EngineReading, counters: dict[str, Held]
+) -> tuple[EngineReading, dict[str, Held]]:
+    """`reading` with each counter as `Held` keeps it (never falling within an epoch), and the
+    counters' new state; `counters` is empty at an epoch's first reading."""
+    after = dict(counters)
+    changed: dict[str, Any] = {}  # all float: every _CUMULATIVE field is `float | None`
     for name in _CUMULATIVE:
-        value = getattr(reading, name)
-        if value is None:
+        read = getattr(reading, name)
+        if read is None:
             continue
-        highs[name] = max(value, held.get(name, value))
-        if highs[name] != value:
-            raised[name] = highs[name]
-    return (replace(reading, **cast(dict[str, Any], raised)) if raised else reading), highs
+        before = counters.get(name)
+        after[name] = Held(read) if before is None else before.step(read)
+        if after[name].value != read:
+            changed[name] = after[name].value
+    return (replace(reading, **changed) if changed else reading), after
 
 
 def _markers(reading: EngineReading) -> dict[str, object]:
@@ -300,7 +302,7 @@ def _restarted(seen: dict[str, object], cur: dict[str, object]) -> bool:
     if "instance_id" in seen and "instance_id" in cur:
         # Under the same id a counter that falls is that series' glitch (a data-parallel rank
         # gone from vLLM's sum), not a restart, which would count every other counter's whole
-        # value as new in the window (arrivals 2,502/s for 1/s). `_held` holds it at its high.
+        # value as new in the window (arrivals 2,502/s for 1/s). `_held` keeps it from falling.
         return seen["instance_id"] != cur["instance_id"]
     for name in _COUNTERS:
         before, after = seen.get(name), cur.get(name)
