@@ -674,3 +674,34 @@ def test_vllm_arrivals_hold_through_a_rank_missing_from_a_poll() -> None:
     # The gap costs at most the arrivals its poll hides (a refill of aborted requests: 4).
     assert steady[30] - 0.45 <= gapped[30] <= steady[30]
     assert gapped[39] == pytest.approx(steady[39])
+
+
+@pytest.mark.parametrize(("gap", "held"), [(3, True), (4, False)])
+def test_a_fall_is_held_for_three_polls_then_the_lower_sum_stands(gap: int, held: bool) -> None:
+    from headroom.sidecar.monotonic import HOLD_POLLS
+
+    assert HOLD_POLLS == 3
+    eng = SyntheticEngine()
+    eng.instance_id = "fixed"
+    state = _state()
+    eng.preemptions_total = 100
+    _poll(state, eng, 0.0)
+    eng.preemptions_total = 40  # a pool's 60 missing from the sum
+    for t in range(1, gap + 1):
+        _poll(state, eng, float(t))
+        assert _exported_totals(state, float(t))["headroom_preemptions_total"] == 100.0
+    eng.preemptions_total = 41 if not held else 101  # one more: the pool back, or not
+    _poll(state, eng, gap + 1.0)
+    assert _exported_totals(state, gap + 1.0)["headroom_preemptions_total"] == 101.0
+
+
+def test_vllm_arrivals_count_on_from_a_rank_gone_for_good() -> None:
+    # Held from falling forever, the arrivals stood still once a rank was gone (rate 0).
+    arrivals, state = ArrivalCounter(), _state()
+    for t in range(40):
+        ranks = [(float(t), 4.0), (float(t), 4.0)][: 2 if t < 20 else 1]  # departed, in flight
+        reading = _vllm(sum(d for d, _ in ranks), sum(f for _, f in ranks))
+        state.record_success(arrivals.apply(reading), float(t))
+    fig = figures(state, CFG, now=39.0)
+    assert fig.demand is not None and fig.demand.arrivals == pytest.approx(1.0)
+    assert fig.demand.departures == pytest.approx(1.0)

@@ -1,20 +1,22 @@
 """Cumulative counters kept from falling within one engine's life, as Prometheus needs them.
 
-Under one engine instance a counter read from a sum over data-parallel ranks falls when a
-rank's series is missing from a poll (vLLM's multiprocess /metrics), and stays lower when a
-rank is gone or restarted on its own. Prometheus reads any fall as a reset and counts the whole
-value again (a false HeadroomPreempting, arrivals for a Prometheus-fed autoscaler), and a
-window that skips the fall counts the climb back as new. So a fall is held at the last value
-for up to `HOLD_POLLS` polls (the rank's return is then no growth), and a sum still lower after
-them is taken as the new base: counting goes on from there, offset so it never falls. Engines
-without an instance id cannot tell a fall from a restart; there a fall is a restart.
+Under one engine instance a counter read from a sum over data-parallel pools falls when a pool's
+series is missing from a poll, and stays lower when a pool is gone or restarted on its own.
+Prometheus reads any fall as a reset and counts the whole value again (a false
+HeadroomPreempting, arrivals for a Prometheus-fed autoscaler), and a window that skips the fall
+counts the climb back as new. So a fall is held at the last value for up to `HOLD_POLLS` polls
+(a pool back within them adds only its growth), and a sum still lower after them is taken as
+the new base: counting goes on from there, offset so it never falls. A pool that comes back
+after that adds its whole count again, as it did before this hold; holding per pool would not.
+Only an engine that reports an instance id can be held: without one (SGLang, vLLM's
+multiprocess metrics) a fall cannot be told from a restart, and is a restart.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Polls a fall is held before the lower sum stands: vLLM's gaps last one poll.
+# Polls a fall is held before the lower sum stands (3 s at the default --interval).
 HOLD_POLLS = 3
 
 
