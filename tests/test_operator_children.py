@@ -286,7 +286,8 @@ def test_sidecar_down_fires_for_a_sidecar_of_this_deployment_unscraped_for_5_min
     def fired(pod: str) -> dict[str, Any]:
         labels = {"severity": "warning", "job": "chat", "namespace": "team-a",
                   "service": "chat", "pod": pod, "endpoint": "metrics", "container": "sidecar",
-                  "instance": f"{pod}:9400", "inferencedeployment": "chat"}  # fmt: skip
+                  "instance": f"{pod}:9400", "inferencedeployment": "chat",
+                  "model": "llama-3.1-8b"}  # fmt: skip
         notes = {k: v.replace("{{ $labels.pod }}", pod) for k, v in rule["annotations"].items()}
         return {"exp_labels": labels, "exp_annotations": notes}
 

@@ -283,6 +283,7 @@ def test_stats_is_the_versioned_snapshot(server: ServerProcess) -> None:
     with urllib.request.urlopen(server.url + "/stats", timeout=10) as resp:
         snap = StatsSnapshot.model_validate_json(resp.read())
     assert snap.version == STATS_SCHEMA_VERSION
+    assert snap.model == "tiny-test"  # the served name, as vLLM and SGLang report theirs
     assert snap.kv.capacity == 256
     assert snap.kv.free + snap.kv.used + snap.kv.cached == snap.kv.capacity
     with urllib.request.urlopen(server.url + "/health", timeout=10) as resp:

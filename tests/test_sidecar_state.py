@@ -629,10 +629,17 @@ def test_without_an_instance_id_a_fall_is_a_restart_and_exported_as_read() -> No
         return state.record_success(replace(parse_headroom_stats(eng.body()), instance_id=None), t)
 
     eng.preemptions_total = eng.requests_finished_total = 50
+    eng.prompt_tokens_arrived_total = 900
     assert not poll(0.0)
+    eng.prompt_tokens_arrived_total = 400  # no restart marker among the counters that fell
+    assert not poll(1.0)
+    assert _exported_totals(state, 1.0)["headroom_prompt_tokens_arrived_total"] == 900.0
     eng.preemptions_total = eng.requests_finished_total = 2
-    assert poll(1.0)
-    assert _exported_totals(state, 1.0)["headroom_preemptions_total"] == 2.0
+    eng.prompt_tokens_arrived_total = 10
+    assert poll(2.0)
+    exported = _exported_totals(state, 2.0)
+    assert exported["headroom_preemptions_total"] == 2.0
+    assert exported["headroom_prompt_tokens_arrived_total"] == 10.0
 
 
 def _vllm(departed: float, in_flight: float, instance_id: str = "fixed") -> EngineReading:

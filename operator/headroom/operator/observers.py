@@ -15,6 +15,7 @@ during a relist still keeps its (idle) watcher: the listing's end reaches no pro
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Collection
 from types import ModuleType
@@ -50,6 +51,7 @@ def _amendable() -> bool:
 
 
 def _listed_too(original: Processor, wanted: Callable[[dict[str, Any]], bool]) -> Processor:
+    @functools.wraps(original)
     async def process(*, raw_event: Any, **kwargs: Any) -> None:
         if raw_event["type"] is None and wanted(raw_event["object"]):
             raw_event = {**raw_event, "type": LISTED_AS}

@@ -8,8 +8,9 @@ counts the climb back as new. So a fall is held at the last value for up to `HOL
 (a pool back within them adds only its growth), and a sum still lower after them is taken as
 the new base: counting goes on from there, offset so it never falls. A pool that comes back
 after that adds its whole count again, as it did before this hold; holding per pool would not.
-Only an engine that reports an instance id can be held: without one (SGLang, vLLM's
-multiprocess metrics) a fall cannot be told from a restart, and is a restart.
+Only an engine that reports an instance id can be held throughout: without one (SGLang, vLLM's
+multiprocess metrics) a fall of the counters that mark a restart (`state._COUNTERS`) cannot be
+told from a restart, and is one; the other counters are held as above.
 """
 
 from __future__ import annotations

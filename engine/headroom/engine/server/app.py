@@ -85,7 +85,9 @@ async def handle_stats(request: web.Request) -> web.Response:
     if (reason := st.unhealthy) is not None:
         # The sidecar reads a failed poll as headroom_engine_up 0: what a dying pod should show.
         raise APIError(503, reason, code="engine_unhealthy")
-    snap = st.engine.stats()
+    # The name clients send, as vLLM and SGLang name the model in their metrics: the sidecar's
+    # `model` label is then the same whatever the runtime (the engine knows its directory's).
+    snap = st.engine.stats().model_copy(update={"model": st.settings.served_model_name})
     return web.Response(text=snap.model_dump_json(), content_type="application/json")
 
 

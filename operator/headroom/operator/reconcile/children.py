@@ -436,7 +436,12 @@ def alert_rules(owner: Owner, spec: InferenceDeploymentSpec) -> list[dict[str, A
             "expr": f"up{{{scraped}}} == 0 or "
             f"(avg_over_time(up{{{scraped}}}[15m]) < 0.25 and up{{{scraped}}})",
             "for": f"{SIDECAR_DOWN_FOR_S}s",
-            "labels": {"severity": "warning", "inferencedeployment": owner.name},
+            # The labels the sidecar's own series carry, for routes and inhibitions on them.
+            "labels": {
+                "severity": "warning",
+                "inferencedeployment": owner.name,
+                "model": served_model_name(spec, owner.name),
+            },
             "annotations": {
                 "summary": f"{target}: Prometheus cannot scrape the headroom sidecar of pod "
                 "{{ $labels.pod }}",
