@@ -102,26 +102,33 @@ def test_restart_by_instance_id_restarts_the_forecast() -> None:
     assert fig.growth_blocks_per_second == pytest.approx(10.0)
 
 
+def _poll_without_id(state: PollState, eng: SyntheticEngine, t: float) -> bool:
+    """A poll of an engine without an id (vLLM multi-process, SGLang)."""
+    return state.record_success(replace(parse_headroom_stats(eng.body()), instance_id=None), t)
+
+
+def _one_instance() -> SyntheticEngine:
+    """An engine under one instance id throughout, half its 1,024 blocks used."""
+    eng = SyntheticEngine(capacity=1024)
+    eng.instance_id = "fixed"
+    eng.set_used(500)
+    return eng
+
+
 def test_restart_by_counter_going_backwards() -> None:
     eng = SyntheticEngine()
     state = _state()
-
-    def poll(t: float) -> bool:  # an engine without an id (vLLM multi-process, SGLang)
-        return state.record_success(replace(parse_headroom_stats(eng.body()), instance_id=None), t)
-
     eng.preemptions_total = 5
-    poll(0.0)
+    _poll_without_id(state, eng, 0.0)
     eng.preemptions_total = 1  # no id to tell: a counter that falls is the restart's sign
-    assert poll(1.0)
+    assert _poll_without_id(state, eng, 1.0)
 
 
 def test_a_counter_that_falls_under_the_same_instance_id_is_no_restart() -> None:
     # One series dipping (a data-parallel rank gone from vLLM's sum, an engine bug) counted
     # as a restart: every other counter's whole value then read as new in the window, and
     # the arrivals of 1/s read as 2,502/s, fresh, the demand 1.25 million blocks of 1,024.
-    eng = SyntheticEngine(capacity=1024)
-    eng.instance_id = "fixed"
-    eng.set_used(500)
+    eng = _one_instance()
     state = _state()
     for t in range(40):
         eng.requests_arrived_total = eng.requests_finished_total = 2500 + t
@@ -537,15 +544,11 @@ def test_sglang_first_log_of_an_epoch_counts_departures_from_none() -> None:
 
 def _exported_totals(state: PollState, t: float) -> dict[str, float]:
     """Every `*_total` sample a scrape of the sidecar's /metrics shows at `t`."""
-    from prometheus_client import generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
+    from test_sidecar_collector import _families
 
-    from headroom.sidecar.collector import SidecarCollector, make_registry
-
-    text = generate_latest(make_registry(SidecarCollector(state, CFG, partial(float, t))))
     return {
         s.name: s.value
-        for f in text_string_to_metric_families(text.decode())
+        for f in _families(state, CFG, partial(float, t)).values()
         for s in f.samples
         if s.name.endswith("_total") and not s.name.startswith("headroom_sidecar_")
     }
@@ -566,9 +569,7 @@ def test_a_counter_that_dips_under_the_same_instance_id_is_held() -> None:
     # made the exported counter fall, which Prometheus reads as a reset: increase() counted its
     # whole value again (1,000 preemptions: HeadroomPreempting on a pod that preempted none,
     # and arrivals for a Prometheus-fed autoscaler). The window counted the climb back as new.
-    eng = SyntheticEngine(capacity=1024)
-    eng.instance_id = "fixed"
-    eng.set_used(500)
+    eng = _one_instance()
     state = _state()
     last: dict[str, float] = {}
     for t in range(31):
@@ -600,9 +601,7 @@ def test_a_sum_that_stays_lower_counts_on_from_there_after_the_hold() -> None:
     # engine had been up), hiding preemptions and the departures of the rank still serving.
     from headroom.sidecar.monotonic import HOLD_POLLS
 
-    eng = SyntheticEngine(capacity=1024)
-    eng.instance_id = "fixed"
-    eng.set_used(500)
+    eng = _one_instance()
     state = _state()
     for t in range(20):
         _engine_counters(eng, t, 1.0)
@@ -624,28 +623,26 @@ def test_a_sum_that_stays_lower_counts_on_from_there_after_the_hold() -> None:
 def test_without_an_instance_id_a_fall_is_a_restart_and_exported_as_read() -> None:
     eng = SyntheticEngine()
     state = _state()
-
-    def poll(t: float) -> bool:
-        return state.record_success(replace(parse_headroom_stats(eng.body()), instance_id=None), t)
-
     eng.preemptions_total = eng.requests_finished_total = 50
     eng.prompt_tokens_arrived_total = 900
-    assert not poll(0.0)
+    assert not _poll_without_id(state, eng, 0.0)
     eng.prompt_tokens_arrived_total = 400  # no restart marker among the counters that fell
-    assert not poll(1.0)
+    assert not _poll_without_id(state, eng, 1.0)
     assert _exported_totals(state, 1.0)["headroom_prompt_tokens_arrived_total"] == 900.0
     eng.preemptions_total = eng.requests_finished_total = 2
     eng.prompt_tokens_arrived_total = 10
-    assert poll(2.0)
+    assert _poll_without_id(state, eng, 2.0)
     exported = _exported_totals(state, 2.0)
     assert exported["headroom_preemptions_total"] == 2.0
     assert exported["headroom_prompt_tokens_arrived_total"] == 10.0
 
 
-def _vllm(departed: float, in_flight: float, instance_id: str = "fixed") -> EngineReading:
-    """A vLLM reading as its parser gives it: arrivals are the level departed + in flight."""
+def _vllm(ranks: list[tuple[float, float]]) -> EngineReading:
+    """A vLLM reading as its parser gives it from the ranks' (departed, in flight), summed:
+    arrivals are the level departed + in flight."""
+    departed, in_flight = sum(d for d, _ in ranks), sum(f for _, f in ranks)
     base = parse_headroom_stats(SyntheticEngine(capacity=1024).body())
-    return replace(base, source="vllm", instance_id=instance_id,
+    return replace(base, source="vllm", instance_id="fixed",
                    requests_arrived_total=departed + in_flight,
                    requests_departed_total=departed)  # fmt: skip
 
@@ -660,7 +657,7 @@ def _vllm_arrival_rates(gap: int | None) -> dict[int, float]:
         ranks = [(float(t), 2.0 if t % 5 == 0 else 8.0), (float(t), 4.0)]  # departed, in flight
         if t == gap:
             ranks = ranks[:1]
-        reading = _vllm(sum(d for d, _ in ranks), sum(f for _, f in ranks))
+        reading = _vllm(ranks)
         state.record_success(arrivals.apply(reading), float(t))
         exported = _exported_totals(state, float(t))["headroom_requests_arrived_total"]
         assert exported >= last, t
@@ -707,7 +704,7 @@ def test_vllm_arrivals_count_on_from_a_rank_gone_for_good() -> None:
     arrivals, state = ArrivalCounter(), _state()
     for t in range(40):
         ranks = [(float(t), 4.0), (float(t), 4.0)][: 2 if t < 20 else 1]  # departed, in flight
-        reading = _vllm(sum(d for d, _ in ranks), sum(f for _, f in ranks))
+        reading = _vllm(ranks)
         state.record_success(arrivals.apply(reading), float(t))
     fig = figures(state, CFG, now=39.0)
     assert fig.demand is not None and fig.demand.arrivals == pytest.approx(1.0)
