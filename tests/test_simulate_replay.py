@@ -224,7 +224,7 @@ def test_a_flash_crowd_buys_no_pods_for_the_backlog_its_own_scale_out_leaves() -
 
 def test_a_launch_spike_releases_its_pods_after_one_horizon_not_hpas_300_s() -> None:
     # The defaults scale in once fewer pods have been enough for one provisioning horizon, with
-    # a 0.15 level margin; HPA's 300 s with a 0.05 margin is the reference. On the 4x launch
+    # a 0.10 level margin; HPA's 300 s with a 0.05 margin is the reference. On the 4x launch
     # the surge's pods go sooner, for no more KV-limited seconds (1.3 % fewer GPU-hours on
     # seed 1 since pods still starting are cancelled once not needed, in both).
     spec, sizing = deployment("h100-80gb", pod_start=120)
@@ -238,6 +238,23 @@ def test_a_launch_spike_releases_its_pods_after_one_horizon_not_hpas_300_s() -> 
     old = replay(trace, shape, HeadroomPolicy(hpa_like), start)
     assert new.limited_seconds <= old.limited_seconds
     assert new.gpu_hours < 0.995 * old.gpu_hours
+
+
+@pytest.mark.parametrize("kind", ["diurnal", "flash-crowd"])
+def test_the_default_scale_in_margin_buys_no_pods_the_band_already_holds(kind: str) -> None:
+    # At the default forecastQuantile the band holds the demand's noise; the 0.15 margin of
+    # earlier releases kept pods on top of it (the bench: 2-5 % more GPU-hours on every trace
+    # for the same worst seed). Seed 1 of each: the same KV-limited seconds, about 3 % fewer
+    # GPU-hours.
+    spec, sizing = deployment("h100-80gb", pod_start=120)
+    shape = shape_for(spec, sizing)
+    trace = synthetic(kind, 1)
+    start = opening_replicas(trace, shape)
+    policy = policy_at(spec, 0.95, sizing)
+    new = replay(trace, shape, HeadroomPolicy(policy), start)
+    old = replay(trace, shape, HeadroomPolicy(replace(policy, scale_in_hysteresis=0.15)), start)
+    assert new.limited_seconds <= old.limited_seconds
+    assert new.gpu_hours < 0.985 * old.gpu_hours
 
 
 def test_the_replay_decides_every_interval_the_spec_sets() -> None:
