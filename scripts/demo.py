@@ -60,6 +60,11 @@ SHARED_FRACTION = 0.75
 RAMP = (1, 24)
 RAMP_SECONDS = 24.0
 LOAD_SECONDS = 30.0
+# The helpers running now, and the signals received: a signal stops the helpers itself, so the
+# demo stops even where the SystemExit it raises is lost (Python only prints an exception
+# raised in a finalizer or a weakref callback, and goes on).
+_HELPERS: list[subprocess.Popen[str]] = []
+_SIGNALLED: list[int] = []
 
 EXAMPLES = (
     ("Llama 3.1 70B on H100 80GB, tp 4", "llama-3.1-70b", "h100-80gb", 4, 128, 4096),
@@ -120,6 +125,7 @@ def _process(
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
+        _HELPERS.append(proc)
         try:
             yield proc, log
         except BaseException:
@@ -127,6 +133,7 @@ def _process(
             print(log.read()[-2000:], file=sys.stderr)
             raise
         finally:
+            _HELPERS.remove(proc)
             if proc.poll() is None:
                 proc.terminate()
                 try:
@@ -364,11 +371,28 @@ def main() -> int:
 
 def _exit_on_signal(signum: int, _frame: object) -> None:
     """SIGTERM or SIGHUP unwinds like Ctrl-C, so the engine and the sidecar are stopped."""
+    _SIGNALLED.append(signum)
+    for proc in list(_HELPERS):
+        proc.send_signal(signal.SIGTERM)  # a no-op on one that has exited
     raise SystemExit(128 + signum)
+
+
+def _run() -> int:
+    """main(), with the exit status a signal asks for however the demo unwound from it."""
+    try:
+        status = main()
+    except Exception as exc:
+        if not _SIGNALLED:
+            raise
+        # The helpers stopped under a step that was running: its error is the signal's doing.
+        print(f"stopped by signal {_SIGNALLED[0]}: {exc}", file=sys.stderr)
+        return 128 + _SIGNALLED[0]
+    # A signal whose SystemExit was lost: the demo went on, on stopped helpers, and returned.
+    return 128 + _SIGNALLED[0] if _SIGNALLED else status
 
 
 if __name__ == "__main__":
     # The default action would end this process at once and leave both children running.
     for _sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(_sig, _exit_on_signal)
-    sys.exit(main())
+    sys.exit(_run())

@@ -3,6 +3,7 @@ engine and the sidecar it started, as Ctrl-C does."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
@@ -64,8 +65,8 @@ def test_a_signal_stops_the_demo_and_its_children(sig: signal.Signals) -> None:
         children = _children(proc.pid)
         assert len(children) == 2, children  # the engine and the sidecar
         proc.send_signal(sig)
-        proc.communicate(timeout=60)
-        assert proc.returncode == 128 + sig
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + sig, "".join(seen[-10:]) + rest[-6000:]
         deadline = time.monotonic() + 30
         while any(_alive(c) for c in children) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -77,3 +78,46 @@ def test_a_signal_stops_the_demo_and_its_children(sig: signal.Signals) -> None:
         for c in children:  # a failed run must not leave them to the next test
             if _alive(c):
                 os.kill(c, signal.SIGKILL)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("ends", ["returns", "raises"])
+def test_a_signal_whose_exit_is_lost_still_stops_the_helpers_and_sets_the_status(
+    ends: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A signal handled while a finalizer runs raises SystemExit there, where Python prints it
+    # and goes on: the demo must not run on with its helpers, nor exit as if nothing happened.
+    demo = importlib.import_module("scripts.demo")
+    monkeypatch.setattr(demo, "_SIGNALLED", [])
+    helpers: list[subprocess.Popen[str]] = []
+
+    class Finalized:
+        def __del__(self) -> None:
+            demo._exit_on_signal(signal.SIGTERM, None)
+
+    def main() -> int:
+        with demo._process(["-c", "import time; time.sleep(300)"]) as (proc, _):
+            helpers.append(proc)
+            lost = Finalized()
+            del lost  # the handler runs in the finalizer, and its SystemExit is dropped
+            proc.wait(timeout=60)  # stopped by the handler itself
+            if ends == "raises":  # as a step of the demo would, its helpers gone under it
+                raise RuntimeError("headroom sidecar exited with -15")
+        return 1
+
+    monkeypatch.setattr(demo, "main", main)
+    assert demo._run() == 128 + signal.SIGTERM
+    assert helpers[0].returncode == -signal.SIGTERM
+    assert demo._HELPERS == []
+
+
+def test_an_error_without_a_signal_is_the_demos_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    demo = importlib.import_module("scripts.demo")
+    monkeypatch.setattr(demo, "_SIGNALLED", [])
+
+    def main() -> int:
+        raise RuntimeError("decide() asked more than 1.5x the plan at the ramp's peak")
+
+    monkeypatch.setattr(demo, "main", main)
+    with pytest.raises(RuntimeError, match="asked more than"):
+        demo._run()

@@ -243,8 +243,8 @@ def test_a_launch_spike_releases_its_pods_after_one_horizon_not_hpas_300_s() -> 
 @pytest.mark.parametrize("kind", ["diurnal", "flash-crowd"])
 def test_the_default_scale_in_margin_buys_no_pods_the_band_already_holds(kind: str) -> None:
     # At the default forecastQuantile the band holds the demand's noise; the 0.15 margin of
-    # earlier releases kept pods on top of it (the bench: 2-5 % more GPU-hours on every trace
-    # for the same worst seed). Seed 1 of each: the same KV-limited seconds, about 3 % fewer
+    # earlier releases kept pods on top of it (the bench: up to 5 % more GPU-hours for a worst
+    # seed at most 3 s better). Seed 1 of each: the same KV-limited seconds, about 3 % fewer
     # GPU-hours.
     spec, sizing = deployment("h100-80gb", pod_start=120)
     shape = shape_for(spec, sizing)

@@ -759,8 +759,9 @@ class ScalingSpec(CRDModel):
         ),
     )
     # 0.10, not 0.15: at the default forecastQuantile the band already holds the demand's
-    # noise, and the autoscaling bench's 20 seeds showed the wider margin buying 2-5 % more
-    # GPU-hours on every trace for the same worst seed (bench/autoscale_sim.py, issue 20).
+    # noise, and on the autoscaling bench's 20 seeds the wider margin bought up to 5 % more
+    # GPU-hours (azure; diurnal 3 %, spike 0.5 %) for a worst seed at most 3 s better
+    # (bench/autoscale_sim.py, issue 20).
     scale_in_hysteresis: float = Field(
         default=0.10,
         ge=0.0,
