@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -116,6 +117,8 @@ def _process(
     args: list[str], env: dict[str, str] | None = None
 ) -> Iterator[tuple[subprocess.Popen[str], TextIO]]:
     """A helper process whose output goes to a temporary log (printed if the step fails)."""
+    if _SIGNALLED:  # a signal whose SystemExit was lost: start nothing more
+        raise SystemExit(128 + _SIGNALLED[0])
     # Append mode: reading the log moves the offset the process shares, not where it writes.
     with tempfile.TemporaryFile(mode="a+") as log:
         proc = subprocess.Popen(
@@ -133,14 +136,17 @@ def _process(
             print(log.read()[-2000:], file=sys.stderr)
             raise
         finally:
-            _HELPERS.remove(proc)
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            try:
+                if proc.poll() is None:
+                    proc.terminate()
+                    try:
+                        proc.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+            finally:
+                # Only once reaped: a signal before this still reaches the helper.
+                _HELPERS.remove(proc)
 
 
 def _free_port() -> int:
@@ -371,21 +377,28 @@ def main() -> int:
 
 def _exit_on_signal(signum: int, _frame: object) -> None:
     """SIGTERM or SIGHUP unwinds like Ctrl-C, so the engine and the sidecar are stopped."""
+    first = not _SIGNALLED
     _SIGNALLED.append(signum)
     for proc in list(_HELPERS):
         proc.send_signal(signal.SIGTERM)  # a no-op on one that has exited
-    raise SystemExit(128 + signum)
+    if first:
+        # A second signal only stops the helpers again: raised during the unwinding, it would
+        # cut short the cleanup (the wait before a helper is killed) and change the status.
+        raise SystemExit(128 + signum)
 
 
 def _run() -> int:
     """main(), with the exit status a signal asks for however the demo unwound from it."""
     try:
         status = main()
-    except Exception as exc:
+    except Exception:
         if not _SIGNALLED:
             raise
-        # The helpers stopped under a step that was running: its error is the signal's doing.
-        print(f"stopped by signal {_SIGNALLED[0]}: {exc}", file=sys.stderr)
+        # The helpers stopped under a step that was running: its error is most likely the
+        # signal's doing, but it is shown whole in case it is not.
+        print(f"stopped by signal {_SIGNALLED[0]}; the step that was running raised:",
+              file=sys.stderr)  # fmt: skip
+        traceback.print_exc()
         return 128 + _SIGNALLED[0]
     # A signal whose SystemExit was lost: the demo went on, on stopped helpers, and returned.
     return 128 + _SIGNALLED[0] if _SIGNALLED else status

@@ -89,7 +89,7 @@ def test_a_signal_whose_exit_is_lost_still_stops_the_helpers_and_sets_the_status
     # and goes on: the demo must not run on with its helpers, nor exit as if nothing happened.
     demo = importlib.import_module("scripts.demo")
     monkeypatch.setattr(demo, "_SIGNALLED", [])
-    helpers: list[subprocess.Popen[str]] = []
+    stopped: list[int] = []
 
     class Finalized:
         def __del__(self) -> None:
@@ -97,17 +97,41 @@ def test_a_signal_whose_exit_is_lost_still_stops_the_helpers_and_sets_the_status
 
     def main() -> int:
         with demo._process(["-c", "import time; time.sleep(300)"]) as (proc, _):
-            helpers.append(proc)
             lost = Finalized()
             del lost  # the handler runs in the finalizer, and its SystemExit is dropped
-            proc.wait(timeout=60)  # stopped by the handler itself
+            # Stopped by the handler itself, not by the cleanup after it (_run would take
+            # a timeout here for the signal's doing: the figure is checked outside it).
+            stopped.append(proc.wait(timeout=30))
             if ends == "raises":  # as a step of the demo would, its helpers gone under it
                 raise RuntimeError("headroom sidecar exited with -15")
+        with demo._process(["-c", "pass"]):  # the next step starts no helper, and exits
+            stopped.append(0)
         return 1
 
     monkeypatch.setattr(demo, "main", main)
-    assert demo._run() == 128 + signal.SIGTERM
-    assert helpers[0].returncode == -signal.SIGTERM
+    try:
+        status = demo._run()
+    except SystemExit as e:  # the next step's start (the demo then exits with it)
+        status = e.code
+    assert status == 128 + signal.SIGTERM
+    assert stopped == [-signal.SIGTERM]
+    assert demo._HELPERS == []
+
+
+def test_a_second_signal_stops_the_helpers_again_without_cutting_the_cleanup_short(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    demo = importlib.import_module("scripts.demo")
+    monkeypatch.setattr(demo, "_SIGNALLED", [])
+    sleeper = ["-c", "import time; time.sleep(300)"]
+    with pytest.raises(SystemExit) as exited, demo._process(sleeper) as (proc, _):
+        try:
+            demo._exit_on_signal(signal.SIGTERM, None)
+        finally:  # a second signal while the first one unwinds
+            assert proc.wait(timeout=30) == -signal.SIGTERM
+            demo._exit_on_signal(signal.SIGHUP, None)
+    assert exited.value.code == 128 + signal.SIGTERM  # the first signal's, not the second's
+    assert demo._SIGNALLED == [signal.SIGTERM, signal.SIGHUP]
     assert demo._HELPERS == []
 
 
