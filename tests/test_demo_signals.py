@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -80,15 +81,21 @@ def test_a_signal_stops_the_demo_and_its_children(sig: signal.Signals) -> None:
                 os.kill(c, signal.SIGKILL)
 
 
+@pytest.fixture
+def demo(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """scripts/demo.py imported, with no signal received yet."""
+    module = importlib.import_module("scripts.demo")
+    monkeypatch.setattr(module, "_SIGNALLED", [])
+    return module
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("ends", ["returns", "raises"])
 def test_a_signal_whose_exit_is_lost_still_stops_the_helpers_and_sets_the_status(
-    ends: str, monkeypatch: pytest.MonkeyPatch
+    ends: str, demo: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A signal handled while a finalizer runs raises SystemExit there, where Python prints it
     # and goes on: the demo must not run on with its helpers, nor exit as if nothing happened.
-    demo = importlib.import_module("scripts.demo")
-    monkeypatch.setattr(demo, "_SIGNALLED", [])
     stopped: list[int] = []
 
     class Finalized:
@@ -119,10 +126,8 @@ def test_a_signal_whose_exit_is_lost_still_stops_the_helpers_and_sets_the_status
 
 
 def test_a_second_signal_stops_the_helpers_again_without_cutting_the_cleanup_short(
-    monkeypatch: pytest.MonkeyPatch,
+    demo: ModuleType,
 ) -> None:
-    demo = importlib.import_module("scripts.demo")
-    monkeypatch.setattr(demo, "_SIGNALLED", [])
     sleeper = ["-c", "import time; time.sleep(300)"]
     with pytest.raises(SystemExit) as exited, demo._process(sleeper) as (proc, _):
         try:
@@ -135,9 +140,9 @@ def test_a_second_signal_stops_the_helpers_again_without_cutting_the_cleanup_sho
     assert demo._HELPERS == []
 
 
-def test_an_error_without_a_signal_is_the_demos_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    demo = importlib.import_module("scripts.demo")
-    monkeypatch.setattr(demo, "_SIGNALLED", [])
+def test_an_error_without_a_signal_is_the_demos_own(
+    demo: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
 
     def main() -> int:
         raise RuntimeError("decide() asked more than 1.5x the plan at the ramp's peak")

@@ -4,6 +4,7 @@ what a run costs, when the KV cache turns work away, and which setting is picked
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import pytest
 import headroom.operator.scaling.decide as decide_module
 from headroom.operator.crd.models import InferenceDeploymentSpec
 from headroom.operator.reconcile.sizing import Sizing, parse
+from headroom.operator.scaling.decide import Policy
 from headroom.operator.simulate.replay import (
     DT,
     HeadroomPolicy,
@@ -222,21 +224,29 @@ def test_a_flash_crowd_buys_no_pods_for_the_backlog_its_own_scale_out_leaves() -
     assert held.peak_replicas < switched.peak_replicas
 
 
+def _defaults_against(kind: str, **changes: Any) -> tuple[Policy, Result, Result]:
+    """Seed 1 of a synthetic trace on one H100 pod per replica (120 s start) at q 0.95: the
+    spec's default policy, its replay, and the replay of the same policy with `changes`."""
+    spec, sizing = deployment("h100-80gb", pod_start=120)
+    shape = shape_for(spec, sizing)
+    trace = synthetic(kind, 1)
+    start = opening_replicas(trace, shape)
+    policy = policy_at(spec, 0.95, sizing)
+    new = replay(trace, shape, HeadroomPolicy(policy), start)
+    old = replay(trace, shape, HeadroomPolicy(replace(policy, **changes)), start)
+    return policy, new, old
+
+
 def test_a_launch_spike_releases_its_pods_after_one_horizon_not_hpas_300_s() -> None:
     # The defaults scale in once fewer pods have been enough for one provisioning horizon, with
     # a 0.10 level margin; HPA's 300 s with a 0.05 margin is the reference. On the 4x launch
     # the surge's pods go sooner, for no more KV-limited seconds (0.9 % fewer GPU-hours on
     # seed 1, 1.3 % with the 0.15 margin, since pods still starting are cancelled once not
     # needed, in both).
-    spec, sizing = deployment("h100-80gb", pod_start=120)
-    shape = shape_for(spec, sizing)
-    trace = synthetic("spike", 1)
-    start = opening_replicas(trace, shape)
-    policy = policy_at(spec, 0.95, sizing)
+    policy, new, old = _defaults_against(
+        "spike", scale_in_hysteresis=0.05, scale_down_stabilization_seconds=300.0
+    )
     assert policy.scale_down_stabilization_seconds is None
-    hpa_like = replace(policy, scale_in_hysteresis=0.05, scale_down_stabilization_seconds=300.0)
-    new = replay(trace, shape, HeadroomPolicy(policy), start)
-    old = replay(trace, shape, HeadroomPolicy(hpa_like), start)
     assert new.limited_seconds <= old.limited_seconds
     assert new.gpu_hours < 0.995 * old.gpu_hours
 
@@ -247,14 +257,8 @@ def test_the_default_scale_in_margin_buys_no_pods_the_band_already_holds(kind: s
     # earlier releases kept pods on top of it (the bench: up to 5 % more GPU-hours for a worst
     # seed at most 3 s better). Seed 1 of each: the same KV-limited seconds, about 3 % fewer
     # GPU-hours.
-    spec, sizing = deployment("h100-80gb", pod_start=120)
-    shape = shape_for(spec, sizing)
-    trace = synthetic(kind, 1)
-    start = opening_replicas(trace, shape)
-    policy = policy_at(spec, 0.95, sizing)
+    policy, new, old = _defaults_against(kind, scale_in_hysteresis=0.15)
     assert policy.scale_in_hysteresis == 0.10  # the CRD's default
-    new = replay(trace, shape, HeadroomPolicy(policy), start)
-    old = replay(trace, shape, HeadroomPolicy(replace(policy, scale_in_hysteresis=0.15)), start)
     assert new.limited_seconds <= old.limited_seconds
     assert new.gpu_hours < 0.985 * old.gpu_hours
 
