@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -672,6 +673,13 @@ def test_headroom_operator_command(
             "headroom_desired_replicas{" in t and t,
         )  # fmt: skip
         assert 'headroom_reconciles_total{result="ok"}' in text
+        # The stall alert's clock: a completed tick, at this machine's Unix time.
+        last = re.search(
+            r'headroom_scaling_last_tick_timestamp_seconds\{[^}]*inferencedeployment="cli"[^}]*\} '
+            r"(\S+)",
+            text,
+        )
+        assert last is not None and abs(float(last.group(1)) - time.time()) < 600, text
         assert proc.poll() is None
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -54,3 +54,34 @@ def test_decisions_count_per_deployment_and_forget_drops_only_its_own() -> None:
     assert value(m, decisions, namespace="b", **labels) == 1
     assert value(m, "headroom_desired_replicas", mode="auto", **b) == 2
     assert value(m, "headroom_current_replicas", **b) == 2
+
+
+def test_tick_series_are_per_deployment_and_forget_drops_only_its_own() -> None:
+    """The stall alert's series: a completed tick moves the time, a failure counts its stage
+    and leaves the time; forgetting one deployment leaves the same name in another namespace."""
+    m = OperatorMetrics()
+    for ns in ("a", "b"):
+        m.ticked(ns, "chat", at=100.0, interval=15.0)
+        m.failed(ns, "chat", "api")
+    m.failed("a", "chat", "status")
+    m.ticked("a", "chat", at=130.0, interval=30.0)
+    a = {"namespace": "a", "inferencedeployment": "chat"}
+    b = {"namespace": "b", "inferencedeployment": "chat"}
+    failures = "headroom_scaling_tick_failures_total"
+    assert value(m, "headroom_scaling_last_tick_timestamp_seconds", **a) == 130.0
+    assert value(m, "headroom_scaling_interval_seconds", **a) == 30.0
+    assert value(m, "headroom_scaling_last_tick_timestamp_seconds", **b) == 100.0
+    assert (
+        value(m, failures, stage="status", **a) == 1 and value(m, failures, stage="api", **b) == 1
+    )
+    m.forget("a", "chat")
+    for name in (
+        "headroom_scaling_last_tick_timestamp_seconds",
+        "headroom_scaling_interval_seconds",
+    ):
+        assert value(m, name, **a) is None and value(m, name, **b) is not None
+    assert (
+        value(m, failures, stage="api", **a) is None
+        and value(m, failures, stage="status", **a) is None
+    )
+    assert value(m, failures, stage="api", **b) == 1

@@ -349,6 +349,99 @@ async def test_a_refused_scale_is_a_warning_and_a_condition_not_a_lost_tick(
     assert memory is not None and memory.last_up is None
 
 
+def _tick_series(ctx: Context, **labels: str) -> dict[str, float | None]:
+    """The stall alert's series of ns/chat: last tick, interval, and failures by stage."""
+    chat = {"namespace": "ns", "inferencedeployment": "chat"}
+    get = ctx.metrics.registry.get_sample_value
+    out = {
+        "last": get("headroom_scaling_last_tick_timestamp_seconds", chat),
+        "interval": get("headroom_scaling_interval_seconds", chat),
+    }
+    for stage in ("api", "error", "status"):
+        out[stage] = get("headroom_scaling_tick_failures_total", {**chat, "stage": stage})
+    return out
+
+
+async def test_a_tick_that_fails_counts_its_stage_and_leaves_the_last_tick_where_it_was(
+    posted: list[tuple[str, str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A loop failing every tick changed no series: the operator's /metrics looked healthy
+    # while nothing was scaled. The stall alert reads the last completed tick's time.
+    kube, b = await created({**SPEC, "scaling": {"intervalSeconds": 20}})
+    ctx = Context(Options(), kube, source_factory=lambda kind, c: FakeSource(0.6, arrivals=3.0))  # type: ignore[arg-type,return-value]
+    ctx.clock = lambda: NOW
+    await _tick(ctx, b, parse(b["spec"]), None)
+    assert _tick_series(ctx) == {
+        "last": NOW,
+        "interval": 20.0,
+        "api": None,
+        "error": None,
+        "status": None,
+    }
+    real = handlers.tick
+    failures = iter([KubeError(503, "ServiceUnavailable", "etcd leader changed"), RuntimeError()])
+
+    async def failing(*args: object, **kwargs: object) -> None:
+        raise next(failures)
+
+    monkeypatch.setattr(handlers, "tick", failing)
+    ctx.clock = lambda: NOW + 20
+    await _tick(ctx, b, parse(b["spec"]), None)
+    ctx.clock = lambda: NOW + 40
+    await _tick(ctx, b, parse(b["spec"]), None)
+    monkeypatch.setattr(handlers, "tick", real)
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise KubeError(422, "Invalid", "status.kv: Invalid value")
+
+    kube.apply_status = refused  # type: ignore[method-assign,assignment]
+    ctx.clock = lambda: NOW + 60
+    await _tick(ctx, b, parse(b["spec"]), None)
+    assert _tick_series(ctx) == {
+        "last": NOW,
+        "interval": 20.0,
+        "api": 1.0,
+        "error": 1.0,
+        "status": 1.0,
+    }
+    # An operator exiting under a tick in flight is no failure.
+    monkeypatch.setattr(handlers, "tick", _raising(RuntimeError()))
+    ctx.leaving.set()
+    await _tick(ctx, b, parse(b["spec"]), None)
+    assert _tick_series(ctx)["error"] == 1.0
+
+
+def _raising(exc: Exception) -> Callable[..., Any]:
+    async def raising(*args: object, **kwargs: object) -> None:
+        raise exc
+
+    return raising
+
+
+async def test_a_loop_that_never_completes_a_tick_counts_from_its_start_and_forgets_on_stop(
+    posted: list[tuple[str, str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kube, b = await created({**SPEC, "scaling": {"intervalSeconds": 1}})
+    monkeypatch.setattr(handlers, "tick", _raising(KubeError(403, "Forbidden", "no")))
+    ctx = Context(Options(), kube, source_factory=lambda k, c: FakeSource(0.6, arrivals=3.0))
+    ctx.clock = lambda: NOW
+    daemon = Daemon(handlers.scale, ctx, b)
+    for _ in range(100):
+        if (_tick_series(ctx)["api"] or 0) >= 2:
+            break
+        await asyncio.sleep(0.05)
+    series = _tick_series(ctx)
+    assert (series["api"] or 0) >= 2
+    assert (series["last"], series["interval"], series["error"], series["status"]) == (
+        NOW,
+        1.0,
+        None,
+        None,
+    )
+    await daemon.stop("RESOURCE_DELETED")
+    assert set(_tick_series(ctx).values()) == {None}
+
+
 # ----------------------------------------------------------------------------- logs
 
 

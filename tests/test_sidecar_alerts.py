@@ -16,6 +16,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from synthetic_engine import SyntheticEngine
 
+from headroom.operator.scaling.exporter import OperatorMetrics
 from headroom.sidecar.collector import SidecarCollector, make_registry
 from headroom.sidecar.config import SidecarConfig
 from headroom.sidecar.sources import parse_headroom_stats
@@ -33,6 +34,7 @@ ALERTS = {
     "HeadroomEngineFlapping",
     "HeadroomPrefixCacheIneffective",
     "HeadroomKVPoolBelowPlan",
+    "HeadroomAutoscalerStalled",
 }
 PROMTOOL = shutil.which("promtool")
 
@@ -97,8 +99,19 @@ def _exported_sample_names() -> set[str]:
     return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
 
 
+def _operator_sample_names() -> set[str]:
+    """Every sample name the operator exports once a deployment has ticked, and failed."""
+    m = OperatorMetrics()
+    m.ticked("llm", "chat", 1.0, 15.0)
+    m.failed("llm", "chat", "api")
+    m.publish("llm", "chat", "auto", desired=2, current=1)
+    m.decided("llm", "chat", "scale-out", "DemandForecast")
+    text = generate_latest(m.registry).decode()
+    return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+
+
 def test_alerts_use_only_exported_metrics() -> None:
-    exported = _exported_sample_names()
+    exported = _exported_sample_names() | _operator_sample_names()
     for rule in _rules():
         used = set(re.findall(r"\bheadroom_[a-z_]+", str(rule["expr"])))
         assert used, rule["alert"]

@@ -380,9 +380,14 @@ def test_a_trace_may_span_31_days_and_no_more(tmp_path: Path) -> None:
     with pytest.raises(TraceError) as info:
         read_trace(over)
     assert str(info.value) == (
-        "over.csv: arrivals span 31 days (0 to 2.6784e+06 s), more than the 31 a trace may: is "
-        "one timestamp from another clock?"
+        "over.csv: arrivals span 31.0 days (0 to 2.6784e+06 s), more than the 31 a trace may: "
+        "is one timestamp from another clock?"
     )
+    far = write(tmp_path, "far.csv", "arrival_s,prompt_tokens,output_tokens\n0,5,5\n1e300,5,5\n")
+    with pytest.raises(
+        TraceError, match=r"^far\.csv: arrivals span 1\.2e\+295 days \(0 to 1e\+300 s\)"
+    ):
+        read_trace(far)
 
 
 def test_a_request_of_exactly_10_million_tokens_is_read_and_one_more_is_refused(

@@ -504,12 +504,20 @@ async def scale(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, *
     ctx = _ctx(memo)
     memory: Memory | None = None
     meta = body["metadata"]
+    first = True
     try:
         while not stopped and not ctx.exiting:
             live = dict(body)  # the latest the watch has seen, parsed once per decision
             parsed = parse(live.get("spec"))
+            interval = parsed.spec.scaling.interval_seconds if parsed.spec else 60
+            if first:
+                # A loop that never completes a tick must still show as stalled: its clock
+                # starts now.
+                ctx.metrics.ticked(meta.get("namespace") or "", meta["name"], ctx.clock(),
+                                   interval)  # fmt: skip
+                first = False
             memory = await _tick(ctx, live, parsed, memory, stopped)
-            await _pause(ctx, stopped, parsed.spec.scaling.interval_seconds if parsed.spec else 60)
+            await _pause(ctx, stopped, interval)
     finally:
         # Whatever ends the loop (deleted, this replica paused for a peer with priority, the
         # operator exiting), its last decision must not stay on /metrics as a frozen series
@@ -559,6 +567,7 @@ async def _tick(
     except KubeError as exc:
         # One line, no traceback: the API server is down or refusing; the next tick retries.
         log.warning("scaling %s/%s: %s", meta["namespace"], meta["name"], exc, extra=about)
+        ctx.metrics.failed(meta["namespace"], meta["name"], "api")
         return memory
     except Exception:
         if ctx.exiting:
@@ -570,12 +579,15 @@ async def _tick(
         # backoff with the decision memory lost. Logged with the traceback; the next tick runs.
         log.exception("scaling %s/%s: the decision failed", meta["namespace"], meta["name"],
                       extra=about)  # fmt: skip
+        ctx.metrics.failed(meta["namespace"], meta["name"], "error")
         return memory
     # From here the decision stands (and in auto mode its scale is applied): a status write
     # that fails must not hand the next tick the old memory, which would forget the scale and
     # its stabilization window and scale again.
+    written = False
     try:
         await _write_tick(ctx, body, result.outcome)
+        written = True
     except KubeError as exc:
         log.warning("scaling %s/%s: status not written: %s", meta["namespace"], meta["name"],
                     exc, extra=about)  # fmt: skip
@@ -590,6 +602,11 @@ async def _tick(
         # Deleted while the tick ran: kopf stops the daemon, then runs `forget`, which may
         # already have dropped the series this would bring back.
         return result.memory
+    if written:
+        ctx.metrics.ticked(meta["namespace"], meta["name"], ctx.clock(),
+                           parsed.spec.scaling.interval_seconds)  # fmt: skip
+    else:
+        ctx.metrics.failed(meta["namespace"], meta["name"], "status")
     if result.decision is not None and result.current is not None:
         d = result.decision
         ctx.metrics.publish(meta["namespace"], meta["name"], result.mode, d.replicas,

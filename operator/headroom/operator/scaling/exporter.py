@@ -2,7 +2,9 @@
 
 `headroom_desired_replicas` is the one that matters: in advisory mode it is how an HPA or KEDA
 that owns scaling consumes headroom's decision (KEDA's prometheus scaler, or an HPA external
-metric through prometheus-adapter).
+metric through prometheus-adapter). The last completed tick's time against the interval says
+whether the scaling loop still runs: a loop that fails every tick (the API server refusing, a
+bug) changes no other series, and decides nothing (the HeadroomAutoscalerStalled alert).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from headroom.contract import metric_names as names_
 
 LABELS = ("namespace", "inferencedeployment")
 
@@ -43,13 +47,47 @@ class OperatorMetrics:
             ["result"],
             registry=self.registry,
         )
-        # The (action, reason) pairs counted per InferenceDeployment, to drop with it.
+        self.last_tick = Gauge(
+            names_.SCALING_LAST_TICK,
+            "Unix time the scaling loop last completed a tick (decided and wrote its status), or "
+            "started, before its first",
+            LABELS,
+            registry=self.registry,
+        )
+        self.interval = Gauge(
+            names_.SCALING_INTERVAL,
+            "scaling.intervalSeconds: how often a tick is due",
+            LABELS,
+            registry=self.registry,
+        )
+        self.tick_failures = Counter(
+            names_.SCALING_TICK_FAILURES,
+            "Scaling ticks that did not complete, by stage: api (the API server refused or was "
+            "unreachable), error (a bug, logged with its traceback), status (decided, and in "
+            "auto mode scaled, but its status not written)",
+            [*LABELS, "stage"],
+            registry=self.registry,
+        )
+        # The (action, reason) pairs and failure stages counted per InferenceDeployment, to
+        # drop with it.
         self._decided: dict[tuple[str, str], set[tuple[str, str]]] = {}
+        self._failed: dict[tuple[str, str], set[str]] = {}
 
     def decided(self, namespace: str, name: str, action: str, reason: str) -> None:
         """Count one decision that changed (or advised changing) replicas."""
         self._decided.setdefault((namespace, name), set()).add((action, reason))
         self.decisions.labels(namespace, name, action, reason).inc()
+
+    def ticked(self, namespace: str, name: str, at: float, interval: float) -> None:
+        """Record a completed tick at Unix time `at` (or the loop's start, before its first),
+        with the period the next one is due in."""
+        self.last_tick.labels(namespace, name).set(at)
+        self.interval.labels(namespace, name).set(interval)
+
+    def failed(self, namespace: str, name: str, stage: str) -> None:
+        """Count a tick that did not complete (`stage`: api, error or status)."""
+        self._failed.setdefault((namespace, name), set()).add(stage)
+        self.tick_failures.labels(namespace, name, stage).inc()
 
     def publish(self, namespace: str, name: str, mode: str, desired: int, current: int) -> None:
         """Record one decision's outcome."""
@@ -65,8 +103,12 @@ class OperatorMetrics:
         for mode in ("auto", "advisory"):
             with contextlib.suppress(KeyError):
                 self.desired_replicas.remove(namespace, name, mode)
-        with contextlib.suppress(KeyError):
-            self.current_replicas.remove(namespace, name)
+        for gauge in (self.current_replicas, self.last_tick, self.interval):
+            with contextlib.suppress(KeyError):
+                gauge.remove(namespace, name)
+        for stage in self._failed.pop((namespace, name), set()):
+            with contextlib.suppress(KeyError):
+                self.tick_failures.remove(namespace, name, stage)
         for action, reason in self._decided.pop((namespace, name), set()):
             with contextlib.suppress(KeyError):
                 self.decisions.remove(namespace, name, action, reason)

@@ -83,6 +83,12 @@ class Trace:
         return float(self.arrival[-1] - self.arrival[0]) if len(self) else 0.0
 
 
+def _days(seconds: float) -> str:
+    """A span in days, readable whether it is just over the limit or from another clock."""
+    days = seconds / 86_400
+    return f"{days:,.1f} days" if days < 1e6 else f"{days:.2g} days"
+
+
 def _trace(
     name: str,
     rows: list[tuple[float, int, int]],
@@ -96,7 +102,7 @@ def _trace(
     span = rows[order[-1]][0] - t0
     if span > MAX_TRACE_SECONDS:
         raise TraceError(
-            f"{name}: arrivals span {span / 86_400:,.0f} days ({t0:g} to {rows[order[-1]][0]:g} "
+            f"{name}: arrivals span {_days(span)} ({t0:g} to {rows[order[-1]][0]:g} "
             f"s), more than the {MAX_TRACE_SECONDS // 86_400} a trace may: is one timestamp "
             "from another clock?"
         )
