@@ -61,10 +61,12 @@ def test_tick_series_are_per_deployment_and_forget_drops_only_its_own() -> None:
     and leaves the time; forgetting one deployment leaves the same name in another namespace."""
     m = OperatorMetrics()
     for ns in ("a", "b"):
-        m.ticked(ns, "chat", at=100.0, interval=15.0)
+        m.ticked(ns, "chat", at=100.0)
+        m.due(ns, "chat", interval=15.0)
         m.failed(ns, "chat", "api")
     m.failed("a", "chat", "status")
-    m.ticked("a", "chat", at=130.0, interval=30.0)
+    m.ticked("a", "chat", at=130.0)
+    m.due("a", "chat", interval=30.0)
     a = {"namespace": "a", "inferencedeployment": "chat"}
     b = {"namespace": "b", "inferencedeployment": "chat"}
     failures = "headroom_scaling_tick_failures_total"

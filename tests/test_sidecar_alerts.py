@@ -102,7 +102,8 @@ def _exported_sample_names() -> set[str]:
 def _operator_sample_names() -> set[str]:
     """Every sample name the operator exports once a deployment has ticked, and failed."""
     m = OperatorMetrics()
-    m.ticked("llm", "chat", 1.0, 15.0)
+    m.ticked("llm", "chat", 1.0)
+    m.due("llm", "chat", 15.0)
     m.failed("llm", "chat", "api")
     m.publish("llm", "chat", "auto", desired=2, current=1)
     m.decided("llm", "chat", "scale-out", "DemandForecast")

@@ -510,11 +510,13 @@ async def scale(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, *
             live = dict(body)  # the latest the watch has seen, parsed once per decision
             parsed = parse(live.get("spec"))
             interval = parsed.spec.scaling.interval_seconds if parsed.spec else 60
+            # Before the tick: a spec change of the interval moves the stall alert's threshold
+            # even while ticks fail.
+            ctx.metrics.due(meta.get("namespace") or "", meta["name"], interval)
             if first:
                 # A loop that never completes a tick must still show as stalled: its clock
                 # starts now.
-                ctx.metrics.ticked(meta.get("namespace") or "", meta["name"], ctx.clock(),
-                                   interval)  # fmt: skip
+                ctx.metrics.ticked(meta.get("namespace") or "", meta["name"], ctx.clock())
                 first = False
             memory = await _tick(ctx, live, parsed, memory, stopped)
             await _pause(ctx, stopped, interval)
@@ -559,7 +561,19 @@ async def _tick(
 ) -> Memory | None:
     meta = body["metadata"]
     about = log_fields(meta["namespace"], meta["name"])
+
+    def record(failures: list[str]) -> None:
+        """The stall alert's series. Not once stopped (deleted while the tick ran): kopf stops
+        the daemon, then runs `forget`, which may already have dropped what this brings back."""
+        if stopped:
+            return
+        for stage in failures:
+            ctx.metrics.failed(meta["namespace"], meta["name"], stage)
+        if not failures:
+            ctx.metrics.ticked(meta["namespace"], meta["name"], ctx.clock())
+
     if parsed.spec is None:
+        record([])  # nothing it may scale, as for a spec that cannot be sized: Ready says why
         return memory
     try:
         source = ctx.source(parsed.spec.scaling.metrics_source)
@@ -567,7 +581,7 @@ async def _tick(
     except KubeError as exc:
         # One line, no traceback: the API server is down or refusing; the next tick retries.
         log.warning("scaling %s/%s: %s", meta["namespace"], meta["name"], exc, extra=about)
-        ctx.metrics.failed(meta["namespace"], meta["name"], "api")
+        record(["api"])
         return memory
     except Exception:
         if ctx.exiting:
@@ -579,34 +593,29 @@ async def _tick(
         # backoff with the decision memory lost. Logged with the traceback; the next tick runs.
         log.exception("scaling %s/%s: the decision failed", meta["namespace"], meta["name"],
                       extra=about)  # fmt: skip
-        ctx.metrics.failed(meta["namespace"], meta["name"], "error")
+        record(["error"])
         return memory
     # From here the decision stands (and in auto mode its scale is applied): a status write
     # that fails must not hand the next tick the old memory, which would forget the scale and
     # its stabilization window and scale again.
-    written = False
+    failures = [result.failure] if result.failure else []
     try:
         await _write_tick(ctx, body, result.outcome)
-        written = True
     except KubeError as exc:
+        failures.append("status")
         log.warning("scaling %s/%s: status not written: %s", meta["namespace"], meta["name"],
                     exc, extra=about)  # fmt: skip
     except Exception:
+        failures.append("status")
         log.exception("scaling %s/%s: status not written", meta["namespace"], meta["name"],
                       extra=about)  # fmt: skip
-    else:
+    record(failures)
+    if "status" not in failures:
         # The tick wrote Ready from the Deployment it read before its scrape (seconds ago): a
         # readiness change the watch wrote meanwhile was overwritten. Read it again and repair.
         await _recheck_readiness(ctx, meta["namespace"], meta["name"])
     if stopped:
-        # Deleted while the tick ran: kopf stops the daemon, then runs `forget`, which may
-        # already have dropped the series this would bring back.
         return result.memory
-    if written:
-        ctx.metrics.ticked(meta["namespace"], meta["name"], ctx.clock(),
-                           parsed.spec.scaling.interval_seconds)  # fmt: skip
-    else:
-        ctx.metrics.failed(meta["namespace"], meta["name"], "status")
     if result.decision is not None and result.current is not None:
         d = result.decision
         ctx.metrics.publish(meta["namespace"], meta["name"], result.mode, d.replicas,

@@ -63,8 +63,9 @@ class OperatorMetrics:
         self.tick_failures = Counter(
             names_.SCALING_TICK_FAILURES,
             "Scaling ticks that did not complete, by stage: api (the API server refused or was "
-            "unreachable), error (a bug, logged with its traceback), status (decided, and in "
-            "auto mode scaled, but its status not written)",
+            "unreachable), metrics (the metrics source could not be read), scale (the scale "
+            "refused), status (decided, and in auto mode scaled, but its status not written), "
+            "error (a bug, logged with its traceback)",
             [*LABELS, "stage"],
             registry=self.registry,
         )
@@ -78,14 +79,16 @@ class OperatorMetrics:
         self._decided.setdefault((namespace, name), set()).add((action, reason))
         self.decisions.labels(namespace, name, action, reason).inc()
 
-    def ticked(self, namespace: str, name: str, at: float, interval: float) -> None:
-        """Record a completed tick at Unix time `at` (or the loop's start, before its first),
-        with the period the next one is due in."""
-        self.last_tick.labels(namespace, name).set(at)
+    def due(self, namespace: str, name: str, interval: float) -> None:
+        """Record the period the next tick is due in (each loop, before its tick)."""
         self.interval.labels(namespace, name).set(interval)
 
+    def ticked(self, namespace: str, name: str, at: float) -> None:
+        """Record a completed tick at Unix time `at` (or the loop's start, before its first)."""
+        self.last_tick.labels(namespace, name).set(at)
+
     def failed(self, namespace: str, name: str, stage: str) -> None:
-        """Count a tick that did not complete (`stage`: api, error or status)."""
+        """Count a tick that did not complete (`stage`: api, metrics, scale, status, error)."""
         self._failed.setdefault((namespace, name), set()).add(stage)
         self.tick_failures.labels(namespace, name, stage).inc()
 

@@ -233,6 +233,9 @@ class TickResult:
     decision: Decision | None = None
     current: int | None = None
     mode: str = "auto"
+    # Why the tick did not do its job, though it decided and reports it in status: "scale"
+    # (the scale was refused) or "metrics" (the metrics source could not be read).
+    failure: str | None = None
 
 
 def seeded(memory: Memory | None, status: dict[str, Any]) -> Memory:
@@ -361,7 +364,10 @@ async def tick(
     set_status_condition(
         body, st, "PoolMatchesPlan", *pool_condition(samples, policy.blocks_per_pod), now
     )
-    return TickResult(out, d.memory, d, current=applied_replicas, mode=spec.scaling.mode)
+    failure = "scale" if scale_failed else "metrics" if metrics_error else None
+    return TickResult(
+        out, d.memory, d, current=applied_replicas, mode=spec.scaling.mode, failure=failure
+    )
 
 
 # Ready reasons the reconcile loop sets when the spec's children could not be applied (or, for
