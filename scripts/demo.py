@@ -66,6 +66,10 @@ LOAD_SECONDS = 30.0
 # raised in a finalizer or a weakref callback, and goes on).
 _HELPERS: list[subprocess.Popen[str]] = []
 _SIGNALLED: list[int] = []
+# True while a helper starts: a signal then only records itself and the start, once the helper
+# is registered, stops it and exits. Raised inside Popen() it would leave a started process
+# that nothing holds. (Blocking signals instead would pass the mask on to the helper.)
+_STARTING: list[bool] = [False]
 
 EXAMPLES = (
     ("Llama 3.1 70B on H100 80GB, tp 4", "llama-3.1-70b", "h100-80gb", 4, 128, 4096),
@@ -121,15 +125,24 @@ def _process(
         raise SystemExit(128 + _SIGNALLED[0])
     # Append mode: reading the log moves the offset the process shares, not where it writes.
     with tempfile.TemporaryFile(mode="a+") as log:
-        proc = subprocess.Popen(
-            [sys.executable, *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        )
-        _HELPERS.append(proc)
+        _STARTING[0] = True
         try:
+            proc = subprocess.Popen(
+                [sys.executable, *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            )
+            _HELPERS.append(proc)
+        except BaseException:
+            _STARTING[0] = False
+            raise
+        try:
+            # Cleared inside the `try`: a signal from here on raises where the cleanup runs.
+            _STARTING[0] = False
+            if _SIGNALLED:  # it came while the helper started: the cleanup below stops it
+                raise SystemExit(128 + _SIGNALLED[0])
             yield proc, log
         except BaseException:
             log.seek(0)
@@ -376,12 +389,12 @@ def main() -> int:
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:
-    """SIGTERM or SIGHUP unwinds like Ctrl-C, so the engine and the sidecar are stopped."""
+    """SIGINT, SIGTERM or SIGHUP stops the engine and the sidecar, and unwinds the demo."""
     first = not _SIGNALLED
     _SIGNALLED.append(signum)
     for proc in list(_HELPERS):
         proc.send_signal(signal.SIGTERM)  # a no-op on one that has exited
-    if first:
+    if first and not _STARTING[0]:
         # A second signal only stops the helpers again: raised during the unwinding, it would
         # cut short the cleanup (the wait before a helper is killed) and change the status.
         raise SystemExit(128 + signum)
@@ -406,6 +419,8 @@ def _run() -> int:
 
 if __name__ == "__main__":
     # The default action would end this process at once and leave both children running.
-    for _sig in (signal.SIGTERM, signal.SIGHUP):
+    # Ctrl-C too: a KeyboardInterrupt raised in a finalizer is lost as a SystemExit is, and a
+    # SIGINT sent to the demo alone (`kill -INT`, a CI runner) reaches neither helper.
+    for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(_sig, _exit_on_signal)
     sys.exit(_run())

@@ -1,5 +1,5 @@
-"""`make demo` stopped by SIGTERM or SIGHUP (a CI job cancelled, a closed terminal) stops the
-engine and the sidecar it started, as Ctrl-C does."""
+"""`make demo` stopped by Ctrl-C, SIGTERM or SIGHUP (a CI job cancelled, a closed terminal)
+stops the engine and the sidecar it started."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_stops_the_demo_and_its_children(sig: signal.Signals) -> None:
     proc = subprocess.Popen(
         [sys.executable, "scripts/demo.py"],
@@ -150,3 +150,33 @@ def test_an_error_without_a_signal_is_the_demos_own(
     monkeypatch.setattr(demo, "main", main)
     with pytest.raises(RuntimeError, match="asked more than"):
         demo._run()
+
+
+def test_a_signal_while_a_helper_starts_stops_that_helper_too(
+    demo: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The handler raised inside Popen() (the signal landing after the fork, before Popen
+    # returned): the process had started, and nothing held it to stop it.
+    started: list[subprocess.Popen[str]] = []
+    real = subprocess.Popen
+
+    def popen(*args: object, **kwargs: object) -> subprocess.Popen[str]:
+        proc = real(*args, **kwargs)  # type: ignore[call-overload]
+        started.append(proc)
+        demo._exit_on_signal(signal.SIGTERM, None)  # the signal, before Popen() returns
+        return proc
+
+    monkeypatch.setattr(demo.subprocess, "Popen", popen)
+    try:
+        sleeper = ["-c", "import time; time.sleep(300)"]
+        with pytest.raises(SystemExit) as exited, demo._process(sleeper):
+            pytest.fail("the step ran after the signal")
+        assert exited.value.code == 128 + signal.SIGTERM
+        ((proc,),) = (started,)
+        assert proc.poll() == -signal.SIGTERM  # stopped and reaped by the cleanup
+        assert demo._HELPERS == [] and demo._STARTING == [False]
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
