@@ -423,4 +423,15 @@ if __name__ == "__main__":
     # SIGINT sent to the demo alone (`kill -INT`, a CI runner) reaches neither helper.
     for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(_sig, _exit_on_signal)
-    sys.exit(_run())
+    try:
+        _status: str | int | None = _run()
+    except SystemExit as _exit:  # a signal's, raised where the demo was
+        _status = _exit.code
+    if _SIGNALLED[:1] == [signal.SIGINT]:
+        # Cleaned up: now die of the SIGINT, as Python does on an uncaught Ctrl-C, so that a
+        # shell loop running the demo stops too (an exit of 130 reads as a handled Ctrl-C).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    sys.exit(_status)

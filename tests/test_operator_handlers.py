@@ -30,6 +30,7 @@ from headroom.operator.handlers import (
 )
 from headroom.operator.kube import KubeError, owner_of
 from headroom.operator.reconcile.sizing import parse
+from headroom.operator.scaling.exporter import TICK_FAILURE_STAGES as STAGES
 from headroom.operator.scaling.metrics_sources import (
     PrometheusSource,
     SidecarSource,
@@ -347,9 +348,6 @@ async def test_a_refused_scale_is_a_warning_and_a_condition_not_a_lost_tick(
     assert "deployments/scale" in limited["message"]
     # Nothing changed, so nothing starts a stabilization window.
     assert memory is not None and memory.last_up is None
-
-
-STAGES = ("api", "metrics", "scale", "status", "error")
 
 
 def _tick_series(ctx: Context) -> dict[str, float | None]:

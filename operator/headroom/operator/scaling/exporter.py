@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from headroom.contract import metric_names as names_
 
 LABELS = ("namespace", "inferencedeployment")
+# Where a scaling tick can fail (headroom_scaling_tick_failures_total's `stage`).
+TICK_FAILURE_STAGES = ("api", "metrics", "scale", "status", "error")
 
 
 class OperatorMetrics:
@@ -49,8 +51,8 @@ class OperatorMetrics:
         )
         self.last_tick = Gauge(
             names_.SCALING_LAST_TICK,
-            "Unix time the scaling loop last completed a tick (decided and wrote its status), or "
-            "started, before its first",
+            "Unix time the scaling loop last completed a tick (read its metrics, had its scale "
+            "accepted, wrote its status), or started, before its first",
             LABELS,
             registry=self.registry,
         )
@@ -65,7 +67,8 @@ class OperatorMetrics:
             "Scaling ticks that did not complete, by stage: api (the API server refused or was "
             "unreachable), metrics (the metrics source could not be read), scale (the scale "
             "refused), status (decided, and in auto mode scaled, but its status not written), "
-            "error (a bug, logged with its traceback)",
+            "error (a bug, logged with its traceback); a tick whose scale was refused and "
+            "whose status was not written counts under both",
             [*LABELS, "stage"],
             registry=self.registry,
         )
@@ -80,15 +83,21 @@ class OperatorMetrics:
         self.decisions.labels(namespace, name, action, reason).inc()
 
     def due(self, namespace: str, name: str, interval: float) -> None:
-        """Record the period the next tick is due in (each loop, before its tick)."""
+        """Record the period the next tick is due in (each loop, before its tick), and start
+        every stage's failure count at 0, so a rate() sees the first failure of each."""
         self.interval.labels(namespace, name).set(interval)
+        stages = self._failed.setdefault((namespace, name), set())
+        for stage in TICK_FAILURE_STAGES:
+            if stage not in stages:
+                stages.add(stage)
+                self.tick_failures.labels(namespace, name, stage)
 
     def ticked(self, namespace: str, name: str, at: float) -> None:
         """Record a completed tick at Unix time `at` (or the loop's start, before its first)."""
         self.last_tick.labels(namespace, name).set(at)
 
     def failed(self, namespace: str, name: str, stage: str) -> None:
-        """Count a tick that did not complete (`stage`: api, metrics, scale, status, error)."""
+        """Count a tick that did not complete at `stage` (one of TICK_FAILURE_STAGES)."""
         self._failed.setdefault((namespace, name), set()).add(stage)
         self.tick_failures.labels(namespace, name, stage).inc()
 
