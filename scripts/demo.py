@@ -389,7 +389,7 @@ def main() -> int:
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:
-    """SIGINT, SIGTERM or SIGHUP stops the engine and the sidecar, and unwinds the demo."""
+    """SIGTERM or SIGHUP unwinds like Ctrl-C, so the engine and the sidecar are stopped."""
     first = not _SIGNALLED
     _SIGNALLED.append(signum)
     for proc in list(_HELPERS):
@@ -419,19 +419,6 @@ def _run() -> int:
 
 if __name__ == "__main__":
     # The default action would end this process at once and leave both children running.
-    # Ctrl-C too: a KeyboardInterrupt raised in a finalizer is lost as a SystemExit is, and a
-    # SIGINT sent to the demo alone (`kill -INT`, a CI runner) reaches neither helper.
-    for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for _sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(_sig, _exit_on_signal)
-    try:
-        _status: str | int | None = _run()
-    except SystemExit as _exit:  # a signal's, raised where the demo was
-        _status = _exit.code
-    if _SIGNALLED[:1] == [signal.SIGINT]:
-        # Cleaned up: now die of the SIGINT, as Python does on an uncaught Ctrl-C, so that a
-        # shell loop running the demo stops too (an exit of 130 reads as a handled Ctrl-C).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    sys.exit(_status)
+    sys.exit(_run())

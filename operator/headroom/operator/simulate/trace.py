@@ -86,7 +86,9 @@ class Trace:
 def _days(seconds: float) -> str:
     """A span in days, readable whether it is just over the limit or from another clock."""
     days = seconds / 86_400
-    return f"{days:,.1f} days" if days < 1e6 else f"{days:.2g} days"
+    if days < 100:
+        return f"{days:,.1f} days"
+    return f"{days:,.0f} days" if days < 1e6 else f"{days:.2g} days"
 
 
 def _trace(
