@@ -503,29 +503,25 @@ async def scale(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, *
     the decision's memory, owned here and nowhere else."""
     ctx = _ctx(memo)
     memory: Memory | None = None
-    meta = body["metadata"]
-    first = True
+    ns, name = body["metadata"].get("namespace") or "", body["metadata"]["name"]
     try:
+        # A loop that never completes a tick must still show as stalled: its clock starts now.
+        ctx.metrics.ticked(ns, name, ctx.clock())
         while not stopped and not ctx.exiting:
             live = dict(body)  # the latest the watch has seen, parsed once per decision
             parsed = parse(live.get("spec"))
             interval = parsed.spec.scaling.interval_seconds if parsed.spec else 60
             # Before the tick: a spec change of the interval moves the stall alert's threshold
             # even while ticks fail.
-            ctx.metrics.due(meta.get("namespace") or "", meta["name"], interval)
-            if first:
-                # A loop that never completes a tick must still show as stalled: its clock
-                # starts now.
-                ctx.metrics.ticked(meta.get("namespace") or "", meta["name"], ctx.clock())
-                first = False
+            ctx.metrics.due(ns, name, interval)
             memory = await _tick(ctx, live, parsed, memory, stopped)
             await _pause(ctx, stopped, interval)
     finally:
         # Whatever ends the loop (deleted, this replica paused for a peer with priority, the
         # operator exiting), its last decision must not stay on /metrics as a frozen series
         # beside the active replica's live one.
-        ctx.metrics.forget(meta.get("namespace") or "", meta["name"])
-        ctx.forget_scrapes(meta.get("namespace") or "", meta["name"])
+        ctx.metrics.forget(ns, name)
+        ctx.forget_scrapes(ns, name)
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=DAEMON_GRACE, cancellation_timeout=10,
