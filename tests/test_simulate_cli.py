@@ -83,6 +83,22 @@ def short_trace(path: Path, minutes: float = 6.0) -> Path:
     return path
 
 
+def ramp_trace(path: Path) -> Path:
+    """15 quiet minutes at 0.2 requests/s, then a ramp to 1.2 within a minute, held for ten:
+    faster than a 60 s pod start lets any forecast follow from one pod."""
+    rng = np.random.default_rng(5)
+    t, arrivals = 0.0, []
+    while t < 1500:
+        rate = 0.2 if t < 900 else min(1.2, 0.2 + (t - 900) / 60)
+        t += rng.exponential(1 / rate)
+        arrivals.append(t)
+    n = len(arrivals)
+    rows = zip(arrivals, rng.integers(500, 3001, n), rng.integers(200, 600, n), strict=True)
+    lines = [f"{a:.3f},{p},{o}" for a, p, o in rows]
+    path.write_text("arrival_s,prompt_tokens,output_tokens\n" + "\n".join(lines) + "\n")
+    return path
+
+
 def spec_file(path: Path, **scaling: object) -> Path:
     doc = {
         "apiVersion": "headroom.dev/v1alpha1",
@@ -321,6 +337,58 @@ def test_simulate_as_json_reports_every_run_and_the_pick(tmp_path: Path) -> None
     for run, f in zip(setting["runs"], floor["gpu_hours"], strict=True):
         assert 0 < f <= run["gpu_hours"] or run["limited_seconds"] > 30
     assert floor["gpu_hours_median"] == pytest.approx(sum(floor["gpu_hours"]) / 2)
+
+
+def test_simulate_finds_the_standing_reserve_a_ramp_needs_when_nothing_else_serves(
+    tmp_path: Path,
+) -> None:
+    """No quantile serves a ramp that outruns the pod start from one pod: the sweep is tried
+    again at minReplicas 2, 3, ... until one serves, on the same seeds, and that is the pick.
+    A spec already at that minReplicas serves and tries no reserve."""
+    trace = ramp_trace(tmp_path / "ramp.csv")
+    r = headroom("simulate", trace, "--spec", spec_file(tmp_path / "chat.yaml"), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["min_replicas"] == 1 and out["cheapest_serving_quantile"] is None
+    assert not any(s["serves"] for s in out["settings"])
+    reserves = out["reserves"]
+    assert [x["min_replicas"] for x in reserves] == list(range(2, 2 + len(reserves)))
+    *missed, held = reserves
+    assert all(x["cheapest_serving_quantile"] is None for x in missed)
+    pick = next(
+        s for s in held["settings"] if s["forecast_quantile"] == held["cheapest_serving_quantile"]
+    )
+    assert pick["serves"] and pick["median"]["limited_seconds"] <= 30
+    assert [run["seed"] for run in pick["runs"]] == [1, 2, 3]
+    assert pick["median"]["gpu_hours"] == min(
+        s["median"]["gpu_hours"] for s in held["settings"] if s["serves"]
+    )
+
+    n = held["min_replicas"]
+    again = spec_file(tmp_path / "held.yaml", minReplicas=n)
+    r = headroom("simulate", trace, "--spec", again, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["min_replicas"] == n and out["reserves"] == []
+    assert out["cheapest_serving_quantile"] == held["cheapest_serving_quantile"]
+
+
+def test_simulate_prints_and_draws_the_standing_reserve_it_picks(tmp_path: Path) -> None:
+    """The reserves tried, each as a table; the deploy line names minReplicas; the PNG drawn."""
+    png = tmp_path / "sweep.png"
+    r = headroom("simulate", ramp_trace(tmp_path / "ramp.csv"), "--spec",
+                 spec_file(tmp_path / "chat.yaml"), "--png", png)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    heads = [line for line in r.stdout.splitlines() if line.startswith("with minReplicas")]
+    assert heads and heads[-1].endswith("(a standing reserve): serves")
+    assert all(h.endswith("no setting serves") for h in heads[:-1])
+    n = int(heads[-1].split()[2])
+    text = " ".join(r.stdout.split())
+    assert "no setting serves with minReplicas 1, and one does with a standing reserve" in text
+    assert f"set scaling.minReplicas: {n}, forecastQuantile:" in text
+    assert "the pick costs" in text
+    assert r.stdout.count("<- pick") == 1
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_simulate_takes_a_spec_alone_in_json(tmp_path: Path) -> None:

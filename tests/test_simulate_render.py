@@ -16,6 +16,7 @@ from headroom.operator.simulate.profile import profile
 from headroom.operator.simulate.render import (
     profile_json,
     profile_text,
+    reserve_lines,
     simulate_advice,
     simulate_header,
     simulate_json,
@@ -23,7 +24,7 @@ from headroom.operator.simulate.render import (
     trace_line,
 )
 from headroom.operator.simulate.replay import Result, policy_at, shape_for
-from headroom.operator.simulate.sweep import Setting
+from headroom.operator.simulate.sweep import Reserve, Setting, reserve_limit, with_min_replicas
 from headroom.operator.simulate.trace import Trace
 from headroom.operator.simulate.verdict import Advice
 
@@ -49,9 +50,12 @@ def setting(
     gpu_hours: float = 1.0,
     peak: int = 2,
     refused: tuple[int, ...] | None = None,
+    min_replicas: int | None = None,
 ) -> Setting:
-    """One setting of `len(limited)` seeds, each seed KV-limited for the seconds given."""
+    """One setting of `len(limited)` seeds, each seed KV-limited for the seconds given (of the
+    spec held at `min_replicas` when given)."""
     spec, sizing = deployment()
+    spec = spec if min_replicas is None else with_min_replicas(spec, min_replicas)
     n = len(limited)
     results = tuple(Result(s, 0.0, s, 0, gpu_hours, 1, peak, 0, 2, 0) for s in limited)
     return Setting(
@@ -201,6 +205,50 @@ def test_nothing_serves_at_the_replica_cap_says_raise_it() -> None:
     assert f"reached scaling.maxReplicas ({MAX_REPLICAS}): raise it" in joined(capped)
     short = simulate_advice([setting(0.9, [99.0], peak=MAX_REPLICAS - 1)], None)
     assert "no setting serves: try higher quantiles" in joined(short)
+
+
+def test_a_standing_reserve_that_serves_is_what_to_deploy_and_priced_against_the_floor() -> None:
+    """Nothing serves at the spec's minReplicas, and the reserve search found one that does:
+    the advice names its minReplicas and quantile, and the floor prices that pick."""
+    base = [setting(0.6, [99.0], peak=4), setting(0.9, [60.0], peak=4)]
+    tried = (
+        Reserve(2, (setting(0.6, [80.0], min_replicas=2), setting(0.9, [45.0], min_replicas=2))),
+        Reserve(3, (setting(0.6, [50.0], min_replicas=3),
+                    setting(0.9, [10.0], gpu_hours=3.0, min_replicas=3))),
+    )  # fmt: skip
+    text = joined(simulate_advice(base, None, (1.5, 1.5), tried))
+    assert "no setting serves with minReplicas 1, and one does with a standing reserve" in text
+    assert "with minReplicas 3, forecastQuantile 0.90, the cheapest setting that serves" in text
+    assert "set scaling.minReplicas: 3, forecastQuantile: 0.9," in text
+    assert "the pick costs 2.00x that" in text
+    lines = reserve_lines(tried)
+    assert "with minReplicas 2 (a standing reserve): no setting serves" in lines
+    assert "with minReplicas 3 (a standing reserve): serves" in lines
+    assert [line.split()[0] for line in lines if line.endswith("<- pick")] == ["0.90"]
+    assert not any(line.startswith("medians of the seeds") for line in lines)
+
+
+def test_a_reserve_search_that_found_none_says_how_far_it_went() -> None:
+    """Every reserve up to the limit tried and none serves: the advice says up to which, and
+    does not suggest a reserve again."""
+    base = [setting(0.9, [99.0], peak=3)]
+    tried = (Reserve(2, (setting(0.9, [70.0], min_replicas=2),)),
+             Reserve(3, (setting(0.9, [40.0], min_replicas=3),)))  # fmt: skip
+    text = joined(simulate_advice(base, None, (), tried))
+    assert "no setting serves: nor with minReplicas up to 3" in text
+    assert "standing reserve" not in text and "the pick costs" not in text
+
+
+def test_the_reserve_search_goes_up_to_the_most_pods_asked_for_and_not_at_the_cap() -> None:
+    """The limit is the highest quantile's worst peak (within maxReplicas); at maxReplicas there
+    is no search (minReplicas itself): more pods, not a reserve, are missing."""
+    spec, _ = deployment()
+    assert spec.scaling.min_replicas == 1 and spec.scaling.max_replicas == MAX_REPLICAS
+    assert reserve_limit([setting(0.6, [99.0], peak=7), setting(0.9, [99.0], peak=5)], spec) == 5
+    assert reserve_limit([setting(0.9, [99.0], peak=MAX_REPLICAS)], spec) == 1
+    assert reserve_limit([setting(0.9, [99.0], peak=0)], spec) == 1
+    with pytest.raises(ValueError, match="minReplicas 9 is outside"):
+        with_min_replicas(spec, MAX_REPLICAS + 1)
 
 
 def test_the_advice_prices_the_pick_against_a_floor_above_zero_only() -> None:

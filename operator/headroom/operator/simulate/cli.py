@@ -100,7 +100,8 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         help="replay a trace through the operator's decide() for a spec",
         description="Replay a trace through the operator's own decide() on a simulated "
         "deployment of the spec's pods, at several forecast quantiles, and print GPU-hours "
-        "against KV-limited seconds with the cheapest setting that serves. " + formats,
+        "against KV-limited seconds with the cheapest setting that serves; when none does, "
+        "again at minReplicas one higher, then two, until a standing reserve serves. " + formats,
     )
     _trace_arguments(si)
     si.add_argument(
@@ -385,26 +386,33 @@ def _simulate(args: argparse.Namespace) -> int:
     )
     settings = sweep.sweep(runs, sf.spec, sf.sizing, qs, progress)
     best = sweep.cheapest_serving(settings)
+    reserves: tuple[sweep.Reserve, ...] = ()
+    if best is None:
+        # A ramp faster than a pod starts is served by pods already there: find the fewest.
+        limit = sweep.reserve_limit(settings, sf.spec)
+        reserves = sweep.search_reserve(runs, sf.spec, sf.sizing, qs, limit, progress)
     floors = sweep.floors(runs, sf.spec, sf.sizing)
     pod = describe(sf.sizing.plan)
     out: dict[str, Any] | None = None
     if args.json:
-        out = render.simulate_json(trace, args.rate, pod, shape, settings, best, floors)
+        out = render.simulate_json(trace, args.rate, pod, shape, settings, best, floors, reserves)
     else:
         replaced = _occupancy_replaced(sf.spec, settings[0].policy)
         lines = render.simulate_header(trace, args.rate, seeds, pod, shape, settings[0], replaced)
         lines += [
             "",
             *render.simulate_table(settings, best),
+            *render.reserve_lines(reserves),
             "",
-            *render.simulate_advice(settings, best, floors),
+            *render.simulate_advice(settings, best, floors, reserves),
         ]
         _emit("\n".join(lines))
     if args.png is not None:
         from headroom.operator.simulate.plot import plot
 
         title = f"{trace.name} x{args.rate:g} on {pod}, {len(seeds)} seeds"
-        plot(settings, best, title, args.png, sweep.floor_median(floors))
+        held = reserves[-1] if reserves and reserves[-1].best is not None else None
+        plot(settings, best, title, args.png, sweep.floor_median(floors), held)
         if out is not None:
             out["png"] = str(args.png)
         else:

@@ -7,7 +7,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from headroom.operator.simulate.sweep import SERVE_MEDIAN_SECONDS, SERVE_WORST_SECONDS, Setting
+from headroom.operator.simulate.sweep import (
+    SERVE_MEDIAN_SECONDS,
+    SERVE_WORST_SECONDS,
+    Reserve,
+    Setting,
+)
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -34,9 +39,10 @@ def plot(
     title: str,
     path: Path,
     floor: float | None = None,
+    reserve: Reserve | None = None,
 ) -> None:
     """Draw the sweep into `path` (PNG, SVG or PDF, by its suffix), with the clairvoyant floor
-    when given."""
+    and the standing reserve that serves when given (its pick is then the star)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,10 +70,19 @@ def plot(
             xytext=(3, 4 if i % 2 == 0 else -10),
             textcoords="offset points",
         )
-    if best is not None:
+    if reserve is not None:
+        rx = [s.median("gpu_hours") for s in reserve.settings]
+        ry = [s.median("limited_seconds") for s in reserve.settings]
+        label = f"with minReplicas {reserve.min_replicas} (a standing reserve)"
+        ax.plot(rx, ry, "s--", color="C1", lw=1.0, ms=4, label=label)
+        for s, x, y in zip(reserve.settings, rx, ry, strict=True):
+            ax.annotate(f"{s.quantile:.2f}", (x, y), fontsize=7, color="C1", xytext=(3, 4),
+                        textcoords="offset points")  # fmt: skip
+    pick = best or (reserve.best if reserve is not None else None)
+    if pick is not None:
         ax.scatter(
-            [best.median("gpu_hours")],
-            [best.median("limited_seconds")],
+            [pick.median("gpu_hours")],
+            [pick.median("limited_seconds")],
             marker="*",
             s=160,
             color="C3",

@@ -13,6 +13,7 @@ from headroom.operator.simulate.profile import PERCENTILES, Profile
 from headroom.operator.simulate.sweep import (
     SERVE_MEDIAN_SECONDS,
     SERVE_WORST_SECONDS,
+    Reserve,
     Setting,
     floor_median,
 )
@@ -240,8 +241,11 @@ def simulate_header(
     ]
 
 
-def simulate_table(settings: Sequence[Setting], best: Setting | None) -> list[str]:
-    """One row per setting: cost against KV-limited time, the cheapest that serves marked."""
+def simulate_table(
+    settings: Sequence[Setting], best: Setting | None, legend: bool = True
+) -> list[str]:
+    """One row per setting: cost against KV-limited time, the cheapest that serves marked (and
+    what the columns mean, with `legend`)."""
     head = [name for name, *_ in FIGURES]
     rows = [
         [fmt.format(_figure(s, attr, case)) for _, attr, case, fmt in FIGURES] for s in settings
@@ -251,6 +255,8 @@ def simulate_table(settings: Sequence[Setting], best: Setting | None) -> list[st
     for s, values in zip(settings, rows, strict=True):
         mark = "  <- pick" if s is best else ("" if s.serves else "  (misses)")
         lines.append(_row(f"{s.quantile:.2f}", values, first=10, width=width) + mark)
+    if not legend:
+        return lines
     lines += _wrapped(
         "",
         "medians of the seeds. limited s: KV-limited seconds, either full s (a pod's cache full "
@@ -263,40 +269,74 @@ def simulate_table(settings: Sequence[Setting], best: Setting | None) -> list[st
     return lines
 
 
-def simulate_advice(
-    settings: Sequence[Setting], best: Setting | None, floors: Sequence[float] = ()
-) -> list[str]:
-    """What to deploy, or why nothing serves, and how far it is from the clairvoyant floor."""
+def reserve_lines(reserves: Sequence[Reserve]) -> list[str]:
+    """Each standing reserve tried after nothing served: a line and its table (the columns of
+    the first table, without their legend)."""
     lines: list[str] = []
+    for r in reserves:
+        verdict = "serves" if r.best is not None else "no setting serves"
+        lines += ["", f"with minReplicas {r.min_replicas} (a standing reserve): {verdict}"]
+        lines += simulate_table(r.settings, r.best, legend=False)
+    return lines
+
+
+def _deploy(best: Setting, reserve: int | None = None) -> str:
+    p, held = best.policy, "" if reserve is None else f"minReplicas: {reserve}, "
+    return (
+        f"forecastQuantile {best.quantile:.2f}, the cheapest setting that serves "
+        f"({best.median('gpu_hours'):.2f} GPU-hours, {best.median('limited_seconds'):.0f} "
+        f"KV-limited s median): set scaling.{held}forecastQuantile: {best.quantile:g}, "
+        f"targetOccupancy: {p.target_occupancy:g}, scaleOutOccupancy: "
+        f"{p.scale_out_occupancy:g} (the policy simulated)"
+    )
+
+
+def simulate_advice(
+    settings: Sequence[Setting],
+    best: Setting | None,
+    floors: Sequence[float] = (),
+    reserves: Sequence[Reserve] = (),
+) -> list[str]:
+    """What to deploy, or why nothing serves (and the standing reserve that does, when one
+    was tried), and how far it is from the clairvoyant floor."""
+    lines: list[str] = []
+    pick = best or (reserves[-1].best if reserves else None)
     if best is not None:
-        p = best.policy
-        lines += _wrapped(
-            "deploy",
-            f"forecastQuantile {best.quantile:.2f}, the cheapest setting that serves "
-            f"({best.median('gpu_hours'):.2f} GPU-hours, {best.median('limited_seconds'):.0f} "
-            f"KV-limited s median): set scaling.forecastQuantile: {best.quantile:g}, "
-            f"targetOccupancy: {p.target_occupancy:g}, scaleOutOccupancy: "
-            f"{p.scale_out_occupancy:g} (the policy simulated)",
-            8,
+        lines += _wrapped("deploy", _deploy(best), 8)
+    elif pick is not None:
+        n = reserves[-1].min_replicas
+        text = (
+            f"no setting serves with minReplicas {settings[0].policy.min_replicas}, and one "
+            f"does with a standing reserve: with minReplicas {n}, {_deploy(pick, n)}"
         )
+        lines += _wrapped("deploy", text, 8)
     else:
         top = max(settings, key=lambda s: s.quantile)
         capped = top.worst("peak_replicas") >= top.policy.max_replicas
-        why = (
-            f"the highest quantile reached scaling.maxReplicas ({top.policy.max_replicas}): "
-            "raise it"
-            if capped
-            else "try higher quantiles, a larger minReplicas for a standing reserve, or a pod "
-            "that starts faster (scaling.podStartSeconds is what the forecast looks ahead)"
-        )
+        if capped:
+            why = (
+                f"the highest quantile reached scaling.maxReplicas ({top.policy.max_replicas}): "
+                "raise it"
+            )
+        elif reserves:
+            why = (
+                f"nor with minReplicas up to {reserves[-1].min_replicas} (the most pods the "
+                "highest quantile asked for): try higher quantiles, or a pod that starts faster "
+                "(scaling.podStartSeconds is what the forecast looks ahead)"
+            )
+        else:
+            why = (
+                "try higher quantiles, a larger minReplicas for a standing reserve, or a pod "
+                "that starts faster (scaling.podStartSeconds is what the forecast looks ahead)"
+            )
         lines += _wrapped("deploy", f"no setting serves: {why}", 8)
     floor = floor_median(floors)
     if floor is not None:
         # A floor of 0 (no pod needed at all: minReplicas 0, every request refused) gives no
         # ratio.
         than = (
-            f"; the pick costs {best.median('gpu_hours') / floor:.2f}x that"
-            if best is not None and floor > 0
+            f"; the pick costs {pick.median('gpu_hours') / floor:.2f}x that"
+            if pick is not None and floor > 0
             else ""
         )
         lines += _wrapped(
@@ -326,33 +366,47 @@ def simulate_json(
     settings: Sequence[Setting],
     best: Setting | None,
     floors: Sequence[float] = (),
+    reserves: Sequence[Reserve] = (),
 ) -> dict[str, Any]:
-    """Every run of the sweep, each setting's medians and worsts, the pick and the clairvoyant
-    floor."""
+    """Every run of the sweep, each setting's medians and worsts, the pick, the standing
+    reserves tried when nothing served, and the clairvoyant floor."""
     return {
         "trace": {"name": trace.name, "requests": len(trace), "duration_s": trace.duration},
         "rate": rate,
         "pod": {"description": pod, **asdict(shape)},
         "serves": {"median_seconds": SERVE_MEDIAN_SECONDS, "worst_seconds": SERVE_WORST_SECONDS},
-        "settings": [
-            {
-                "forecast_quantile": s.quantile,
-                "target_occupancy": s.policy.target_occupancy,
-                "scale_out_occupancy": s.policy.scale_out_occupancy,
-                "serves": s.serves,
-                "median": {a: s.median(a) for _, a, _, _ in FIGURES},
-                "worst": {a: s.worst(a) for _, a, _, _ in FIGURES},
-                "runs": [
-                    {"seed": seed, **asdict(r), "refused": n}
-                    for seed, r, n in zip(s.seeds, s.results, s.refused, strict=True)
-                ],
-            }
-            for s in settings
-        ],
+        "min_replicas": settings[0].policy.min_replicas,
+        "settings": _settings_json(settings),
         "cheapest_serving_quantile": None if best is None else best.quantile,
+        "reserves": [
+            {
+                "min_replicas": r.min_replicas,
+                "settings": _settings_json(r.settings),
+                "cheapest_serving_quantile": None if r.best is None else r.best.quantile,
+            }
+            for r in reserves
+        ],
         "clairvoyant_floor": {
             "allowed_seconds": SERVE_MEDIAN_SECONDS,
             "gpu_hours_median": floor_median(floors),
             "gpu_hours": [f if math.isfinite(f) else None for f in floors],
         },
     }
+
+
+def _settings_json(settings: Sequence[Setting]) -> list[dict[str, Any]]:
+    return [
+        {
+            "forecast_quantile": s.quantile,
+            "target_occupancy": s.policy.target_occupancy,
+            "scale_out_occupancy": s.policy.scale_out_occupancy,
+            "serves": s.serves,
+            "median": {a: s.median(a) for _, a, _, _ in FIGURES},
+            "worst": {a: s.worst(a) for _, a, _, _ in FIGURES},
+            "runs": [
+                {"seed": seed, **asdict(r), "refused": n}
+                for seed, r, n in zip(s.seeds, s.results, s.refused, strict=True)
+            ],
+        }
+        for s in settings
+    ]

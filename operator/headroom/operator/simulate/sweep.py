@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from headroom.operator.bounds import clamp
 from headroom.operator.crd.models import InferenceDeploymentSpec
@@ -111,9 +111,10 @@ def sweep(
     sizing: Sizing,
     quantiles: Sequence[float],
     progress: Progress | None = None,
+    label: str = "",
 ) -> tuple[Setting, ...]:
     """Replay every (quantile, realization) through the operator's `decide()` on the spec's
-    pods."""
+    pods (`label` leads each progress line)."""
     shape = shape_for(spec, sizing)
     seeds = tuple(r.seed for r in runs)
     # The requests longer than the engine's max model length, from the trace itself: the
@@ -127,20 +128,21 @@ def sweep(
     for i, (q, policy) in enumerate(zip(quantiles, policies(spec, sizing, quantiles), strict=True)):
         results = []
         for j, run in enumerate(runs):
-            label = f"[{i * len(runs) + j + 1}/{total}] forecastQuantile {q:.2f}, seed {run.seed}"
+            what = f"[{i * len(runs) + j + 1}/{total}] {label}forecastQuantile {q:.2f}"
+            what += f", seed {run.seed}"
             end = float(run.trace.arrival[-1])
 
-            def tick(now: float, _world: World, label: str = label, end: float = end) -> None:
+            def tick(now: float, _world: World, what: str = what, end: float = end) -> None:
                 if progress is not None:
-                    progress.update(label, now, end)
+                    progress.update(what, now, end)
 
             if progress is not None:
-                progress.start(label)
+                progress.start(what)
             r = replay(run.trace, shape, HeadroomPolicy(policy), run.start, on_tick=tick,
                        interval=policy.interval_seconds)  # fmt: skip
             if progress is not None:
                 progress.done(
-                    f"{label}: {r.gpu_hours:.2f} GPU-hours, {r.limited_seconds:.0f} KV-limited s"
+                    f"{what}: {r.gpu_hours:.2f} GPU-hours, {r.limited_seconds:.0f} KV-limited s"
                 )
             results.append(r)
         out.append(Setting(q, policy, seeds, tuple(results), refused))
@@ -151,6 +153,61 @@ def cheapest_serving(settings: Sequence[Setting]) -> Setting | None:
     """The setting that serves at the lowest median GPU-hours (None when none serves)."""
     ok = [s for s in settings if s.serves]
     return min(ok, key=lambda s: (s.median("gpu_hours"), s.quantile)) if ok else None
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """The sweep again with a higher minReplicas: a standing reserve of pods, for ramps that
+    outrun a pod's start (no forecast orders a pod soon enough on evidence a burst also gives)."""
+
+    min_replicas: int
+    settings: tuple[Setting, ...]
+
+    @property
+    def best(self) -> Setting | None:
+        """Its cheapest setting that serves."""
+        return cheapest_serving(self.settings)
+
+
+def reserve_limit(settings: Sequence[Setting], spec: InferenceDeploymentSpec) -> int:
+    """The largest minReplicas a reserve search tries: the most pods the highest quantile asked
+    for on any seed (holding them all along is a fixed deployment), within maxReplicas; the
+    spec's own minReplicas (no search) when that quantile reached maxReplicas, where more
+    pods at the peak, not a reserve, are what is missing."""
+    top = max(settings, key=lambda s: s.quantile)
+    lo, hi = spec.scaling.min_replicas, spec.scaling.max_replicas
+    peak = round(top.worst("peak_replicas"))
+    return lo if peak >= hi else max(lo, min(peak, hi))
+
+
+def search_reserve(
+    runs: Sequence[Realization],
+    spec: InferenceDeploymentSpec,
+    sizing: Sizing,
+    quantiles: Sequence[float],
+    limit: int,
+    progress: Progress | None = None,
+) -> tuple[Reserve, ...]:
+    """The sweep at minReplicas + 1, + 2, ... up to `limit`, on the same realizations (each
+    opening with at least that many pods), stopping at the first that serves; every reserve
+    tried, in order (the last serves, or none did)."""
+    out: list[Reserve] = []
+    for n in range(spec.scaling.min_replicas + 1, limit + 1):
+        held = with_min_replicas(spec, n)
+        opened = [replace(r, start=max(r.start, n)) for r in runs]
+        settings = sweep(opened, held, sizing, quantiles, progress, f"minReplicas {n}, ")
+        out.append(Reserve(n, settings))
+        if out[-1].best is not None:
+            break
+    return tuple(out)
+
+
+def with_min_replicas(spec: InferenceDeploymentSpec, n: int) -> InferenceDeploymentSpec:
+    """The spec with `n` as its minReplicas (within its maxReplicas, as the CRD requires)."""
+    if not 0 <= n <= spec.scaling.max_replicas:
+        raise ValueError(f"minReplicas {n} is outside [0, {spec.scaling.max_replicas}]")
+    scaling = spec.scaling.model_copy(update={"min_replicas": n})
+    return spec.model_copy(update={"scaling": scaling})
 
 
 def floors(
