@@ -119,10 +119,13 @@ def test_cost_claim_names_the_clairvoyant_floor_and_says_when_the_bound_is_below
     head = [_point("headroom", 0.8, 9.0, [0])]
     hpa = [_point("hpa", 0.7, 10.0, [0])]
     reachable = cost_claim(head, hpa, "hpa", floor=6.0)
-    assert "clairvoyant floor is 0.60x" in reachable.text
+    assert "clairvoyant floor is 0.600x" in reachable.text
     assert "below even that" not in reachable.text
     beyond = cost_claim(head, hpa, "hpa", floor=8.6)
-    assert "clairvoyant floor is 0.86x: the bound is below even that" in beyond.text
+    assert "clairvoyant floor is 0.860x: the bound is below even that" in beyond.text
+    # Just under the bound: printed as itself, not rounded up to it.
+    near = cost_claim(head, hpa, "hpa", floor=8.46)
+    assert "clairvoyant floor is 0.846x" in near.text and "below even that" not in near.text
     assert not beyond.ok  # context never changes a verdict
     assert "floor" not in cost_claim(head, hpa, "hpa").text
     assert floor_cost([_point(FLOOR, 0.0, 5.0, [30, 30, 30])]) == 5.0 and floor_cost([]) is None

@@ -162,7 +162,8 @@ def cost_claim(
             ": even its foresight does not reach the bound here" if reach > VS_HPA else ""
         )
     if floor is not None:
-        text += f"; the clairvoyant floor is {floor / b.cost:.2f}x" + (
+        # Three places: a floor just under the bound (mooncake's 0.846x) must not print as it.
+        text += f"; the clairvoyant floor is {floor / b.cost:.3f}x" + (
             ": the bound is below even that" if floor > VS_HPA * b.cost else ""
         )
     return Claim(ratio <= VS_HPA, text)
