@@ -32,15 +32,14 @@ from dataclasses import replace as with_fields
 
 import numpy as np
 
-from bench.autoscale.policies import HPA, Oracle, kv_metric
-from bench.autoscale.run import ORACLE_BEYOND, service_level
+from bench.autoscale.frontier import Claim, Run, cost_claim, oracle_claim, points
+from bench.autoscale.run import run_policies, service_level
 from bench.autoscale.traces import TRACES, BenchTrace
 from bench.autoscale_sim import GRID, SEEDS
 from headroom.operator.simulate.replay import (
     DT,
     TICK,
     HeadroomPolicy,
-    ScalingPolicy,
     demand_curve,
     opening_replicas,
     policy_at,
@@ -151,77 +150,35 @@ def main() -> int:
     return 0
 
 
-def reserve_unit(unit: tuple[BenchTrace, str, float, int]) -> tuple[str, float, float, float]:
-    """One replay of `unit`'s trace (its spec's minReplicas held) under one policy and target:
-    (policy, target, KV-limited seconds, GPU-hours)."""
-    bt, label, target, seed = unit
-    trace, shape = bt.requests(seed), shape_for(bt.spec)
-    lo, hi = bt.spec.scaling.min_replicas, bt.spec.scaling.max_replicas
-    policy: ScalingPolicy
-    if label == "headroom":
-        policy = HeadroomPolicy(policy_at(bt.spec, service_level(target)))
-    elif label == "kv-threshold-hpa":
-        policy = HPA(kv_metric, target, lo, hi)
-    else:
-        demand = demand_curve(trace, shape, int(trace.arrival[-1] / DT) + 2)
-        policy = Oracle(demand, target, shape.capacity_blocks, shape.pod_start, lo, hi)
-    r = replay(trace, shape, policy, max(lo, opening_replicas(trace, shape)))
-    return label, target, r.limited_seconds, r.gpu_hours
+def reserve_unit(unit: tuple[BenchTrace, int]) -> list[Run]:
+    """RESERVE_POLICIES over the grid on one seed of `unit`'s trace (its spec's minReplicas
+    held)."""
+    bt, seed = unit
+    return run_policies(bt, seed, GRID, RESERVE_POLICIES, floor=False)
 
 
-def cheapest(rows: list[tuple[float, list[float], list[float]]], zero: bool) -> str:
-    """The cheapest (target, limited seconds per seed, GPU-hours per seed) that serves (with
-    `zero`: whose median is 0 s), as `GPU-h @target (median/worst s)`, or "none"."""
-    ok = [
-        (statistics.median(g), t, statistics.median(lim), max(lim))
-        for t, lim, g in rows
-        if statistics.median(lim) <= (0 if zero else SERVE_MEDIAN_SECONDS)
-        and max(lim) <= SERVE_WORST_SECONDS
+def reserve_claims(runs: list[Run], name: str) -> list[tuple[str, Claim]]:
+    """The bench's two cost claims on diurnal, graded as the bench grades them."""
+    head, hpa, oracle = (points(runs, name, p) for p in RESERVE_POLICIES)
+    return [
+        ("cost vs kv-threshold-hpa", cost_claim(head, hpa, "kv-threshold-hpa", oracle)),
+        ("cost vs the oracle", oracle_claim(head, oracle)),
     ]
-    if not ok:
-        return "none"
-    cost, t, med, worst = min(ok)
-    return f"{cost:.2f} @{t:.2f} ({med:.0f}/{worst:.0f} s)"
 
 
 def reserve_table(bt: BenchTrace) -> None:
-    """Every policy but the CPU HPA at minReplicas RESERVE: the cheapest setting that serves."""
+    """Every policy but the CPU HPA at minReplicas RESERVE, graded by the bench's cost claims."""
     held = with_fields(bt, spec=with_min_replicas(bt.spec, RESERVE))
-    units = [
-        (held, label, t, seed)
-        for label in RESERVE_POLICIES
-        for t in ((*GRID, *ORACLE_BEYOND) if label == "oracle" else GRID)
-        for seed in SEEDS
-    ]
     with ProcessPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
-        done = list(pool.map(reserve_unit, units, chunksize=4))
+        runs = [r for rows in pool.map(reserve_unit, [(held, s) for s in SEEDS]) for r in rows]
     print(
         f"a standing reserve: minReplicas {RESERVE} for every policy (the autoscaling bench "
         f"holds {bt.spec.scaling.min_replicas}), each opening with at least {RESERVE} pods; "
-        f"{len(SEEDS)} seeds, the bench's grid; cheapest setting that serves, median GPU-h "
-        "@target (median/worst KV-limited s)"
+        f"{len(SEEDS)} seeds, the bench's grid, graded as the bench grades diurnal's cost "
+        "(informational here)"
     )
-    costs: dict[str, float] = {}
-    for label in RESERVE_POLICIES:
-        targets = sorted({t for lb, t, _, _ in done if lb == label})
-        rows = [
-            (
-                t,
-                [x[2] for x in done if x[0] == label and x[1] == t],
-                [x[3] for x in done if x[0] == label and x[1] == t],
-            )
-            for t in targets
-        ]
-        zero = label == "oracle"  # priced at its cheapest zero-second setting, as the bench does
-        text = cheapest(rows, zero)
-        if text != "none":
-            costs[label] = float(text.split()[0])
-        print(f"  {label + (' (0 s)' if zero else ''):18s} {text}")
-    h = costs.get("headroom")
-    for label, bound in (("kv-threshold-hpa", 0.85), ("oracle", 1.25)):
-        other = costs.get(label)
-        if h is not None and other is not None:
-            print(f"  headroom vs {label}: {h / other:.2f}x (the bench's bound <= {bound:.2f}x)")
+    for what, claim in reserve_claims(runs, bt.name):
+        print(f"  {what}: {'PASS' if claim.ok else 'MISS'}: {claim.text}")
 
 
 if __name__ == "__main__":

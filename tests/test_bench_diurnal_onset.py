@@ -1,14 +1,18 @@
-"""The diurnal onset bench's two measures, on hand-built series."""
+"""The diurnal onset bench's two measures, on hand-built series, and its replays at a standing
+reserve."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from bench.autoscale.run import run_policies
+from bench.autoscale.traces import from_file, spec
 from bench.diurnal_onset import excess_z, shortfall_seconds
-from headroom.operator.simulate.replay import DT
+from headroom.operator.simulate.replay import DT, graded_steps
 from headroom.operator.simulate.synthetic import STEP
 
 
@@ -36,3 +40,20 @@ def test_excess_z_of_a_linear_ramp() -> None:
     _, z_bursty = excess_z(rates, 10.0, 40.0, burst=0.1)
     assert z_bursty == pytest.approx(excess / math.sqrt(40.0 + 4.0**2))
     assert excess_z(rates, 10.0, 0.0, burst=0.1) == (0.0, 0.0)
+
+
+def test_a_policy_replayed_with_a_reserve_opens_with_it_and_keeps_it(tmp_path: Path) -> None:
+    """At minReplicas 3 a light trace needs 1 pod, yet every policy opens with 3 and holds them:
+    none is asked for, and the GPU-hours are 3 pods' for the whole trace."""
+    rng = np.random.default_rng(1)
+    arrivals = np.sort(rng.uniform(0, 300, 60))
+    rows = "".join(f"{a:.3f},1000,200\n" for a in arrivals)
+    csv = tmp_path / "light.csv"
+    csv.write_text("arrival_s,prompt_tokens,output_tokens\n" + rows)
+    bt = from_file(csv, 1.0, spec("h100-80gb", 8192, 256, 4096, lo=3))
+    runs = run_policies(bt, 1, (0.9,), ("kv-threshold-hpa", "headroom"), floor=False)
+    assert {r.policy for r in runs} == {"kv-threshold-hpa", "headroom"}
+    graded = graded_steps(bt.requests(1)) * DT  # the seed's realization: requests moved +-5 s
+    for r in runs:
+        assert r.pod_starts == 0 and r.peak_replicas == 3, r
+        assert r.gpu_hours == pytest.approx(3 * graded / 3600)

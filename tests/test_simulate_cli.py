@@ -365,17 +365,24 @@ def test_simulate_finds_the_standing_reserve_a_ramp_needs_when_nothing_else_serv
     )
 
     n = held["min_replicas"]
+    assert out["pick"] == {"min_replicas": n, "forecast_quantile": pick["forecast_quantile"]}
+
+    # The reserve is the spec at that minReplicas, replayed from the same openings: run so, it
+    # serves by itself, the same runs to the second, and tries no reserve.
     again = spec_file(tmp_path / "held.yaml", minReplicas=n)
     r = headroom("simulate", trace, "--spec", again, "--json")
     assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
-    assert out["min_replicas"] == n and out["reserves"] == []
-    assert out["cheapest_serving_quantile"] == held["cheapest_serving_quantile"]
+    direct = json.loads(r.stdout)
+    assert direct["min_replicas"] == n and direct["reserves"] == []
+    assert direct["settings"] == held["settings"]
+    assert direct["cheapest_serving_quantile"] == held["cheapest_serving_quantile"]
+    assert direct["pick"] == out["pick"]
 
 
 def test_simulate_prints_and_draws_the_standing_reserve_it_picks(tmp_path: Path) -> None:
-    """The reserves tried, each as a table; the deploy line names minReplicas; the PNG drawn."""
-    png = tmp_path / "sweep.png"
+    """The reserves tried, each as a table; the deploy line names minReplicas; the chart draws
+    the reserve that serves."""
+    png = tmp_path / "sweep.svg"
     r = headroom("simulate", ramp_trace(tmp_path / "ramp.csv"), "--spec",
                  spec_file(tmp_path / "chat.yaml"), "--png", png)  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -388,7 +395,7 @@ def test_simulate_prints_and_draws_the_standing_reserve_it_picks(tmp_path: Path)
     assert f"set scaling.minReplicas: {n}, forecastQuantile:" in text
     assert "the pick costs" in text
     assert r.stdout.count("<- pick") == 1
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"with minReplicas {n} (a standing reserve)" in png.read_text()  # its legend
 
 
 def test_simulate_takes_a_spec_alone_in_json(tmp_path: Path) -> None:

@@ -5,12 +5,14 @@ nothing serves, the ratio to the clairvoyant floor and the note on refused reque
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 
 from headroom.operator.crd.models import InferenceDeploymentSpec
 from headroom.operator.reconcile.sizing import Sizing, parse
+from headroom.operator.simulate import sweep as sweep_module
 from headroom.operator.simulate import verdict
 from headroom.operator.simulate.profile import profile
 from headroom.operator.simulate.render import (
@@ -24,7 +26,14 @@ from headroom.operator.simulate.render import (
     trace_line,
 )
 from headroom.operator.simulate.replay import Result, policy_at, shape_for
-from headroom.operator.simulate.sweep import Reserve, Setting, reserve_limit, with_min_replicas
+from headroom.operator.simulate.sweep import (
+    Realization,
+    Reserve,
+    Setting,
+    reserve_limit,
+    search_reserve,
+    with_min_replicas,
+)
 from headroom.operator.simulate.trace import Trace
 from headroom.operator.simulate.verdict import Advice
 
@@ -220,7 +229,7 @@ def test_a_standing_reserve_that_serves_is_what_to_deploy_and_priced_against_the
     assert "no setting serves with minReplicas 1, and one does with a standing reserve" in text
     assert "with minReplicas 3, forecastQuantile 0.90, the cheapest setting that serves" in text
     assert "set scaling.minReplicas: 3, forecastQuantile: 0.9," in text
-    assert "the pick costs 2.00x that" in text
+    assert "the pick costs 2.00x that (a floor at minReplicas 1: it knows every request" in text
     lines = reserve_lines(tried)
     assert "with minReplicas 2 (a standing reserve): no setting serves" in lines
     assert "with minReplicas 3 (a standing reserve): serves" in lines
@@ -240,15 +249,76 @@ def test_a_reserve_search_that_found_none_says_how_far_it_went() -> None:
 
 
 def test_the_reserve_search_goes_up_to_the_most_pods_asked_for_and_not_at_the_cap() -> None:
-    """The limit is the highest quantile's worst peak (within maxReplicas); at maxReplicas there
-    is no search (minReplicas itself): more pods, not a reserve, are missing."""
+    """The limit is the highest quantile's worst peak; at maxReplicas there is no search
+    (minReplicas itself): more pods, not a reserve, are missing. A spec already at its
+    maxReplicas, or whose quantiles never grew past minReplicas, has none either."""
     spec, _ = deployment()
     assert spec.scaling.min_replicas == 1 and spec.scaling.max_replicas == MAX_REPLICAS
     assert reserve_limit([setting(0.6, [99.0], peak=7), setting(0.9, [99.0], peak=5)], spec) == 5
     assert reserve_limit([setting(0.9, [99.0], peak=MAX_REPLICAS)], spec) == 1
     assert reserve_limit([setting(0.9, [99.0], peak=0)], spec) == 1
-    with pytest.raises(ValueError, match="minReplicas 9 is outside"):
-        with_min_replicas(spec, MAX_REPLICAS + 1)
+    three = with_min_replicas(spec, 3)
+    assert reserve_limit([setting(0.9, [99.0], peak=2, min_replicas=3)], three) == 3
+    full = with_min_replicas(spec, MAX_REPLICAS)
+    low = setting(0.9, [99.0], peak=MAX_REPLICAS, min_replicas=MAX_REPLICAS)
+    assert reserve_limit([low], full) == MAX_REPLICAS
+    for n in (0, MAX_REPLICAS + 1):
+        with pytest.raises(ValueError, match=f"minReplicas {n} is outside \\[1, {MAX_REPLICAS}\\]"):
+            with_min_replicas(spec, n)
+
+
+def test_the_reserve_search_goes_on_past_a_reserve_that_misses_and_stops_at_one_that_serves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """minReplicas 2 misses, 3 serves: 4 is never swept. Each sweep gets the spec at its
+    minReplicas and realizations opening with at least that many pods."""
+    spec, sizing = deployment()
+    swept: list[tuple[int, list[int]]] = []
+
+    def fake(
+        runs: Sequence[Realization],
+        held: InferenceDeploymentSpec,
+        _sizing: Sizing,
+        _quantiles: Sequence[float],
+        _progress: object = None,
+        label: str = "",
+    ) -> tuple[Setting, ...]:
+        n = held.scaling.min_replicas
+        swept.append((n, [r.start for r in runs]))
+        assert label == f"minReplicas {n}, "
+        return (setting(0.9, [10.0 if n >= 3 else 99.0], peak=n + 1, min_replicas=n),)
+
+    monkeypatch.setattr(sweep_module, "sweep", fake)
+    runs = [Realization(1, spaced(10, 60.0), 1), Realization(2, spaced(10, 60.0), 4)]
+    got = search_reserve(runs, spec, sizing, (0.9,), limit=6)
+    assert [r.min_replicas for r in got] == [2, 3] and got[-1].best is not None
+    assert swept == [(2, [2, 4]), (3, [3, 4])]
+
+
+def test_the_reserve_search_stops_where_a_reserve_reaches_max_replicas(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reserve whose highest quantile asked for maxReplicas ends the search, and the advice
+    is to raise maxReplicas, not to try higher quantiles."""
+    spec, sizing = deployment()
+
+    def fake(
+        runs: Sequence[Realization],
+        held: InferenceDeploymentSpec,
+        _sizing: Sizing,
+        _quantiles: Sequence[float],
+        _progress: object = None,
+        label: str = "",
+    ) -> tuple[Setting, ...]:
+        n = held.scaling.min_replicas
+        return (setting(0.9, [99.0], peak=MAX_REPLICAS if n == 3 else 4, min_replicas=n),)
+
+    monkeypatch.setattr(sweep_module, "sweep", fake)
+    got = search_reserve([Realization(1, spaced(10, 60.0), 1)], spec, sizing, (0.9,), limit=6)
+    assert [r.min_replicas for r in got] == [2, 3] and got[-1].best is None
+    text = joined(simulate_advice([setting(0.9, [99.0], peak=5)], None, (), got))
+    assert "nor with minReplicas up to 3, where the highest quantile reached" in text
+    assert f"scaling.maxReplicas ({MAX_REPLICAS}): raise it" in text
 
 
 def test_the_advice_prices_the_pick_against_a_floor_above_zero_only() -> None:

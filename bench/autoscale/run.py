@@ -45,13 +45,22 @@ def service_level(target: float) -> float:
 def run_unit(unit: tuple[BenchTrace, int, tuple[float, ...]]) -> list[Run]:
     """Every policy at every target on one (trace, seed): the same requests for all of them."""
     bt, seed, grid = unit
+    return run_policies(bt, seed, grid, POLICIES, floor=True)
+
+
+def run_policies(
+    bt: BenchTrace, seed: int, grid: Sequence[float], labels: Sequence[str], floor: bool
+) -> list[Run]:
+    """`labels` (of POLICIES) at every target on one (trace, seed), opening with the pods the
+    trace's opening needs and at least the spec's minReplicas; with `floor`, the seed's
+    clairvoyant floor beside them."""
     trace = bt.requests(seed)
     shape = shape_for(bt.spec)
     demand = demand_curve(trace, shape, int(trace.arrival[-1] / DT) + 2)
-    start = opening_replicas(trace, shape)
     lo, hi = bt.spec.scaling.min_replicas, bt.spec.scaling.max_replicas
+    start = max(lo, opening_replicas(trace, shape))
     out = []
-    for label in POLICIES:
+    for label in labels:
         for target in (*grid, *ORACLE_BEYOND) if label == "oracle" else grid:
             policy: ScalingPolicy
             if label == "headroom":
@@ -64,7 +73,8 @@ def run_unit(unit: tuple[BenchTrace, int, tuple[float, ...]]) -> list[Run]:
                 policy = Oracle(demand, target, shape.capacity_blocks, shape.pod_start, lo, hi)
             r = replay(trace, shape, policy, start)
             out.append(Run(**asdict(r), trace=bt.name, policy=label, target=target, seed=seed))
-    out.append(floor_run(bt, seed, trace, shape, start))
+    if floor:
+        out.append(floor_run(bt, seed, trace, shape, start))
     return out
 
 

@@ -101,7 +101,8 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         description="Replay a trace through the operator's own decide() on a simulated "
         "deployment of the spec's pods, at several forecast quantiles, and print GPU-hours "
         "against KV-limited seconds with the cheapest setting that serves; when none does, "
-        "again at minReplicas one higher, then two, until a standing reserve serves. " + formats,
+        "again at minReplicas one higher, then two, up to the most pods the highest quantile "
+        "asked for, until a standing reserve serves (each a whole sweep more). " + formats,
     )
     _trace_arguments(si)
     si.add_argument(

@@ -15,6 +15,7 @@ from headroom.operator.simulate.sweep import (
     SERVE_WORST_SECONDS,
     Reserve,
     Setting,
+    capped,
     floor_median,
 )
 from headroom.operator.simulate.trace import Trace
@@ -311,13 +312,12 @@ def simulate_advice(
         )
         lines += _wrapped("deploy", text, 8)
     else:
-        top = max(settings, key=lambda s: s.quantile)
-        capped = top.worst("peak_replicas") >= top.policy.max_replicas
-        if capped:
-            why = (
-                f"the highest quantile reached scaling.maxReplicas ({top.policy.max_replicas}): "
-                "raise it"
-            )
+        most = settings[0].policy.max_replicas
+        raise_it = f"the highest quantile reached scaling.maxReplicas ({most}): raise it"
+        if capped(settings):
+            why = raise_it
+        elif reserves and capped(reserves[-1].settings):
+            why = f"nor with minReplicas up to {reserves[-1].min_replicas}, where {raise_it}"
         elif reserves:
             why = (
                 f"nor with minReplicas up to {reserves[-1].min_replicas} (the most pods the "
@@ -339,6 +339,9 @@ def simulate_advice(
             if pick is not None and floor > 0
             else ""
         )
+        if than and best is None:
+            than += f" (a floor at minReplicas {settings[0].policy.min_replicas}: it knows every "
+            than += "request, and needs no reserve)"
         lines += _wrapped(
             "floor",
             f"{floor:.2f} GPU-hours (median): the fewest any autoscaler could spend on these "
@@ -378,6 +381,8 @@ def simulate_json(
         "min_replicas": settings[0].policy.min_replicas,
         "settings": _settings_json(settings),
         "cheapest_serving_quantile": None if best is None else best.quantile,
+        # What to deploy: the spec's minReplicas at its pick, else the reserve that serves.
+        "pick": _pick_json(best, reserves),
         "reserves": [
             {
                 "min_replicas": r.min_replicas,
@@ -410,3 +415,10 @@ def _settings_json(settings: Sequence[Setting]) -> list[dict[str, Any]]:
         }
         for s in settings
     ]
+
+
+def _pick_json(best: Setting | None, reserves: Sequence[Reserve]) -> dict[str, Any] | None:
+    pick = best or (reserves[-1].best if reserves else None)
+    if pick is None:
+        return None
+    return {"min_replicas": pick.policy.min_replicas, "forecast_quantile": pick.quantile}

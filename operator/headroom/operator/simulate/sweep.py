@@ -169,15 +169,20 @@ class Reserve:
         return cheapest_serving(self.settings)
 
 
+def capped(settings: Sequence[Setting]) -> bool:
+    """Whether the highest quantile asked for maxReplicas on some seed: then more pods at the
+    peak, not a reserve or a higher quantile, are what is missing."""
+    top = max(settings, key=lambda s: s.quantile)
+    return top.worst("peak_replicas") >= top.policy.max_replicas
+
+
 def reserve_limit(settings: Sequence[Setting], spec: InferenceDeploymentSpec) -> int:
     """The largest minReplicas a reserve search tries: the most pods the highest quantile asked
-    for on any seed (holding them all along is a fixed deployment), within maxReplicas; the
-    spec's own minReplicas (no search) when that quantile reached maxReplicas, where more
-    pods at the peak, not a reserve, are what is missing."""
+    for on any seed (holding them all along is a fixed deployment); the spec's own minReplicas
+    (no search) when that quantile reached maxReplicas."""
     top = max(settings, key=lambda s: s.quantile)
-    lo, hi = spec.scaling.min_replicas, spec.scaling.max_replicas
-    peak = round(top.worst("peak_replicas"))
-    return lo if peak >= hi else max(lo, min(peak, hi))
+    lo = spec.scaling.min_replicas
+    return lo if capped(settings) else max(lo, round(top.worst("peak_replicas")))
 
 
 def search_reserve(
@@ -188,24 +193,25 @@ def search_reserve(
     limit: int,
     progress: Progress | None = None,
 ) -> tuple[Reserve, ...]:
-    """The sweep at minReplicas + 1, + 2, ... up to `limit`, on the same realizations (each
-    opening with at least that many pods), stopping at the first that serves; every reserve
-    tried, in order (the last serves, or none did)."""
+    """The sweep at minReplicas + 1, + 2, ... up to `limit` (each a whole sweep), on the same
+    realizations (each opening with at least that many pods), stopping at the first that
+    serves or whose highest quantile reached maxReplicas; every reserve tried, in order."""
     out: list[Reserve] = []
     for n in range(spec.scaling.min_replicas + 1, limit + 1):
         held = with_min_replicas(spec, n)
         opened = [replace(r, start=max(r.start, n)) for r in runs]
         settings = sweep(opened, held, sizing, quantiles, progress, f"minReplicas {n}, ")
         out.append(Reserve(n, settings))
-        if out[-1].best is not None:
+        if out[-1].best is not None or capped(settings):
             break
     return tuple(out)
 
 
 def with_min_replicas(spec: InferenceDeploymentSpec, n: int) -> InferenceDeploymentSpec:
-    """The spec with `n` as its minReplicas (within its maxReplicas, as the CRD requires)."""
-    if not 0 <= n <= spec.scaling.max_replicas:
-        raise ValueError(f"minReplicas {n} is outside [0, {spec.scaling.max_replicas}]")
+    """The spec with `n` as its minReplicas (at least 1 and within its maxReplicas, as the CRD
+    and the policy require)."""
+    if not 1 <= n <= spec.scaling.max_replicas:
+        raise ValueError(f"minReplicas {n} is outside [1, {spec.scaling.max_replicas}]")
     scaling = spec.scaling.model_copy(update={"min_replicas": n})
     return spec.model_copy(update={"scaling": scaling})
 
