@@ -5,7 +5,7 @@ nothing serves, the ratio to the clairvoyant floor and the note on refused reque
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -267,12 +267,11 @@ def test_the_reserve_search_goes_up_to_the_most_pods_asked_for_and_not_at_the_ca
             with_min_replicas(spec, n)
 
 
-def test_the_reserve_search_goes_on_past_a_reserve_that_misses_and_stops_at_one_that_serves(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """minReplicas 2 misses, 3 serves: 4 is never swept. Each sweep gets the spec at its
-    minReplicas and realizations opening with at least that many pods."""
-    spec, sizing = deployment()
+def stub_sweep(
+    monkeypatch: pytest.MonkeyPatch, outcome: Callable[[int], Setting]
+) -> list[tuple[int, list[int]]]:
+    """The sweep replaced by one setting per reserve, `outcome(minReplicas)`; returns each
+    call's (minReplicas, the realizations' opening pods)."""
     swept: list[tuple[int, list[int]]] = []
 
     def fake(
@@ -286,9 +285,22 @@ def test_the_reserve_search_goes_on_past_a_reserve_that_misses_and_stops_at_one_
         n = held.scaling.min_replicas
         swept.append((n, [r.start for r in runs]))
         assert label == f"minReplicas {n}, "
-        return (setting(0.9, [10.0 if n >= 3 else 99.0], peak=n + 1, min_replicas=n),)
+        return (outcome(n),)
 
     monkeypatch.setattr(sweep_module, "sweep", fake)
+    return swept
+
+
+def test_the_reserve_search_goes_on_past_a_reserve_that_misses_and_stops_at_one_that_serves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """minReplicas 2 misses, 3 serves: 4 is never swept. Each sweep gets the spec at its
+    minReplicas and realizations opening with at least that many pods."""
+    spec, sizing = deployment()
+    swept = stub_sweep(
+        monkeypatch,
+        lambda n: setting(0.9, [10.0 if n >= 3 else 99.0], peak=n + 1, min_replicas=n),
+    )
     runs = [Realization(1, spaced(10, 60.0), 1), Realization(2, spaced(10, 60.0), 4)]
     got = search_reserve(runs, spec, sizing, (0.9,), limit=6)
     assert [r.min_replicas for r in got] == [2, 3] and got[-1].best is not None
@@ -301,19 +313,10 @@ def test_the_reserve_search_stops_where_a_reserve_reaches_max_replicas(
     """A reserve whose highest quantile asked for maxReplicas ends the search, and the advice
     is to raise maxReplicas, not to try higher quantiles."""
     spec, sizing = deployment()
-
-    def fake(
-        runs: Sequence[Realization],
-        held: InferenceDeploymentSpec,
-        _sizing: Sizing,
-        _quantiles: Sequence[float],
-        _progress: object = None,
-        label: str = "",
-    ) -> tuple[Setting, ...]:
-        n = held.scaling.min_replicas
-        return (setting(0.9, [99.0], peak=MAX_REPLICAS if n == 3 else 4, min_replicas=n),)
-
-    monkeypatch.setattr(sweep_module, "sweep", fake)
+    stub_sweep(
+        monkeypatch,
+        lambda n: setting(0.9, [99.0], peak=MAX_REPLICAS if n == 3 else 4, min_replicas=n),
+    )
     got = search_reserve([Realization(1, spaced(10, 60.0), 1)], spec, sizing, (0.9,), limit=6)
     assert [r.min_replicas for r in got] == [2, 3] and got[-1].best is None
     text = joined(simulate_advice([setting(0.9, [99.0], peak=5)], None, (), got))
