@@ -412,8 +412,7 @@ def _simulate(args: argparse.Namespace) -> int:
         from headroom.operator.simulate.plot import plot
 
         title = f"{trace.name} x{args.rate:g} on {pod}, {len(seeds)} seeds"
-        held = reserves[-1] if reserves and reserves[-1].best is not None else None
-        plot(settings, best, title, args.png, sweep.floor_median(floors), held)
+        plot(settings, best, title, args.png, sweep.floor_median(floors), reserves)
         if out is not None:
             out["png"] = str(args.png)
         else:

@@ -12,6 +12,8 @@ from headroom.operator.simulate.sweep import (
     SERVE_WORST_SECONDS,
     Reserve,
     Setting,
+    pick,
+    serving,
 )
 
 if TYPE_CHECKING:
@@ -39,10 +41,11 @@ def plot(
     title: str,
     path: Path,
     floor: float | None = None,
-    reserve: Reserve | None = None,
+    reserves: Sequence[Reserve] = (),
 ) -> None:
     """Draw the sweep into `path` (PNG, SVG or PDF, by its suffix), with the clairvoyant floor
-    and the standing reserve that serves when given (its pick is then the star)."""
+    when given, and the standing reserve that serves among `reserves` (its pick is then the
+    star)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -70,6 +73,7 @@ def plot(
             xytext=(3, 4 if i % 2 == 0 else -10),
             textcoords="offset points",
         )
+    reserve = serving(reserves)
     if reserve is not None:
         rx = [s.median("gpu_hours") for s in reserve.settings]
         ry = [s.median("limited_seconds") for s in reserve.settings]
@@ -78,11 +82,11 @@ def plot(
         for s, x, y in zip(reserve.settings, rx, ry, strict=True):
             ax.annotate(f"{s.quantile:.2f}", (x, y), fontsize=7, color="C1", xytext=(3, 4),
                         textcoords="offset points")  # fmt: skip
-    pick = best or (reserve.best if reserve is not None else None)
-    if pick is not None:
+    chosen = pick(best, reserves)
+    if chosen is not None:
         ax.scatter(
-            [pick.median("gpu_hours")],
-            [pick.median("limited_seconds")],
+            [chosen.median("gpu_hours")],
+            [chosen.median("limited_seconds")],
             marker="*",
             s=160,
             color="C3",

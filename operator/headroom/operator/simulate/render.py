@@ -17,6 +17,7 @@ from headroom.operator.simulate.sweep import (
     Setting,
     capped,
     floor_median,
+    pick,
 )
 from headroom.operator.simulate.trace import Trace
 from headroom.operator.simulate.verdict import LOW_PERCENTILE, Advice, Fit, Load
@@ -301,14 +302,14 @@ def simulate_advice(
     """What to deploy, or why nothing serves (and the standing reserve that does, when one
     was tried), and how far it is from the clairvoyant floor."""
     lines: list[str] = []
-    pick = best or (reserves[-1].best if reserves else None)
+    chosen = pick(best, reserves)
     if best is not None:
         lines += _wrapped("deploy", _deploy(best), 8)
-    elif pick is not None:
-        n = reserves[-1].min_replicas
+    elif chosen is not None:
+        n = chosen.policy.min_replicas
         text = (
             f"no setting serves with minReplicas {settings[0].policy.min_replicas}, and one "
-            f"does with a standing reserve: with minReplicas {n}, {_deploy(pick, n)}"
+            f"does with a standing reserve: with minReplicas {n}, {_deploy(chosen, n)}"
         )
         lines += _wrapped("deploy", text, 8)
     else:
@@ -335,8 +336,8 @@ def simulate_advice(
         # A floor of 0 (no pod needed at all: minReplicas 0, every request refused) gives no
         # ratio.
         than = (
-            f"; the pick costs {pick.median('gpu_hours') / floor:.2f}x that"
-            if pick is not None and floor > 0
+            f"; the pick costs {chosen.median('gpu_hours') / floor:.2f}x that"
+            if chosen is not None and floor > 0
             else ""
         )
         if than and best is None:
@@ -418,7 +419,7 @@ def _settings_json(settings: Sequence[Setting]) -> list[dict[str, Any]]:
 
 
 def _pick_json(best: Setting | None, reserves: Sequence[Reserve]) -> dict[str, Any] | None:
-    pick = best or (reserves[-1].best if reserves else None)
-    if pick is None:
+    chosen = pick(best, reserves)
+    if chosen is None:
         return None
-    return {"min_replicas": pick.policy.min_replicas, "forecast_quantile": pick.quantile}
+    return {"min_replicas": chosen.policy.min_replicas, "forecast_quantile": chosen.quantile}

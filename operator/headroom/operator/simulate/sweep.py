@@ -169,6 +169,18 @@ class Reserve:
         return cheapest_serving(self.settings)
 
 
+def serving(reserves: Sequence[Reserve]) -> Reserve | None:
+    """The reserve that serves: the last one tried, when it does (the search stops there)."""
+    return reserves[-1] if reserves and reserves[-1].best is not None else None
+
+
+def pick(best: Setting | None, reserves: Sequence[Reserve]) -> Setting | None:
+    """What to deploy: the cheapest setting that serves at the spec's minReplicas, else the
+    serving reserve's."""
+    held = serving(reserves)
+    return best or (held.best if held is not None else None)
+
+
 def capped(settings: Sequence[Setting]) -> bool:
     """Whether the highest quantile asked for maxReplicas on some seed: then more pods at the
     peak, not a reserve or a higher quantile, are what is missing."""
